@@ -1,0 +1,64 @@
+"""Reference paged attention in plain PyTorch (runs on any device, tuned for CPU).
+
+K/V live in per-layer tensors ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+Each step writes the new tokens' K/V through the slot mapping, then reads each
+request's context through its slots (derived from its block table) and runs
+scaled dot-product attention: one batched call for all one-token (decode)
+requests, and one causal call per multi-token (prefill) request.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pagedllm.attention.metadata import AttentionMetadata
+
+
+def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Scatter ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` into their cache slots."""
+    kvh, d = key.shape[-2:]
+    key_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, key)
+    value_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, value)
+
+
+def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                    value_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Causal attention of the step's tokens over their paged context.
+
+    Args:
+        query: ``[num_tokens, num_heads, head_dim]``.
+        key, value: ``[num_tokens, num_kv_heads, head_dim]`` for the new tokens.
+        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, same dtype.
+        meta: the step's metadata.
+        scale: softmax scale (usually ``head_dim ** -0.5``).
+    Returns:
+        ``[num_tokens, num_heads, head_dim]`` attention output.
+    """
+    write_kv(key_cache, value_cache, key, value, meta.slot_mapping)
+    num_heads, d = query.shape[1:]
+    kvh = key.shape[1]
+    k_flat = key_cache.view(-1, kvh, d)
+    v_flat = value_cache.view(-1, kvh, d)
+    gqa = num_heads != kvh
+    out = torch.empty_like(query)
+    if meta.decode_token_idx.numel():
+        q = query.index_select(0, meta.decode_token_idx).unsqueeze(2)            # [B, H, 1, D]
+        k = k_flat[meta.decode_slots].transpose(1, 2)                              # [B, KVH, L, D]
+        v = v_flat[meta.decode_slots].transpose(1, 2)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.decode_mask, scale=scale, enable_gqa=gqa)
+        out.index_copy_(0, meta.decode_token_idx, o.squeeze(2))
+    for p in meta.prefills:
+        q = query[p.q_start:p.q_end].transpose(0, 1).unsqueeze(0)                 # [1, H, n, D]
+        k = k_flat[p.gather_slots].transpose(0, 1).unsqueeze(0)                    # [1, KVH, S, D]
+        v = v_flat[p.gather_slots].transpose(0, 1).unsqueeze(0)
+        n, s = q.shape[2], k.shape[2]
+        if p.num_computed == 0:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+        else:
+            # query i sits at absolute position num_computed + i and sees keys 0..that position
+            mask = torch.ones(n, s, dtype=torch.bool, device=q.device).tril(diagonal=s - n)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        out[p.q_start:p.q_end] = o.squeeze(0).transpose(0, 1)
+    return out

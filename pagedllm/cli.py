@@ -1,0 +1,103 @@
+"""Command line: ``pagedllm serve [MODEL]``, ``pagedllm generate PROMPT``, ``pagedllm chat``.
+
+Flag names follow vLLM's (``--max-num-seqs``, ``--max-num-batched-tokens``,
+``--block-size``, ``--served-model-name``, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def _engine_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default=None,
+                   help="Hugging Face directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--model", dest="model_flag", default=None, help="same as the positional MODEL")
+    p.add_argument("--dtype", default="float32", help="float32 (default), bfloat16 or float16")
+    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    p.add_argument("--kv-cache-memory", default="1GiB", help="KV cache pool size, e.g. 2GiB or 512MiB")
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache pool size in blocks (overrides memory)")
+    p.add_argument("--max-num-seqs", type=int, default=128, help="most requests per step")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
+    p.add_argument("--max-model-len", type=int, default=None, help="context limit (prompt + output) in tokens")
+    p.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false",
+                   help="admit prompts only whole")
+    p.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling")
+    p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
+    p.add_argument("--log-level", default="info")
+
+
+def _engine_args(a: argparse.Namespace):
+    from pagedllm.config import EngineArgs
+    return EngineArgs(model=a.model_flag or a.model, dtype=a.dtype, device=a.device, block_size=a.block_size,
+                      kv_cache_memory=a.kv_cache_memory, num_kv_blocks=a.num_kv_blocks,
+                      max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
+                      max_model_len=a.max_model_len, enable_chunked_prefill=a.enable_chunked_prefill,
+                      seed=a.seed, served_model_name=getattr(a, "served_model_name", None),
+                      num_threads=a.num_threads)
+
+
+def _serve(a: argparse.Namespace) -> int:
+    import uvicorn
+    from pagedllm.engine.async_llm import AsyncLLM
+    from pagedllm.engine.llm_engine import LLMEngine
+    from pagedllm.server.app import build_app
+    engine = LLMEngine(_engine_args(a))
+    template = None
+    if a.chat_template:
+        from pathlib import Path
+        p = Path(a.chat_template)
+        template = p.read_text() if p.exists() else a.chat_template
+    llm = AsyncLLM(engine)
+    app = build_app(llm, engine.served_model_name, template)
+    logging.getLogger(__name__).info("serving %s on http://%s:%d", engine.served_model_name, a.host, a.port)
+    try:
+        uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level)
+    finally:
+        llm.shutdown()
+    return 0
+
+
+def _generate(a: argparse.Namespace) -> int:
+    from pagedllm import LLM, SamplingParams
+    llm = LLM(**vars(_engine_args(a)))
+    sp = SamplingParams(temperature=a.temperature, max_tokens=a.max_tokens, seed=a.sampling_seed)
+    if a.command == "chat":
+        out = llm.chat([{"role": "user", "content": a.prompt}], sp, use_tqdm=False)
+    else:
+        out = llm.generate([a.prompt], sp, use_tqdm=False)
+    print(out[0].outputs[0].text)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``pagedllm`` console script; returns the exit status."""
+    parser = argparse.ArgumentParser(prog="pagedllm", description="Paged-KV-cache LLM inference and serving")
+    sub = parser.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("serve", help="start the OpenAI-compatible server")
+    _engine_flags(s)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--served-model-name", default=None, help="model name the API reports and accepts")
+    s.add_argument("--chat-template", default=None, help="Jinja chat template (file path or inline text)")
+    for name in ("generate", "chat"):
+        g = sub.add_parser(name, help=f"{name} once from the command line and print the text")
+        _engine_flags(g)
+        g.add_argument("--prompt", required=True)
+        g.add_argument("--temperature", type=float, default=0.0)
+        g.add_argument("--max-tokens", type=int, default=64)
+        g.add_argument("--sampling-seed", type=int, default=None)
+    a = parser.parse_args(argv)
+    logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return _serve(a) if a.command == "serve" else _generate(a)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"pagedllm: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

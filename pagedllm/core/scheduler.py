@@ -1,0 +1,197 @@
+"""Continuous batching with one token budget per step.
+
+There is no separate prefill phase: each step moves every scheduled
+request's ``num_computed_tokens`` toward its ``num_tokens``. Running requests
+are served first (decodes and unfinished prefill chunks), then waiting ones are
+admitted while budget, sequence slots and KV blocks last. When blocks run out,
+the most recently admitted running request is preempted: its blocks are freed
+and it is recomputed later, keeping its generated tokens (vLLM's
+"recompute" preemption mode).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+
+from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.scheduler_output import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput,
+                                            NewRequestData, SchedulerOutput)
+from pagedllm.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+
+class Scheduler:
+    """Decides which tokens of which requests run in each step.
+
+    Args:
+        kv_cache_manager: owner of the KV blocks.
+        max_num_seqs: most requests in one step.
+        max_num_batched_tokens: token budget of one step.
+        max_model_len: longest sequence (prompt + output) in tokens.
+        enable_chunked_prefill: when False a prompt is admitted only whole.
+    """
+
+    def __init__(self, kv_cache_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int, enable_chunked_prefill: bool = True) -> None:
+        self.kv = kv_cache_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._runner_knows: set[str] = set()
+        self._finished_ids: set[str] = set()
+        self.num_preemptions = 0
+
+    # ---- request lifecycle -------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """Queue a new request (status WAITING)."""
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, request_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
+        """End requests from outside the step (abort, stop string): free their blocks now.
+
+        Unknown or already finished ids are ignored.
+        """
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None or req.is_finished():
+                continue
+            if req in self.running:
+                self.running.remove(req)
+            else:
+                self.waiting.remove(req)
+            req.status = status
+            self._free(req)
+
+    def _free(self, req: Request) -> None:
+        self.kv.free(req)
+        self.requests.pop(req.request_id, None)
+        if req.request_id in self._runner_knows:
+            self._runner_knows.discard(req.request_id)
+            self._finished_ids.add(req.request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        """True while any request waits or runs."""
+        return bool(self.waiting or self.running)
+
+    # ---- scheduling --------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        """Plan one step within the token budget; see the module docstring."""
+        out = SchedulerOutput(finished_req_ids=self._finished_ids)
+        self._finished_ids = set()
+        budget = self.max_num_batched_tokens
+        preempted = self._schedule_running(out, budget)
+        budget -= out.total_num_scheduled_tokens
+        if not preempted:
+            self._schedule_waiting(out, budget)
+        for req in self.running:
+            n = out.num_scheduled_tokens.get(req.request_id)
+            if n:
+                req.num_computed_tokens += n
+        return out
+
+    def _num_new_tokens(self, req: Request, budget: int) -> int:
+        n = min(req.num_tokens - req.num_computed_tokens, budget)
+        return min(n, self.max_model_len - req.num_computed_tokens)
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> bool:
+        """Schedule running requests in admission order; preempt from the back when blocks run out."""
+        preempted_any = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = self._num_new_tokens(req, budget)
+            if n <= 0:
+                i += 1
+                continue
+            new_blocks = self.kv.allocate_slots(req, n)
+            while new_blocks is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted_any = True
+                if victim is req:
+                    break
+                new_blocks = self.kv.allocate_slots(req, n)
+            if new_blocks is None:
+                break
+            self._record(out, req, n, new_blocks)
+            budget -= n
+            i += 1
+        return preempted_any
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        """Admit waiting requests (FIFO) while budget, seats and blocks last."""
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            n = self._num_new_tokens(req, budget)
+            if not self.enable_chunked_prefill and n < req.num_tokens - req.num_computed_tokens:
+                break
+            new_blocks = self.kv.allocate_slots(req, n)
+            if new_blocks is None:
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            self._record(out, req, n, new_blocks)
+            budget -= n
+
+    def _record(self, out: SchedulerOutput, req: Request, n: int, new_blocks: list[int]) -> None:
+        rid = req.request_id
+        if rid in self._runner_knows:
+            out.cached_reqs.append(CachedRequestData(rid, new_blocks, req.num_computed_tokens))
+        else:
+            out.new_reqs.append(NewRequestData(rid, list(req.all_token_ids), req.num_prompt_tokens,
+                                               req.sampling_params, self.kv.get_block_ids(rid),
+                                               req.num_computed_tokens))
+            self._runner_knows.add(rid)
+        out.num_scheduled_tokens[rid] = n
+        out.total_num_scheduled_tokens += n
+
+    def _preempt(self, req: Request) -> None:
+        """Free a running request's blocks and send it back to the front of the queue."""
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        if req.request_id in self._runner_knows:
+            self._runner_knows.discard(req.request_id)
+            self._finished_ids.add(req.request_id)
+        self.waiting.appendleft(req)
+        logger.info("preempted request %s (recompute; %d preemptions so far)", req.request_id,
+                    self.num_preemptions)
+
+    # ---- results -----------------------------------------------------------
+    def update_from_output(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """Append sampled tokens, apply EOS / stop token / length limits, free finished requests."""
+        outputs = []
+        for rid, token in runner_out.sampled_token_ids.items():
+            req = self.requests.get(rid)
+            if req is None or req.is_finished():
+                continue  # aborted while the step ran: drop the token
+            req.append_output_token(token)
+            status = self._check_stop(req, token)
+            if status is not None:
+                req.status = status
+                self.running.remove(req)
+                self._free(req)
+            outputs.append(EngineCoreOutput(rid, [token], req.status.finish_reason, req.stop_reason))
+        return outputs
+
+    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
+        params = req.sampling_params
+        if req.num_output_tokens >= params.min_tokens:
+            if token in req.eos_token_ids and not params.ignore_eos:
+                return RequestStatus.FINISHED_STOPPED
+            if token in params.stop_token_ids:
+                req.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None

@@ -1,0 +1,100 @@
+"""Messages from the scheduler to the model runner, and back.
+
+They carry diffs: a new request's data once, then only new block ids and counts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedllm.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the runner has not seen (or must rebuild after preemption).
+
+    Attributes:
+        req_id: request id.
+        token_ids: prompt plus already generated tokens.
+        num_prompt_tokens: prompt length in tokens.
+        sampling_params: sampling settings.
+        block_ids: the request's whole block table.
+        num_computed_tokens: tokens already in the KV cache before this step.
+    """
+
+    req_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    """A request the runner already holds: only what changed.
+
+    Attributes:
+        req_id: request id.
+        new_block_ids: blocks appended to its block table this step.
+        num_computed_tokens: tokens in the KV cache before this step.
+    """
+
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's plan.
+
+    Attributes:
+        new_reqs: requests sent in full.
+        cached_reqs: requests sent as diffs.
+        num_scheduled_tokens: tokens to compute per request id, in batch order.
+        total_num_scheduled_tokens: sum of the above (<= the step's token budget).
+        finished_req_ids: requests whose runner state can be dropped.
+    """
+
+    new_reqs: list[NewRequestData] = field(default_factory=list)
+    cached_reqs: list[CachedRequestData] = field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    total_num_scheduled_tokens: int = 0
+    finished_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def is_empty(self) -> bool:
+        """True when no tokens are scheduled."""
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What one step produced.
+
+    Attributes:
+        sampled_token_ids: request id -> sampled token id, only for requests
+            whose scheduled tokens reached the end of their sequence (a partial
+            prefill chunk samples nothing).
+    """
+
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class EngineCoreOutput:
+    """Per-request result of a step, for the output processor.
+
+    Attributes:
+        request_id: request id.
+        new_token_ids: tokens generated this step.
+        finish_reason: ``"stop"``, ``"length"``, ``"abort"`` or ``None``.
+        stop_reason: stop token id that ended the request, if any.
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None

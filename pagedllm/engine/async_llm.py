@@ -1,0 +1,145 @@
+"""Asynchronous front door to the engine for the server.
+
+The engine steps in one background thread; asyncio callers submit requests
+through a thread-safe inbox and receive per-request delta ``RequestOutput``s
+on asyncio queues. Concurrent requests therefore share engine steps.
+PyTorch releases the GIL inside its kernels, so the event loop keeps serving
+HTTP while a step runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from typing import AsyncIterator
+
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.outputs import RequestOutput
+from pagedllm.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop crashed; no request can be served."""
+
+
+class AsyncLLM:
+    """Runs ``engine.step()`` in a background thread and streams outputs to coroutines.
+
+    Args:
+        engine: a constructed ``LLMEngine``; from now on only this object's thread touches it.
+    """
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._inbox: queue.Queue = queue.Queue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._lock = threading.Lock()
+        self.errored: BaseException | None = None
+        self._stop = threading.Event()
+        self._stats: dict = engine.get_stats()
+        self._thread = threading.Thread(target=self._loop, name="pagedllm-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def is_healthy(self) -> bool:
+        """True while the engine thread runs without error."""
+        return self.errored is None and self._thread.is_alive()
+
+    def get_stats(self) -> dict:
+        """Engine counters as of the last step (see ``LLMEngine.get_stats``)."""
+        return dict(self._stats)
+
+    def shutdown(self) -> None:
+        """Stop the engine thread (pending requests are aborted)."""
+        self._stop.set()
+        self._inbox.put(("noop", None))
+        self._thread.join(timeout=10)
+
+    # ---- engine thread ----------------------------------------------------------
+    def _loop(self) -> None:
+        eng = self.engine
+        try:
+            while not self._stop.is_set():
+                block = not eng.has_unfinished_requests()
+                self._drain(block)
+                if not eng.has_unfinished_requests():
+                    continue
+                for out in eng.step(delta=True):
+                    self._deliver(out.request_id, out)
+                self._stats = eng.get_stats()
+        except BaseException as e:  # report to every waiter, never die silently
+            logger.exception("engine loop crashed")
+            self.errored = e
+            with self._lock:
+                rids = list(self._streams)
+            for rid in rids:
+                self._deliver(rid, EngineDeadError(f"engine loop crashed: {e!r}"))
+
+    def _drain(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            kind, payload = item
+            if kind == "add":
+                req, text = payload
+                try:
+                    self.engine.add_prepared(req, text)
+                except Exception as e:
+                    self._deliver(req.request_id, e)
+            elif kind == "abort":
+                self.engine.abort_request([payload])
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _deliver(self, rid: str, item) -> None:
+        with self._lock:
+            entry = self._streams.get(rid)
+        if entry is not None:
+            loop, q = entry
+            loop.call_soon_threadsafe(q.put_nowait, item)
+
+    # ---- asyncio side ---------------------------------------------------------------
+    def make_request(self, request_id: str, prompt, params) -> Request:
+        """Validate and build a request (raises ``SamplingParamError`` / ``PromptTooLongError``)."""
+        return self.engine.make_request(request_id, prompt, params)
+
+    async def generate(self, request: Request, prompt_text: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Submit a request and yield its delta outputs until it finishes.
+
+        If the consumer stops early (client disconnect, cancellation) the
+        request is aborted and its KV blocks are freed in the next step.
+
+        Raises:
+            EngineDeadError: the engine loop crashed.
+        """
+        if not self.is_healthy:
+            raise EngineDeadError("engine is not running")
+        rid = request.request_id
+        q: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            self._streams[rid] = (asyncio.get_running_loop(), q)
+        finished = False
+        try:
+            self._inbox.put(("add", (request, prompt_text)))
+            while True:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            with self._lock:
+                self._streams.pop(rid, None)
+            if not finished:
+                self._inbox.put(("abort", rid))

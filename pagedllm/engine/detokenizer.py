@@ -1,0 +1,98 @@
+"""Incremental detokenization with stop strings.
+
+Text is produced with a sliding window (as Hugging Face's ``TextStreamer``
+does): decode ``tokens[prefix:]`` and subtract the decode of
+``tokens[prefix:read]``. Tokens that end in an incomplete UTF-8 character
+decode to U+FFFD and are held until the character completes, so the text never
+contains a replacement character that the full decode would not.
+"""
+
+from __future__ import annotations
+
+from pagedllm.sampling_params import SamplingParams
+
+_WINDOW = 6  # tokens of left context; enough for tokenizers whose pieces depend on neighbours
+
+
+class IncrementalDetokenizer:
+    """Turns one request's generated tokens into text, checking stop strings.
+
+    Args:
+        tokenizer: a ``transformers`` tokenizer.
+        params: the request's sampling parameters (stop, skip_special_tokens, ...).
+        prompt_token_ids: the prompt, used as left context for the first tokens.
+    """
+
+    def __init__(self, tokenizer, params: SamplingParams, prompt_token_ids: list[int]) -> None:
+        self.tokenizer = tokenizer
+        self.params = params
+        self.stop = params.stop or []
+        self.max_stop_len = max((len(s) for s in self.stop), default=0)
+        self.tokens = list(prompt_token_ids[-_WINDOW:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.tokens)
+        self.output_text = ""
+        self.sent_offset = 0
+        self.stop_reason: str | None = None
+        self._stop_checked = 0  # text before this index holds no stop string
+        self._special = set(tokenizer.all_special_ids) if params.skip_special_tokens else set()
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode([t for t in ids if t not in self._special], skip_special_tokens=False,
+                                     clean_up_tokenization_spaces=False)
+
+    def append(self, new_token_ids: list[int], finished: bool) -> bool:
+        """Add tokens; returns True when a stop string ended the output.
+
+        Stop token ids are not detokenized (the scheduler reports them in
+        ``stop_reason`` instead).
+        """
+        for tok in new_token_ids:
+            if tok in self.params.stop_token_ids:
+                continue
+            self.tokens.append(tok)
+            prefix = self._decode(self.tokens[self.prefix_offset:self.read_offset])
+            full = self._decode(self.tokens[self.prefix_offset:])
+            if len(full) > len(prefix) and not full.endswith("\ufffd"):
+                self.output_text += full[len(prefix):]
+                self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
+            elif finished and tok == new_token_ids[-1] and len(full) > len(prefix):
+                self.output_text += full[len(prefix):]
+            if self.stop and self._check_stop():
+                return True
+        return False
+
+    def _check_stop(self) -> bool:
+        text = self.output_text
+        start = max(0, self._stop_checked - self.max_stop_len + 1)
+        self._stop_checked = len(text)
+        best = None
+        for s in self.stop:
+            i = text.find(s, start)
+            if i != -1 and (best is None or i < best[0]):
+                best = (i, s)
+        if best is None:
+            return False
+        i, s = best
+        self.output_text = text[:i + len(s)] if self.params.include_stop_str_in_output else text[:i]
+        self.stop_reason = s
+        return True
+
+    def get_delta(self, finished: bool) -> str:
+        """Text not yet handed out. While running, a tail that could start a stop string is held back."""
+        end = len(self.output_text)
+        if not finished and self.stop:
+            end -= self._held_back()
+        end = max(end, self.sent_offset)
+        delta = self.output_text[self.sent_offset:end]
+        self.sent_offset = end
+        return delta
+
+    def _held_back(self) -> int:
+        """Length of the longest suffix of the text that is a proper prefix of a stop string."""
+        text = self.output_text
+        for k in range(min(self.max_stop_len - 1, len(text)), 0, -1):
+            tail = text[-k:]
+            if any(s.startswith(tail) for s in self.stop):
+                return k
+        return 0

@@ -1,0 +1,174 @@
+"""The synchronous engine: tokenizer, scheduler, KV cache manager, model runner and output processor.
+
+One ``step()`` schedules, executes and post-processes one batch. The offline
+``LLM`` drives it in a loop; ``AsyncLLM`` drives it from a background thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from pagedllm.config import EngineArgs, parse_size
+from pagedllm.core.kv_cache_manager import KVCacheManager, cdiv
+from pagedllm.core.scheduler import Scheduler
+from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.outputs import RequestOutput
+from pagedllm.request import Request, RequestStatus
+from pagedllm.sampling_params import SamplingParamError, SamplingParams
+from pagedllm.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+class PromptTooLongError(SamplingParamError):
+    """Prompt plus ``max_tokens`` exceeds the context limit (``param`` is ``max_tokens`` or ``prompt``)."""
+
+
+class LLMEngine:
+    """Builds every part from ``EngineArgs`` and runs steps.
+
+    Args:
+        args: engine arguments.
+    Raises:
+        ModelNotFoundError / FileNotFoundError: the model cannot be found.
+        ValueError: unsupported architecture or a KV pool too small for one block.
+    """
+
+    def __init__(self, args: EngineArgs) -> None:
+        from transformers import AutoTokenizer
+        from pagedllm.models.loader import resolve_model
+        from pagedllm.models.registry import load_model, read_generation_config
+        self.args = args
+        if args.num_threads:
+            torch.set_num_threads(args.num_threads)
+        self.model_dir = Path(resolve_model(args.model))
+        self.served_model_name = args.served_model_name or (
+            Path(args.model).stem if args.model else "SmolLM2-135M-Instruct")
+        self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or self.model_dir)
+        dtype, device = args.torch_dtype, args.torch_device
+        model, self.hf_config = load_model(self.model_dir, dtype, device)
+        self.generation_config = read_generation_config(self.model_dir)
+        self.max_model_len = min(args.max_model_len or self.hf_config.max_position_embeddings,
+                                 self.hf_config.max_position_embeddings)
+        per_block = ModelRunner.kv_bytes_per_block(model, args.block_size, dtype)
+        num_blocks = args.num_kv_blocks or parse_size(args.kv_cache_memory) // per_block
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_memory={args.kv_cache_memory} holds no block of {per_block} bytes")
+        self.num_blocks = num_blocks
+        logger.info("KV cache: %d blocks x %d tokens (%.1f MiB)", num_blocks, args.block_size,
+                    num_blocks * per_block / 2**20)
+        self.kv_cache_manager = KVCacheManager(num_blocks, args.block_size)
+        self.scheduler = Scheduler(self.kv_cache_manager, args.max_num_seqs, args.max_num_batched_tokens,
+                                   self.max_model_len, args.enable_chunked_prefill)
+        self.runner = ModelRunner(model, num_blocks, args.block_size, dtype, device, args.seed)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.eos_token_ids = self._eos_ids()
+        self.stats = {"num_prompt_tokens": 0, "num_generation_tokens": 0, "num_steps": 0}
+
+    def _eos_ids(self) -> set[int]:
+        ids = self.generation_config.get("eos_token_id", self.hf_config.eos_token_id)
+        ids = set(ids if isinstance(ids, list) else [ids] if ids is not None else [])
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return ids
+
+    # ---- requests ----------------------------------------------------------
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        """Token ids of a text prompt (special tokens as the tokenizer adds them), or the ids as given."""
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        return list(prompt)
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    arrival_time: float | None = None, prompt_text: str | None = None) -> None:
+        """Validate and queue a request.
+
+        Raises:
+            PromptTooLongError: prompt + max_tokens exceed ``max_model_len`` or the KV pool.
+            SamplingParamError: empty prompt or token ids outside the vocabulary.
+        """
+        if prompt_text is None and isinstance(prompt, str):
+            prompt_text = prompt
+        self.add_prepared(self.make_request(request_id, prompt, params, arrival_time), prompt_text)
+
+    def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                     arrival_time: float | None = None) -> Request:
+        """Tokenize and validate without touching engine state (safe from any thread).
+
+        Raises:
+            PromptTooLongError, SamplingParamError: as ``add_request``.
+        """
+        ids = self.tokenize(prompt)
+        vocab = self.hf_config.vocab_size
+        if not ids:
+            raise SamplingParamError("prompt", "prompt: must contain at least one token")
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise SamplingParamError("prompt", f"prompt: token ids must be in [0, {vocab})")
+        limit = min(self.max_model_len, self.num_blocks * self.args.block_size)
+        if len(ids) >= limit:
+            raise PromptTooLongError("prompt", f"This model's maximum context length is {limit} tokens. "
+                                     f"However, your prompt has {len(ids)} tokens.")
+        max_tokens = params.max_tokens if params.max_tokens is not None else limit - len(ids)
+        if len(ids) + max_tokens > limit:
+            raise PromptTooLongError("max_tokens", f"This model's maximum context length is {limit} tokens. "
+                                     f"However, you requested {len(ids) + max_tokens} tokens ({len(ids)} in the "
+                                     f"prompt, {max_tokens} for max_tokens). Please reduce the length.")
+        arrival = arrival_time if arrival_time is not None else time.time()
+        return Request(request_id, ids, params, self.eos_token_ids, max_tokens, arrival)
+
+    def add_prepared(self, req: Request, prompt_text: str | None = None) -> None:
+        """Queue a request built by ``make_request`` (call from the thread that steps the engine).
+
+        Raises:
+            ValueError: the request id is already live.
+        """
+        if req.request_id in self.scheduler.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        self.output_processor.add_request(req.request_id, prompt_text, req.prompt_token_ids,
+                                          req.sampling_params, req.arrival_time)
+        self.scheduler.add_request(req)
+        self.stats["num_prompt_tokens"] += req.num_prompt_tokens
+
+    def abort_request(self, request_ids: list[str]) -> None:
+        """Abort requests now: their KV blocks go back to the pool before the next step."""
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        for rid in request_ids:
+            self.output_processor.abort(rid)
+
+    def has_unfinished_requests(self) -> bool:
+        """True while any request waits or runs."""
+        return self.scheduler.has_unfinished_requests()
+
+    # ---- the step ------------------------------------------------------------
+    def step(self, delta: bool = False) -> list[RequestOutput]:
+        """Schedule, execute and post-process one batch.
+
+        Args:
+            delta: return only the new text/tokens of each request (streaming).
+        Returns:
+            Outputs of the requests that produced a token this step.
+        """
+        so = self.scheduler.schedule()
+        runner_out = self.runner.execute(so).result()
+        core_outputs = self.scheduler.update_from_output(so, runner_out)
+        self.stats["num_steps"] += 1
+        self.stats["num_generation_tokens"] += len(runner_out.sampled_token_ids)
+        outputs, stopped = self.output_processor.process(core_outputs, delta)
+        if stopped:
+            self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        return outputs
+
+    def get_stats(self) -> dict:
+        """Counters: running/waiting requests, KV usage (fraction), preemptions, token totals."""
+        return {**self.stats,
+                "num_running": len(self.scheduler.running),
+                "num_waiting": len(self.scheduler.waiting),
+                "kv_cache_usage": self.kv_cache_manager.usage(),
+                "num_free_blocks": self.kv_cache_manager.num_free_blocks,
+                "num_blocks": self.num_blocks,
+                "num_preemptions": self.scheduler.num_preemptions}

@@ -1,0 +1,107 @@
+"""The offline API: ``LLM.generate`` and ``LLM.chat``, named and shaped as vLLM's."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Sequence
+
+from tqdm import tqdm
+
+from pagedllm.config import EngineArgs
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+
+class LLM:
+    """Generate text offline with continuous batching.
+
+    Args:
+        model: Hugging Face directory or ``.gguf`` file; ``None`` for the embedded SmolLM2.
+        **engine_args: any ``EngineArgs`` field (``block_size``, ``num_kv_blocks``, ...).
+    Raises:
+        TypeError: an unknown keyword argument.
+
+    Example::
+
+        llm = LLM()
+        out = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8))
+        print(out[0].outputs[0].text)
+    """
+
+    def __init__(self, model: str | None = None, **engine_args) -> None:
+        unknown = set(engine_args) - EngineArgs.field_names()
+        if unknown:
+            raise TypeError(f"unknown engine arguments: {sorted(unknown)}")
+        self.engine = LLMEngine(EngineArgs(model=model, **engine_args))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        """The model's ``transformers`` tokenizer."""
+        return self.engine.tokenizer
+
+    def generate(self, prompts: str | list[int] | Sequence[str | list[int]],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate completions for text prompts or token-id prompts.
+
+        Args:
+            prompts: one prompt or a list; a prompt is a string or a list of token ids.
+            sampling_params: one for all prompts or one per prompt (default: ``SamplingParams()``).
+            use_tqdm: show a progress bar.
+        Returns:
+            One finished ``RequestOutput`` per prompt, in input order.
+        Raises:
+            ValueError: a prompt is too long or the parameter list has the wrong length.
+        """
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        return self._run([(p, sp, None) for p, sp in zip(prompts, params)], use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """Generate assistant replies for one conversation or a list of them.
+
+        Each conversation is rendered with the tokenizer's chat template
+        (``apply_chat_template``) and tokenized without adding special tokens again.
+
+        Returns:
+            One ``RequestOutput`` per conversation, in input order.
+        """
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        sp = sampling_params or SamplingParams()
+        items = []
+        for conv in convs:
+            text = self.engine.tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                                             **(chat_template_kwargs or {}))
+            ids = self.engine.tokenizer.encode(text, add_special_tokens=False)
+            items.append((ids, sp, text))
+        return self._run(items, use_tqdm)
+
+    def _run(self, items, use_tqdm: bool) -> list[RequestOutput]:
+        eng = self.engine
+        ids = []
+        try:
+            for prompt, sp, text in items:
+                rid = str(next(self._ids))
+                eng.add_request(rid, prompt, sp, prompt_text=text)
+                ids.append(rid)
+            done: dict[str, RequestOutput] = {}
+            bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm)
+            while eng.has_unfinished_requests():
+                for out in eng.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        bar.update(1)
+            bar.close()
+        except BaseException:
+            eng.abort_request(ids)  # KeyboardInterrupt or a bad prompt: free every block we took
+            raise
+        return [done[r] for r in ids]

@@ -1,0 +1,232 @@
+"""Native Llama-family decoder (Llama 2/3, SmolLM, Mistral without sliding window, Qwen2).
+
+Follows the Llama architecture (Touvron et al. 2023) as implemented by
+Hugging Face ``transformers``' ``modeling_llama.py``: RMSNorm, rotary position
+embeddings (every ``rope_scaling`` type via ``transformers``' RoPE init
+functions), grouped-query attention, SwiGLU MLP, optional q/k/v bias (Qwen2),
+optional tied embeddings. Q, K and V are one fused matmul, as are gate and up.
+
+Input is one flattened batch ``[num_tokens]`` of every scheduled request's new
+tokens; attention goes through the paged KV cache.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.attention.torch_paged import paged_attention
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm (Zhang & Sennrich 2019), computed in float32 like transformers."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[..., hidden]`` -> same shape and dtype."""
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding (Su et al. 2021, RoFormer) with a precomputed cos/sin table.
+
+    The inverse frequencies come from ``transformers.modeling_rope_utils`` so every
+    ``rope_scaling`` type a Llama-family config names (linear, dynamic, yarn,
+    llama3, longrope) matches the reference exactly.
+    """
+
+    def __init__(self, config, head_dim: int, max_positions: int) -> None:
+        super().__init__()
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+        params = getattr(config, "rope_parameters", None) or {}
+        rope_type = params.get("rope_type", "default")
+        if rope_type == "default":
+            base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+            inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float, device="cpu") / head_dim))
+            scaling = 1.0
+        else:
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+        self._inv_freq, self._scaling, self._max_positions = inv_freq, scaling, max_positions
+        self.register_buffer("cos", torch.empty(0), persistent=False)
+        self.register_buffer("sin", torch.empty(0), persistent=False)
+        self.build(torch.device("cpu"))
+
+    def build(self, device: torch.device) -> None:
+        """(Re)compute the ``[max_positions, head_dim]`` float32 cos/sin tables on ``device``.
+
+        Called again after the model is materialized from the meta device.
+        """
+        pos = torch.arange(self._max_positions, dtype=torch.float, device="cpu")
+        freqs = torch.outer(pos, self._inv_freq.to("cpu", torch.float))
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos = (emb.cos() * self._scaling).to(device)
+        self.sin = (emb.sin() * self._scaling).to(device)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate ``q`` ``[T, H, D]`` and ``k`` ``[T, KVH, D]`` by their ``positions`` ``[T]``."""
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class LlamaAttention(nn.Module):
+    """Grouped-query self-attention over the paged KV cache."""
+
+    def __init__(self, config, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        # Llama's attention_bias covers q/k/v/o; Qwen2 always has q/k/v bias and no o bias
+        attn_bias = bool(getattr(config, "attention_bias", False))
+        qkv_bias = attn_bias or config.model_type == "qwen2"
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=attn_bias and config.model_type != "qwen2")
+        self.rotary = rotary
+        self.scale = self.head_dim ** -0.5
+
+    def forward(self, positions, x, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        """``x`` ``[T, hidden]`` -> ``[T, hidden]``; writes this layer's K/V into ``kv_cache``."""
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        t = x.shape[0]
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        return self.o_proj(o.reshape(t, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU feed-forward (Shazeer 2020) with fused gate and up projections."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        bias = bool(getattr(config, "mlp_bias", False))
+        self.inter = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.inter, bias=bias)
+        self.down_proj = nn.Linear(self.inter, config.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[T, hidden]`` -> ``[T, hidden]``."""
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm transformer block."""
+
+    def __init__(self, config, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, rotary)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(self, positions, x, kv_cache, meta) -> torch.Tensor:
+        """``[T, hidden]`` -> ``[T, hidden]``."""
+        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama-family causal LM over a flattened batch and a paged KV cache.
+
+    Args:
+        config: a ``transformers`` ``LlamaConfig``/``Qwen2Config``-like object.
+    """
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.config = config
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        rotary = RotaryEmbedding(config, head_dim, config.max_position_embeddings)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rotary = rotary
+
+    def kv_cache_spec(self) -> tuple[int, int, int]:
+        """``(num_layers, num_kv_heads, head_dim)`` of the KV cache this model needs."""
+        attn = self.layers[0].self_attn
+        return len(self.layers), attn.num_kv_heads, attn.head_dim
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
+        """Run the step.
+
+        Args:
+            input_ids: ``[T]`` int64 token ids of the flattened batch.
+            positions: ``[T]`` int64 absolute positions.
+            kv_caches: per layer ``(key_cache, value_cache)``.
+            meta: attention metadata of the step.
+            logits_indices: ``[R]`` int64 rows whose logits are needed.
+        Returns:
+            ``[R, vocab]`` float32 logits.
+        """
+        x = self.embed_tokens(input_ids)
+        for layer, kv in zip(self.layers, kv_caches):
+            x = layer(positions, x, kv, meta)
+        x = self.norm(x.index_select(0, logits_indices))
+        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(x, w).float()
+
+    def load_weights(self, weights) -> None:
+        """Copy Hugging Face-named tensors into the fused modules.
+
+        Args:
+            weights: iterable of ``(name, tensor)`` with ``transformers`` Llama names.
+        Raises:
+            KeyError: a parameter is missing from, or unknown to, the checkpoint.
+        """
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        attn0 = self.layers[0].self_attn
+        q, kv = attn0.q_size, attn0.kv_size
+        shard = {"q_proj": ("qkv_proj", 0, q), "k_proj": ("qkv_proj", q, kv), "v_proj": ("qkv_proj", q + kv, kv),
+                 "gate_proj": ("gate_up_proj", 0, None), "up_proj": ("gate_up_proj", 1, None)}
+        for name, tensor in weights:
+            name = name.removeprefix("model.")
+            if "rotary_emb" in name:
+                continue
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue
+            parts = name.split(".")
+            target = name
+            if len(parts) >= 2 and parts[-2] in shard:
+                fused, start, size = shard[parts[-2]]
+                target = ".".join(parts[:-2] + [fused, parts[-1]])
+                dst = params[target].data
+                if size is None:  # gate/up: equal halves
+                    half = dst.shape[0] // 2
+                    start, size = start * half, half
+                dst[start:start + size].copy_(tensor)
+                loaded.add(f"{target}#{start}")
+                continue
+            if target not in params:
+                raise KeyError(f"unexpected weight {name!r} in checkpoint")
+            params[target].data.copy_(tensor)
+            loaded.add(target)
+        missing = [n for n in params if n not in loaded and not any(k.startswith(n + "#") for k in loaded)]
+        if missing:
+            raise KeyError(f"checkpoint lacks weights for {missing[:5]}{'...' if len(missing) > 5 else ''}")

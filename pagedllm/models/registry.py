@@ -1,0 +1,77 @@
+"""Which native implementation serves which ``transformers`` architecture name."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+logger = logging.getLogger(__name__)
+
+NATIVE_ARCHITECTURES = {
+    "LlamaForCausalLM": "pagedllm.models.llama:LlamaForCausalLM",
+    "Qwen2ForCausalLM": "pagedllm.models.llama:LlamaForCausalLM",
+}
+
+
+def resolve_architecture(config) -> type:
+    """Return the native model class for ``config.architectures``.
+
+    Raises:
+        ValueError: no architecture of the config has a native implementation
+            (the message lists the supported ones).
+    """
+    import importlib
+    for arch in getattr(config, "architectures", None) or []:
+        if arch in NATIVE_ARCHITECTURES:
+            mod, cls = NATIVE_ARCHITECTURES[arch].split(":")
+            return getattr(importlib.import_module(mod), cls)
+    raise ValueError(f"architecture {getattr(config, 'architectures', None)} has no native implementation; "
+                     f"supported: {sorted(NATIVE_ARCHITECTURES)}")
+
+
+def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device):
+    """Build the native model from ``model_dir`` (config.json + *.safetensors) without a random init.
+
+    The model is built on the meta device, materialized empty on ``device``
+    and filled from safetensors, so no second copy of the weights exists.
+
+    Returns:
+        ``(model, config)`` with the model in eval mode.
+    Raises:
+        FileNotFoundError: no ``*.safetensors`` in the directory.
+        ValueError: unsupported architecture.
+    """
+    from transformers import AutoConfig
+    t0 = time.perf_counter()
+    model_dir = Path(model_dir)
+    config = AutoConfig.from_pretrained(model_dir)
+    cls = resolve_architecture(config)
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {model_dir}")
+    with torch.device("meta"):
+        model = cls(config)
+    model = model.to_empty(device=device).to(dtype)
+    model.rotary.build(device)
+
+    def tensors():
+        for f in files:
+            with safe_open(str(f), framework="pt", device="cpu") as fh:
+                for name in fh.keys():
+                    yield name, fh.get_tensor(name)
+
+    model.load_weights(tensors())
+    model.eval()
+    logger.info("loaded %s (%s) in %.1f s", model_dir, config.architectures, time.perf_counter() - t0)
+    return model, config
+
+
+def read_generation_config(model_dir: str | Path) -> dict:
+    """The model directory's ``generation_config.json`` as a dict ({} when absent)."""
+    p = Path(model_dir) / "generation_config.json"
+    return json.loads(p.read_text()) if p.exists() else {}

@@ -1,0 +1,50 @@
+"""Results handed back to users of the offline API and the server."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    """One generated sequence of a request.
+
+    Attributes:
+        index: position among the request's outputs (0 while n == 1).
+        text: text generated so far (the delta only, when streaming in delta mode).
+        token_ids: generated token ids (the new ones only in delta mode).
+        finish_reason: ``"stop"``, ``"length"``, ``"abort"`` or ``None`` while running.
+        stop_reason: the stop string or stop token id that ended the output, if any.
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+    @property
+    def finished(self) -> bool:
+        """True once a finish reason is set."""
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """The state of one request after an engine step.
+
+    Attributes:
+        request_id: the caller's id.
+        prompt: prompt text, if the request had one.
+        prompt_token_ids: the prompt as token ids.
+        outputs: one ``CompletionOutput`` per sample.
+        finished: True when every output has finished.
+        metrics: timings in seconds since the epoch: ``arrival``, ``first_token``, ``finished``.
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    metrics: dict[str, float] = field(default_factory=dict)

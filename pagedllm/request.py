@@ -1,0 +1,87 @@
+"""The engine-core view of a request: token ids and progress counters."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from pagedllm.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    """Lifecycle of a request inside the scheduler. Values above RUNNING are finished."""
+
+    WAITING = 0
+    PREEMPTED = 1
+    RUNNING = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+
+    @property
+    def finished(self) -> bool:
+        """True for every FINISHED_* status."""
+        return self > RequestStatus.RUNNING
+
+    @property
+    def finish_reason(self) -> str | None:
+        """The OpenAI ``finish_reason`` for a finished status, else ``None``."""
+        return {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",
+                RequestStatus.FINISHED_ABORTED: "abort"}.get(self)
+
+
+class Request:
+    """A request as the scheduler sees it.
+
+    ``num_computed_tokens`` is the one progress counter: tokens whose KV is in
+    the cache. Each step moves it toward ``num_tokens`` (prompt + output). A
+    preempted request keeps its output tokens and restarts at 0 (recompute).
+
+    Attributes:
+        request_id: unique id.
+        prompt_token_ids: prompt tokens.
+        output_token_ids: generated tokens so far.
+        sampling_params: sampling settings.
+        eos_token_ids: token ids that count as end of sequence.
+        max_tokens: resolved output limit in tokens.
+        arrival_time: seconds since the epoch.
+    """
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                 eos_token_ids: set[int], max_tokens: int, arrival_time: float | None = None) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.all_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_ids = eos_token_ids
+        self.max_tokens = max_tokens
+        self.arrival_time = arrival_time if arrival_time is not None else time.time()
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_preemptions = 0
+        self.stop_reason: int | str | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Prompt length in tokens."""
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus output length in tokens."""
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Generated tokens so far."""
+        return len(self.output_token_ids)
+
+    def append_output_token(self, token_id: int) -> None:
+        """Record one sampled token."""
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def is_finished(self) -> bool:
+        """True once the status is one of the FINISHED_* values."""
+        return self.status.finished
