@@ -67,6 +67,7 @@ class AsyncLLM:
                 block = not eng.has_unfinished_requests()
                 self._drain(block)
                 if not eng.has_unfinished_requests():
+                    self._stats = eng.get_stats()  # an abort freed blocks without a step
                     continue
                 for out in eng.step(delta=True):
                     self._deliver(out.request_id, out)

@@ -14,6 +14,18 @@ from pagedllm.sampling_params import SamplingParams
 _WINDOW = 6  # tokens of left context; enough for tokenizers whose pieces depend on neighbours
 
 
+def special_token_ids(tokenizer) -> set[int]:
+    """Every id ``tokenizer.decode(..., skip_special_tokens=True)`` drops.
+
+    ``all_special_ids`` lists only the named roles (bos, eos, unk, pad, ...);
+    added tokens marked ``special`` (SmolLM2's ``<file_sep>``, Llama 3's
+    reserved tokens) are skipped by ``decode`` too.
+    """
+    ids = set(tokenizer.all_special_ids)
+    ids.update(i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if getattr(t, "special", False))
+    return ids
+
+
 class IncrementalDetokenizer:
     """Turns one request's generated tokens into text, checking stop strings.
 
@@ -35,7 +47,7 @@ class IncrementalDetokenizer:
         self.sent_offset = 0
         self.stop_reason: str | None = None
         self._stop_checked = 0  # text before this index holds no stop string
-        self._special = set(tokenizer.all_special_ids) if params.skip_special_tokens else set()
+        self._special = special_token_ids(tokenizer) if params.skip_special_tokens else set()
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode([t for t in ids if t not in self._special], skip_special_tokens=False,

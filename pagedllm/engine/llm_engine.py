@@ -65,10 +65,12 @@ class LLMEngine:
         self.kv_cache_manager = KVCacheManager(num_blocks, args.block_size)
         self.scheduler = Scheduler(self.kv_cache_manager, args.max_num_seqs, args.max_num_batched_tokens,
                                    self.max_model_len, args.enable_chunked_prefill)
-        self.runner = ModelRunner(model, num_blocks, args.block_size, dtype, device, args.seed)
-        self.output_processor = OutputProcessor(self.tokenizer)
         self.eos_token_ids = self._eos_ids()
-        self.stats = {"num_prompt_tokens": 0, "num_generation_tokens": 0, "num_steps": 0}
+        self.runner = ModelRunner(model, num_blocks, args.block_size, dtype, device, args.seed,
+                                  eos_token_ids=self.eos_token_ids)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.stats = {"num_prompt_tokens": 0, "num_generation_tokens": 0, "num_steps": 0,
+                      "max_num_running": 0}
 
     def _eos_ids(self) -> set[int]:
         ids = self.generation_config.get("eos_token_id", self.hf_config.eos_token_id)
@@ -78,6 +80,19 @@ class LLMEngine:
         return ids
 
     # ---- requests ----------------------------------------------------------
+    @property
+    def context_limit(self) -> int:
+        """Most tokens (prompt + output) one request may reach.
+
+        ``max_model_len``, capped by the KV pool and, without chunked prefill,
+        by the step budget: an unchunked prompt (or a preempted request's
+        recompute) longer than ``max_num_batched_tokens`` could never be scheduled.
+        """
+        limit = min(self.max_model_len, self.num_blocks * self.args.block_size)
+        if not self.args.enable_chunked_prefill:
+            limit = min(limit, self.args.max_num_batched_tokens)
+        return limit
+
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         """Token ids of a text prompt (special tokens as the tokenizer adds them), or the ids as given."""
         if isinstance(prompt, str):
@@ -109,7 +124,7 @@ class LLMEngine:
             raise SamplingParamError("prompt", "prompt: must contain at least one token")
         if min(ids) < 0 or max(ids) >= vocab:
             raise SamplingParamError("prompt", f"prompt: token ids must be in [0, {vocab})")
-        limit = min(self.max_model_len, self.num_blocks * self.args.block_size)
+        limit = self.context_limit
         if len(ids) >= limit:
             raise PromptTooLongError("prompt", f"This model's maximum context length is {limit} tokens. "
                                      f"However, your prompt has {len(ids)} tokens.")
@@ -157,6 +172,7 @@ class LLMEngine:
         runner_out = self.runner.execute(so).result()
         core_outputs = self.scheduler.update_from_output(so, runner_out)
         self.stats["num_steps"] += 1
+        self.stats["max_num_running"] = max(self.stats["max_num_running"], len(so.num_scheduled_tokens))
         self.stats["num_generation_tokens"] += len(runner_out.sampled_token_ids)
         outputs, stopped = self.output_processor.process(core_outputs, delta)
         if stopped:
@@ -164,7 +180,10 @@ class LLMEngine:
         return outputs
 
     def get_stats(self) -> dict:
-        """Counters: running/waiting requests, KV usage (fraction), preemptions, token totals."""
+        """Counters: running/waiting requests, KV usage (fraction), preemptions, token totals.
+
+        ``max_num_running`` is the most requests scheduled together in one step so far.
+        """
         return {**self.stats,
                 "num_running": len(self.scheduler.running),
                 "num_waiting": len(self.scheduler.waiting),

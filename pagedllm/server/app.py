@@ -2,23 +2,61 @@
 
 Endpoints: ``GET /health``, ``GET /v1/models``, ``POST /v1/completions``,
 ``POST /v1/chat/completions`` (``stream: true`` answers with server-sent events
-ending in ``data: [DONE]``), following the OpenAI API reference.
+ending in ``data: [DONE]``), following the OpenAI API reference; and, for
+debugging and tests, ``GET /stats`` with the engine counters of
+``LLMEngine.get_stats`` as JSON (not part of the OpenAI API).
+
+A request whose client disconnects is aborted, streamed or not, so its KV
+blocks go back to the pool.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from pagedllm.engine.async_llm import AsyncLLM
+from pagedllm.engine.async_llm import AsyncLLM, EngineDeadError
 from pagedllm.server.errors import APIError, validation_error
 from pagedllm.server.protocol import ChatCompletionRequest, CompletionRequest, now
 from pagedllm.server.serving import OpenAIServing
 
 logger = logging.getLogger(__name__)
+
+_DISCONNECT_POLL_S = 0.5
+
+
+class _SSEResponse(StreamingResponse):
+    """A streaming response that always closes its generator, so that the engine
+    request is aborted at once when the client goes away mid-stream (rather than
+    whenever the abandoned generator is garbage-collected)."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
+async def _unless_disconnected(request: Request, coro):
+    """Await ``coro``; cancel it (aborting its engine requests) if the client disconnects first."""
+    task = asyncio.ensure_future(coro)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                logger.info("client disconnected; aborting %s", request.url.path)
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                return Response(status_code=499)  # nobody reads it
+    finally:
+        if not task.done():
+            task.cancel()
 
 
 def build_app(llm: AsyncLLM, model_name: str, chat_template: str | None = None) -> FastAPI:
@@ -41,6 +79,10 @@ def build_app(llm: AsyncLLM, model_name: str, chat_template: str | None = None) 
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
         return validation_error(exc).response()
 
+    @app.exception_handler(EngineDeadError)
+    async def _dead(_: Request, exc: EngineDeadError) -> JSONResponse:
+        return APIError(503, str(exc), type="service_unavailable", code="engine_dead").response()
+
     @app.exception_handler(Exception)
     async def _crash(_: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error")
@@ -56,17 +98,26 @@ def build_app(llm: AsyncLLM, model_name: str, chat_template: str | None = None) 
                                             "owned_by": "pagedllm", "root": str(llm.engine.model_dir),
                                             "max_model_len": llm.engine.max_model_len}]}
 
-    async def respond(result):
+    @app.get("/stats")
+    async def stats() -> dict:
+        """Debugging aid: the engine counters as of the last step (see ``LLMEngine.get_stats``)."""
+        return llm.get_stats()
+
+    async def respond(request: Request, coro):
+        result = await _unless_disconnected(request, coro)
+        if isinstance(result, Response):
+            return result
         if isinstance(result, dict):
             return JSONResponse(result)
-        return StreamingResponse(result, media_type="text/event-stream")
+        return _SSEResponse(result, media_type="text/event-stream",
+                            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     @app.post("/v1/chat/completions")
-    async def chat(body: ChatCompletionRequest):
-        return await respond(await serving.chat(body))
+    async def chat(body: ChatCompletionRequest, request: Request):
+        return await respond(request, serving.chat(body))
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest):
-        return await respond(await serving.completion(body))
+    async def completions(body: CompletionRequest, request: Request):
+        return await respond(request, serving.completion(body))
 
     return app

@@ -33,15 +33,47 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status)
 
 
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "bytes"}
+
+
+def _param_path(loc) -> str | None:
+    """``("body", "messages", 0, "content", "str")`` -> ``"messages[0].content"``.
+
+    Drops the ``body`` root and the union-member tags pydantic inserts (``str``,
+    ``list[ContentPart]``, ``function-after[...]``, model class names), which are
+    not request fields; list indices are written OpenAI-style as ``[i]``.
+    """
+    path = ""
+    for i, x in enumerate(loc):
+        if i == 0 and x == "body":
+            continue
+        if isinstance(x, int):
+            path += f"[{x}]"
+            continue
+        x = str(x)
+        if x in _TYPE_TAGS or not x.isidentifier() or x[:1].isupper():
+            continue
+        path += f".{x}" if path else x
+    return path or None
+
+
 def validation_error(exc) -> APIError:
-    """Turn a pydantic/FastAPI ``RequestValidationError`` into a 400 naming the first bad field."""
+    """Turn a pydantic/FastAPI ``RequestValidationError`` into a 400 naming the bad field."""
     errors = exc.errors()
     if not errors:
         return APIError(400, "invalid request", code="invalid_request")
-    err = errors[0]
-    loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-    param = ".".join(loc) or None
-    if err.get("type") == "json_invalid":
+    if any(e.get("type") == "json_invalid" for e in errors):
+        err = next(e for e in errors if e.get("type") == "json_invalid")
         return APIError(400, f"malformed JSON body: {err.get('msg')}", None, code="invalid_json")
-    msg = f"{param}: {err.get('msg')}" if param else str(err.get("msg"))
-    return APIError(400, msg, param, code="invalid_value")
+    # a value that fails every member of a union yields one error per member; the
+    # deepest one is the most telling (``messages[0].content[0].text`` missing beats
+    # ``messages[0].content`` is not a string)
+    err = max(errors, key=lambda e: len(e.get("loc", ())))
+    kind = str(err.get("type", ""))
+    param = _param_path(err.get("loc", ()))
+    if param is None:  # the body itself: missing, or not a JSON object
+        return APIError(400, "the request body must be a JSON object", None, code="invalid_request")
+    if kind == "missing":
+        return APIError(400, f"Missing required parameter: '{param}'.", param, code="missing_required_parameter")
+    code = "invalid_type" if kind.endswith(("_type", "_parsing")) else "invalid_value"
+    return APIError(400, f"{param}: {err.get('msg')}", param, code=code)

@@ -50,12 +50,18 @@ class ChatMessage(BaseModel):
 
 
 class _SamplingRequest(BaseModel):
-    """Sampling fields shared by both endpoints."""
+    """Sampling fields shared by both endpoints.
 
+    Ranges are checked by ``SamplingParams``; here only what must never reach the
+    engine: NaN/Infinity (Python's JSON parser accepts them) and integers that
+    would overflow a 64-bit tensor (``top_k``) and crash the engine loop.
+    """
+
+    model_config = ConfigDict(allow_inf_nan=False)
     model: str | None = None
     temperature: float | None = Field(default=None)
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: int | None = Field(default=None, le=2**31 - 1)
     min_p: float | None = None
     n: int = 1
     stream: bool = False

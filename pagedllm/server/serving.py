@@ -6,7 +6,8 @@ import asyncio
 import json
 from typing import AsyncIterator
 
-from pagedllm.engine.async_llm import AsyncLLM
+from pagedllm.engine.async_llm import AsyncLLM, EngineDeadError
+from pagedllm.engine.llm_engine import PromptTooLongError
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParamError
 from pagedllm.server.errors import APIError
@@ -39,7 +40,11 @@ class OpenAIServing:
         self.defaults = {k: gc[k] for k in ("temperature", "top_p", "top_k", "min_p") if k in gc}
 
     def check_model(self, model: str | None) -> None:
-        """Raises ``APIError`` 404 when the request names a model we do not serve."""
+        """Raises ``APIError`` 404 when the request names a model we do not serve, and
+        ``EngineDeadError`` (answered 503) when the engine loop has died, so that
+        a stream is refused before its 200 headers go out."""
+        if not self.llm.is_healthy:
+            raise EngineDeadError("engine is not running")
         if model is not None and model != self.model_name:
             raise APIError(404, f"The model `{model}` does not exist.", "model", code="model_not_found")
 
@@ -49,11 +54,15 @@ class OpenAIServing:
         except SamplingParamError as e:
             raise APIError(400, str(e), e.param, code="invalid_value") from None
 
-    def _make(self, rid: str, prompt, params):
+    def _make(self, rid: str, prompt, params, prompt_param: str = "prompt"):
         try:
             return self.llm.make_request(rid, prompt, params)
+        except PromptTooLongError as e:  # OpenAI's code for this case
+            param = prompt_param if e.param == "prompt" else e.param
+            raise APIError(400, str(e), param, code="context_length_exceeded") from None
         except SamplingParamError as e:
-            raise APIError(400, str(e), e.param, code="invalid_value") from None
+            param = prompt_param if e.param == "prompt" else e.param
+            raise APIError(400, str(e), param, code="invalid_value") from None
 
     def render_chat(self, body: ChatCompletionRequest) -> list[int]:
         """Apply the chat template and tokenize (without adding special tokens twice).
@@ -80,7 +89,7 @@ class OpenAIServing:
         self.check_model(body.model)
         params = self._params(body)
         rid = random_id("chatcmpl")
-        req = self._make(rid, self.render_chat(body), params)
+        req = self._make(rid, self.render_chat(body), params, "messages")
         gen = self.llm.generate(req)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)

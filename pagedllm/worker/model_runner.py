@@ -63,10 +63,11 @@ class ModelRunner:
         dtype: KV cache dtype.
         device: device of the model and cache.
         seed: sampler seed.
+        eos_token_ids: the model's EOS ids, banned (with stop token ids) before ``min_tokens``.
     """
 
     def __init__(self, model, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
-                 seed: int = 0) -> None:
+                 seed: int = 0, eos_token_ids: set[int] | None = None) -> None:
         self.model = model
         self.block_size = block_size
         self.device = device
@@ -75,7 +76,7 @@ class ModelRunner:
         self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
                           for _ in range(layers)]
         self.requests: dict[str, CachedRequestState] = {}
-        self.sampler = Sampler(seed)
+        self.sampler = Sampler(seed, eos_token_ids)
 
     @staticmethod
     def kv_bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:

@@ -1,4 +1,4 @@
-"""Token sampling from logits: greedy, temperature, top-k, top-p, min-p, per-request seeds.
+"""Token sampling from logits: greedy, temperature, top-k, top-p, min-p, min-tokens, per-request seeds.
 
 Random draws use the exponential-race form of sampling: ``argmax(p / E)`` with
 ``E ~ Exp(1)`` picks token ``i`` with probability ``p_i``. Seeded rows draw
@@ -29,12 +29,13 @@ def _apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: t
         return logits
     sorted_logits, idx = logits.sort(dim=-1, descending=True)
     ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
-    remove = ranks >= top_k.unsqueeze(1)
+    sorted_logits = sorted_logits.masked_fill(ranks >= top_k.unsqueeze(1), float("-inf"))
     if p_on:
-        cum = sorted_logits.softmax(-1).cumsum(-1)
+        # top-p acts on the top-k survivors, renormalised (as vLLM and transformers do);
         # keep a token while the mass before it is below top_p (the top token always stays)
-        remove |= (cum - sorted_logits.softmax(-1)) >= top_p.unsqueeze(1)
-    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+        probs = sorted_logits.softmax(-1)
+        remove = (probs.cumsum(-1) - probs) >= top_p.unsqueeze(1)
+        sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, idx, sorted_logits)
 
 
@@ -43,11 +44,33 @@ class Sampler:
 
     Args:
         seed: engine seed for unseeded requests' shared generator.
+        eos_token_ids: EOS ids banned, unless ``ignore_eos``, while a row has fewer than ``min_tokens``.
     """
 
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, eos_token_ids: set[int] | None = None) -> None:
         self.generator = torch.Generator()
         self.generator.manual_seed(seed)
+        self.eos_token_ids = set(eos_token_ids or ())
+
+    def _ban_stop_tokens(self, logits: torch.Tensor, params: list[SamplingParams],
+                         output_lens: list[int]) -> torch.Tensor:
+        """Set EOS (unless ``ignore_eos``) and ``stop_token_ids`` to -inf in rows still short of ``min_tokens``.
+
+        As vLLM's ``min_tokens`` and transformers' ``min_new_tokens``: those
+        tokens cannot be sampled, rather than sampled without stopping.
+        """
+        rows, cols = [], []
+        for i, p in enumerate(params):
+            if output_lens[i] < p.min_tokens:
+                banned = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
+                banned = [t for t in banned if 0 <= t < logits.shape[-1]]
+                rows += [i] * len(banned)
+                cols += banned
+        if not rows:
+            return logits
+        logits = logits.clone()
+        logits[rows, cols] = float("-inf")
+        return logits
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams], output_lens: list[int]) -> torch.Tensor:
         """Sample.
@@ -59,6 +82,7 @@ class Sampler:
         Returns:
             ``[R]`` int64 token ids (on the logits' device).
         """
+        logits = self._ban_stop_tokens(logits, params, output_lens)
         greedy = logits.argmax(-1)
         rows = [i for i, p in enumerate(params) if not p.greedy]
         if not rows:

@@ -1,0 +1,94 @@
+"""Fixtures of the end-to-end tests: a live ``pagedllm serve`` subprocess.
+
+The server runs the default model (SmolLM2-135M-Instruct, converted from its
+GGUF on first use into ``$PAGEDLLM_CACHE`` or ``~/.cache/pagedllm``) on a free
+local port, with a small KV pool and ``--max-model-len 2048`` so that
+over-long prompts are cheap to provoke.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+MODEL_NAME = "smollm2"
+MAX_MODEL_LEN = 2048
+NUM_KV_BLOCKS = 512
+STARTUP_TIMEOUT_S = 120.0
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tail(path: Path, n: int = 4000) -> str:
+    try:
+        return path.read_text(errors="replace")[-n:]
+    except OSError:
+        return "<no log>"
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM the server (uvicorn shuts down gracefully), then SIGKILL if it lingers."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def served_model() -> str:
+    """The ``--served-model-name`` of the test server."""
+    return MODEL_NAME
+
+
+@pytest.fixture(scope="session")
+def max_model_len() -> int:
+    """The ``--max-model-len`` of the test server."""
+    return MAX_MODEL_LEN
+
+
+@pytest.fixture(scope="session")
+def server_url(tmp_path_factory) -> str:
+    """Start ``pagedllm serve`` and yield its base URL (``http://127.0.0.1:PORT``)."""
+    port = _free_port()
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    cmd = [sys.executable, "-m", "pagedllm.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+           "--num-kv-blocks", str(NUM_KV_BLOCKS), "--max-model-len", str(MAX_MODEL_LEN),
+           "--served-model-name", MODEL_NAME, "--log-level", "warning"]
+    # output goes to a file, never a pipe nobody drains (a full pipe would block the server)
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"pagedllm serve exited with {proc.returncode} before becoming healthy:\n"
+                            f"{_tail(log)}")
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"pagedllm serve not healthy after {STARTUP_TIMEOUT_S:.0f} s:\n{_tail(log)}")
+            time.sleep(0.5)
+        yield url
+    finally:
+        _stop(proc)
