@@ -25,6 +25,8 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None, help="context limit (prompt + output) in tokens")
     p.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false",
                    help="admit prompts only whole")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse cached KV blocks of shared prefixes (--no-enable-prefix-caching turns it off)")
     p.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling")
     p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
     p.add_argument("--log-level", default="info")
@@ -36,6 +38,7 @@ def _engine_args(a: argparse.Namespace):
                       kv_cache_memory=a.kv_cache_memory, num_kv_blocks=a.num_kv_blocks,
                       max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
                       max_model_len=a.max_model_len, enable_chunked_prefill=a.enable_chunked_prefill,
+                      enable_prefix_caching=a.enable_prefix_caching,
                       seed=a.seed, served_model_name=getattr(a, "served_model_name", None),
                       num_threads=a.num_threads)
 

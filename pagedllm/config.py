@@ -81,6 +81,7 @@ class EngineArgs:
         max_model_len: longest prompt + output in tokens (default: the model's
             ``max_position_embeddings``).
         enable_chunked_prefill: split prompts longer than the step budget.
+        enable_prefix_caching: reuse cached full KV blocks of equal prefixes.
         seed: engine seed for unseeded sampling.
         served_model_name: name reported by the API (default: the model path's name).
         tokenizer: tokenizer directory (default: the model directory).
@@ -96,6 +97,7 @@ class EngineArgs:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
     seed: int = 0
     served_model_name: str | None = None
     tokenizer: str | None = None

@@ -45,10 +45,12 @@ class Request:
         eos_token_ids: token ids that count as end of sequence.
         max_tokens: resolved output limit in tokens.
         arrival_time: seconds since the epoch.
+        cache_salt: prefix-cache namespace; requests share cached blocks only with equal salts.
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                 eos_token_ids: set[int], max_tokens: int, arrival_time: float | None = None) -> None:
+                 eos_token_ids: set[int], max_tokens: int, arrival_time: float | None = None,
+                 cache_salt: str | None = None) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
@@ -61,6 +63,8 @@ class Request:
         self.num_computed_tokens = 0
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
+        self.cache_salt = cache_salt
+        self.block_hashes: list[bytes] = []  # hashes of full blocks, filled by the KV cache manager
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -76,12 +76,12 @@ class SamplingParams:
             bad("n", f"must be at least 1, got {self.n}")
         if self.n != 1:
             bad("n", "only n=1 is supported")
-        if self.temperature is None or math.isnan(self.temperature) or self.temperature < 0:
-            bad("temperature", f"must be non-negative, got {self.temperature}")
+        if self.temperature is None or not math.isfinite(self.temperature) or self.temperature < 0:
+            bad("temperature", f"must be a finite non-negative number, got {self.temperature}")
         if math.isnan(self.top_p) or not 0.0 < self.top_p <= 1.0:
             bad("top_p", f"must be in (0, 1], got {self.top_p}")
-        if self.top_k is None or self.top_k < -1:
-            bad("top_k", f"must be -1 (disable), 0 (disable) or positive, got {self.top_k}")
+        if self.top_k is None or not -1 <= self.top_k < 2**31:
+            bad("top_k", f"must be -1 (disable), 0 (disable) or a positive int32, got {self.top_k}")
         if math.isnan(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             bad("min_p", f"must be in [0, 1], got {self.min_p}")
         if self.max_tokens is not None and self.max_tokens < 1:

@@ -40,6 +40,11 @@ class BlockPool:
     are all O(1)). Blocks are appended to the tail when freed, so the least
     recently used free block is taken first.
 
+    Full blocks can be cached under their content hash (prefix caching). A
+    cached block keeps its hash while free, so a later request with the same
+    prefix can take it back; it loses the hash only when it is reused for
+    other tokens (eviction), which happens least-recently-freed first.
+
     Args:
         num_blocks: total blocks in the pool (> 0).
     Raises:
@@ -52,6 +57,8 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, KVCacheBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self.cached: dict[bytes, KVCacheBlock] = {}
+        self.num_evictions = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -78,10 +85,42 @@ class BlockPool:
         out = []
         for _ in range(n):
             _, block = self._free.popitem(last=False)
-            block.block_hash = None
+            self._evict(block)
             block.ref_cnt = 1
             out.append(block)
         return out
+
+    def _evict(self, block: KVCacheBlock) -> None:
+        if block.block_hash is not None:
+            if self.cached.get(block.block_hash) is block:
+                del self.cached[block.block_hash]
+            block.block_hash = None
+            self.num_evictions += 1
+
+    def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
+        """The block holding the tokens of ``block_hash``, if still cached."""
+        return self.cached.get(block_hash)
+
+    def cache_block(self, block: KVCacheBlock, block_hash: bytes) -> None:
+        """Record that ``block`` (full, held by a request) holds the tokens of ``block_hash``.
+
+        If another block already caches the same content, the first one stays
+        the cached copy and this block stays private.
+        """
+        if block.block_hash is not None:
+            return
+        if block_hash not in self.cached:
+            self.cached[block_hash] = block
+            block.block_hash = block_hash
+
+    def reset_prefix_cache(self) -> int:
+        """Drop every free block's hash; returns how many were dropped."""
+        n = 0
+        for block in self._free.values():
+            if block.block_hash is not None:
+                self._evict(block)
+                n += 1
+        return n
 
     def touch(self, blocks: list[KVCacheBlock]) -> None:
         """Add one holder to each block, taking free ones off the free queue."""

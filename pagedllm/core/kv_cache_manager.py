@@ -1,8 +1,9 @@
-"""Per-request block tables on top of the block pool."""
+"""Per-request block tables on top of the block pool, with prefix caching."""
 
 from __future__ import annotations
 
 from pagedllm.core.block_pool import BlockPool, KVCacheBlock
+from pagedllm.core.hashing import extend_block_hashes
 from pagedllm.request import Request
 
 
@@ -16,45 +17,107 @@ class KVCacheManager:
 
     A request's block table is the ordered list of its blocks: token ``i``
     lives in block ``table[i // block_size]`` at offset ``i % block_size``.
+    With prefix caching, every full block is registered under its content hash
+    and a new request starts from the longest run of cached blocks matching
+    its prompt (partial blocks are never shared).
 
     Args:
         num_blocks: blocks in the pool.
         block_size: tokens per block.
+        enable_prefix_caching: share full blocks between requests with equal prefixes.
     """
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
         self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.num_cached_blocks: dict[str, int] = {}
+        self.prefix_cache_queries = 0  # tokens looked up
+        self.prefix_cache_hits = 0     # tokens found
 
     @property
     def num_free_blocks(self) -> int:
-        """Blocks that can be allocated now."""
+        """Blocks that can be allocated now (cached free blocks included: they are evictable)."""
         return self.pool.num_free_blocks
 
     def usage(self) -> float:
         """Fraction of KV blocks in use, in [0, 1]."""
         return self.pool.usage()
 
-    def allocate_slots(self, request: Request, num_new_tokens: int) -> list[int] | None:
-        """Make room for ``num_new_tokens`` more tokens after ``request.num_computed_tokens``.
+    def _hashes(self, request: Request) -> list[bytes]:
+        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, request.cache_salt)
+        return request.block_hashes
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """The longest run of cached full blocks that prefixes the request's tokens.
+
+        The hit is capped so the last token is always computed (its logits
+        give the next token). The caller counts the lookup with
+        ``record_prefix_query`` once the request is admitted.
 
         Returns:
-            The ids of newly allocated blocks (possibly empty), appended to the
-            request's block table; ``None`` when the pool lacks free blocks, in
-            which case nothing changes.
+            ``(blocks, num_tokens)``: the blocks to reuse and the tokens they cover.
         """
-        blocks = self.req_to_blocks.setdefault(request.request_id, [])
-        need = cdiv(request.num_computed_tokens + num_new_tokens, self.block_size) - len(blocks)
-        if need <= 0:
-            return []
-        if need > self.pool.num_free_blocks:
-            if not blocks:
-                del self.req_to_blocks[request.request_id]
+        if not self.enable_prefix_caching:
+            return [], 0
+        hashes = self._hashes(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        blocks = []
+        for h in hashes[:max_blocks]:
+            block = self.pool.get_cached_block(h)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks, len(blocks) * self.block_size
+
+    def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Add one admitted lookup to the prefix-cache counters (both in tokens)."""
+        if self.enable_prefix_caching:
+            self.prefix_cache_queries += num_tokens
+            self.prefix_cache_hits += num_hit_tokens
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       computed_blocks: list[KVCacheBlock] | None = None) -> list[int] | None:
+        """Make room for ``num_new_tokens`` more tokens after ``request.num_computed_tokens``.
+
+        Args:
+            request: the request; ``num_computed_tokens`` already counts ``computed_blocks``.
+            num_new_tokens: tokens to compute in this step.
+            computed_blocks: cached blocks from ``get_computed_blocks`` for a request
+                that holds no blocks yet.
+        Returns:
+            The ids of the blocks newly added to the request's block table
+            (cached ones included; possibly empty); ``None`` when the pool lacks
+            free blocks, in which case nothing changes.
+        """
+        computed_blocks = computed_blocks or []
+        blocks = self.req_to_blocks.get(request.request_id, [])
+        total = request.num_computed_tokens + num_new_tokens
+        need = cdiv(total, self.block_size) - len(blocks) - len(computed_blocks)
+        # cached blocks sitting in the free queue stop being allocatable once taken
+        reclaimed = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        if max(need, 0) + reclaimed > self.pool.num_free_blocks:
             return None
-        new = self.pool.allocate(need)
+        self.pool.touch(computed_blocks)
+        new = self.pool.allocate(need) if need > 0 else []
+        blocks = self.req_to_blocks.setdefault(request.request_id, blocks)
+        blocks.extend(computed_blocks)
         blocks.extend(new)
-        return [b.block_id for b in new]
+        if self.enable_prefix_caching:
+            self._cache_full_blocks(request, blocks, min(total, request.num_tokens))
+        return [b.block_id for b in computed_blocks + new]
+
+    def _cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock], num_tokens: int) -> None:
+        """Register the blocks that become full with this step's tokens under their hashes."""
+        start = self.num_cached_blocks.get(request.request_id, 0)
+        end = num_tokens // self.block_size
+        if end <= start:
+            return
+        hashes = self._hashes(request)
+        for i in range(start, end):
+            self.pool.cache_block(blocks[i], hashes[i])
+        self.num_cached_blocks[request.request_id] = end
 
     def get_block_ids(self, request_id: str) -> list[int]:
         """The request's block table as block ids (empty when it holds none)."""
@@ -66,6 +129,11 @@ class KVCacheManager:
         Tail first means the end of a prefix chain is evicted before its
         start. Safe to call for a request that holds no blocks.
         """
+        self.num_cached_blocks.pop(request.request_id, None)
         blocks = self.req_to_blocks.pop(request.request_id, None)
         if blocks:
             self.pool.free(list(reversed(blocks)))
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block that no request holds; returns how many."""
+        return self.pool.reset_prefix_cache()

@@ -126,15 +126,23 @@ class Scheduler:
         return preempted_any
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        """Admit waiting requests (FIFO) while budget, seats and blocks last."""
+        """Admit waiting requests (FIFO) while budget, seats and blocks last.
+
+        A request starts after the longest cached prefix of its tokens.
+        """
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
+            cached, num_cached = self.kv.get_computed_blocks(req)
+            req.num_computed_tokens = num_cached
             n = self._num_new_tokens(req, budget)
             if not self.enable_chunked_prefill and n < req.num_tokens - req.num_computed_tokens:
+                req.num_computed_tokens = 0
                 break
-            new_blocks = self.kv.allocate_slots(req, n)
+            new_blocks = self.kv.allocate_slots(req, n, cached)
             if new_blocks is None:
+                req.num_computed_tokens = 0
                 break
+            self.kv.record_prefix_query(req.num_tokens, num_cached)
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)

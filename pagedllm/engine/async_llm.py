@@ -108,9 +108,9 @@ class AsyncLLM:
             loop.call_soon_threadsafe(q.put_nowait, item)
 
     # ---- asyncio side ---------------------------------------------------------------
-    def make_request(self, request_id: str, prompt, params) -> Request:
+    def make_request(self, request_id: str, prompt, params, cache_salt: str | None = None) -> Request:
         """Validate and build a request (raises ``SamplingParamError`` / ``PromptTooLongError``)."""
-        return self.engine.make_request(request_id, prompt, params)
+        return self.engine.make_request(request_id, prompt, params, cache_salt=cache_salt)
 
     async def generate(self, request: Request, prompt_text: str | None = None) -> AsyncIterator[RequestOutput]:
         """Submit a request and yield its delta outputs until it finishes.

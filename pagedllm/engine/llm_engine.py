@@ -62,7 +62,7 @@ class LLMEngine:
         self.num_blocks = num_blocks
         logger.info("KV cache: %d blocks x %d tokens (%.1f MiB)", num_blocks, args.block_size,
                     num_blocks * per_block / 2**20)
-        self.kv_cache_manager = KVCacheManager(num_blocks, args.block_size)
+        self.kv_cache_manager = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv_cache_manager, args.max_num_seqs, args.max_num_batched_tokens,
                                    self.max_model_len, args.enable_chunked_prefill)
         self.eos_token_ids = self._eos_ids()
@@ -100,7 +100,8 @@ class LLMEngine:
         return list(prompt)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    arrival_time: float | None = None, prompt_text: str | None = None) -> None:
+                    arrival_time: float | None = None, prompt_text: str | None = None,
+                    cache_salt: str | None = None) -> None:
         """Validate and queue a request.
 
         Raises:
@@ -109,10 +110,10 @@ class LLMEngine:
         """
         if prompt_text is None and isinstance(prompt, str):
             prompt_text = prompt
-        self.add_prepared(self.make_request(request_id, prompt, params, arrival_time), prompt_text)
+        self.add_prepared(self.make_request(request_id, prompt, params, arrival_time, cache_salt), prompt_text)
 
     def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                     arrival_time: float | None = None) -> Request:
+                     arrival_time: float | None = None, cache_salt: str | None = None) -> Request:
         """Tokenize and validate without touching engine state (safe from any thread).
 
         Raises:
@@ -134,7 +135,7 @@ class LLMEngine:
                                      f"However, you requested {len(ids) + max_tokens} tokens ({len(ids)} in the "
                                      f"prompt, {max_tokens} for max_tokens). Please reduce the length.")
         arrival = arrival_time if arrival_time is not None else time.time()
-        return Request(request_id, ids, params, self.eos_token_ids, max_tokens, arrival)
+        return Request(request_id, ids, params, self.eos_token_ids, max_tokens, arrival, cache_salt)
 
     def add_prepared(self, req: Request, prompt_text: str | None = None) -> None:
         """Queue a request built by ``make_request`` (call from the thread that steps the engine).
@@ -190,4 +191,6 @@ class LLMEngine:
                 "kv_cache_usage": self.kv_cache_manager.usage(),
                 "num_free_blocks": self.kv_cache_manager.num_free_blocks,
                 "num_blocks": self.num_blocks,
-                "num_preemptions": self.scheduler.num_preemptions}
+                "num_preemptions": self.scheduler.num_preemptions,
+                "prefix_cache_queries": self.kv_cache_manager.prefix_cache_queries,
+                "prefix_cache_hits": self.kv_cache_manager.prefix_cache_hits}

@@ -74,6 +74,8 @@ class _SamplingRequest(BaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     user: str | None = None
+    cache_salt: str | None = Field(default=None, min_length=1, description=(
+        "prefix-cache namespace: requests share cached KV blocks only when their salts are equal (vLLM's name)"))
 
     def _sampling_params(self, max_tokens: int | None, defaults: dict) -> SamplingParams:
         """Build ``SamplingParams``; fields left out take the model's generation_config defaults.

@@ -54,9 +54,9 @@ class OpenAIServing:
         except SamplingParamError as e:
             raise APIError(400, str(e), e.param, code="invalid_value") from None
 
-    def _make(self, rid: str, prompt, params, prompt_param: str = "prompt"):
+    def _make(self, rid: str, prompt, params, prompt_param: str = "prompt", cache_salt: str | None = None):
         try:
-            return self.llm.make_request(rid, prompt, params)
+            return self.llm.make_request(rid, prompt, params, cache_salt)
         except PromptTooLongError as e:  # OpenAI's code for this case
             param = prompt_param if e.param == "prompt" else e.param
             raise APIError(400, str(e), param, code="context_length_exceeded") from None
@@ -89,7 +89,7 @@ class OpenAIServing:
         self.check_model(body.model)
         params = self._params(body)
         rid = random_id("chatcmpl")
-        req = self._make(rid, self.render_chat(body), params, "messages")
+        req = self._make(rid, self.render_chat(body), params, "messages", body.cache_salt)
         gen = self.llm.generate(req)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -141,7 +141,7 @@ class OpenAIServing:
         prompts = body.prompts()
         if not prompts:
             raise APIError(400, "prompt: must not be empty", "prompt", code="invalid_value")
-        reqs = [self._make(f"{rid}-{i}", p, params) for i, p in enumerate(prompts)]
+        reqs = [self._make(f"{rid}-{i}", p, params, cache_salt=body.cache_salt) for i, p in enumerate(prompts)]
         texts = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in prompts]
         gens = [self.llm.generate(r) for r in reqs]
         n_prompt = sum(r.num_prompt_tokens for r in reqs)

@@ -17,8 +17,9 @@ EOS = 2
 BS = 4  # block size
 
 
-def make_sched(num_blocks=64, max_num_seqs=16, budget=64, max_model_len=1024, chunked=True):
-    kv = KVCacheManager(num_blocks, BS)
+def make_sched(num_blocks=64, max_num_seqs=16, budget=64, max_model_len=1024, chunked=True, prefix_caching=False):
+    # prompts here share prefixes (range(10, ...)); token counts below assume no cache hits
+    kv = KVCacheManager(num_blocks, BS, enable_prefix_caching=prefix_caching)
     return Scheduler(kv, max_num_seqs, budget, max_model_len, chunked)
 
 
@@ -353,7 +354,7 @@ def test_min_tokens_defers_eos_and_stop_tokens():
 # ---------------------------------------------------------------- KV cache manager and block pool
 
 def test_allocate_slots_counts_blocks_and_rolls_back():
-    kv = KVCacheManager(5, BS)
+    kv = KVCacheManager(5, BS, enable_prefix_caching=False)
     req = make_req("r", 9)
     assert len(kv.allocate_slots(req, 9)) == 3
     req.num_computed_tokens = 9
@@ -368,7 +369,7 @@ def test_allocate_slots_counts_blocks_and_rolls_back():
 
 
 def test_block_table_maps_tokens_in_order():
-    kv = KVCacheManager(8, BS)
+    kv = KVCacheManager(8, BS, enable_prefix_caching=False)
     req = make_req("r", 6)
     ids = kv.allocate_slots(req, 6)
     req.num_computed_tokens = 6
@@ -404,7 +405,7 @@ def test_block_pool_touch_revives_a_free_block_and_lru_order():
 
 
 def test_kv_manager_frees_tail_first():
-    kv = KVCacheManager(4, BS)
+    kv = KVCacheManager(4, BS, enable_prefix_caching=False)
     req = make_req("r", 16)
     ids = kv.allocate_slots(req, 16)
     kv.free(req)
