@@ -7,10 +7,12 @@ every test module reuses them.
 
 from __future__ import annotations
 
+import copy
 import importlib.metadata
 import os
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -127,3 +129,62 @@ def check_no_leaks(engine) -> None:
 def assert_no_leaks():
     """The ``check_no_leaks(engine)`` helper as a fixture (tests import nothing from conftest)."""
     return check_no_leaks
+
+
+# ---------------------------------------------------------------- transformers greedy references
+
+GREEDY_GAP_TOL = 1e-3  # a greedy pick may flip only where the reference's top-2 logits are this close
+
+
+def hf_greedy(model, prompt: list[int], max_new: int) -> tuple[list[int], torch.Tensor]:
+    """transformers float32 greedy ``generate`` of exactly ``max_new`` tokens, EOS disabled.
+
+    Returns:
+        ``(token_ids, logits)`` with ``logits`` ``[max_new, vocab]``: the scores each token was picked from.
+    """
+    saved = model.generation_config
+    model.generation_config = copy.deepcopy(saved)
+    model.generation_config.eos_token_id = None  # a None argument would fall back to the model's EOS
+    try:
+        with torch.no_grad():
+            out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                 do_sample=False, max_new_tokens=max_new, min_new_tokens=max_new,
+                                 pad_token_id=saved.pad_token_id if saved.pad_token_id is not None else 0,
+                                 output_scores=True, return_dict_in_generate=True)
+    finally:
+        model.generation_config = saved
+    return out.sequences[0, len(prompt):].tolist(), torch.stack([x[0] for x in out.scores]).float()
+
+
+def assert_greedy_match(ours: list[int], ref_ids: list[int], ref_logits: torch.Tensor, what: str = "") -> None:
+    """Greedy ids must equal the reference, except after a reference near-tie (gap < ``GREEDY_GAP_TOL``)."""
+    for i, (a, b) in enumerate(zip(ours, ref_ids)):
+        if a != b:
+            top = ref_logits[i].topk(2).values
+            gap = float(top[0] - top[1])
+            assert gap < GREEDY_GAP_TOL, (f"{what}: first difference at output position {i}: ours {a}, "
+                                          f"reference {b}, reference top-2 gap {gap:.2e}")
+            return
+    assert len(ours) == len(ref_ids), f"{what}: {len(ours)} tokens, reference has {len(ref_ids)}"
+
+
+def assert_same_greedy(got: list[int], want: list[int], prompt: list[int], hf_model, what: str = "") -> None:
+    """Two engine configurations must give the same greedy tokens.
+
+    They may differ only where float rounding can flip a pick: then both must
+    follow the transformers reference up to one of its near-ties.
+    ``hf_model`` is the model or a zero-argument callable returning it (loaded only when needed).
+    """
+    if got == want:
+        return
+    model = hf_model() if callable(hf_model) and not isinstance(hf_model, torch.nn.Module) else hf_model
+    ref_ids, ref_logits = hf_greedy(model, prompt, len(want))
+    assert_greedy_match(want, ref_ids, ref_logits, f"{what} (reference configuration)")
+    assert_greedy_match(got, ref_ids, ref_logits, what)
+
+
+@pytest.fixture
+def greedy_ref():
+    """Greedy-reference helpers: ``hf_greedy``, ``assert_greedy_match``, ``assert_same_greedy``, ``gap_tol``."""
+    return SimpleNamespace(hf_greedy=hf_greedy, assert_greedy_match=assert_greedy_match,
+                           assert_same_greedy=assert_same_greedy, gap_tol=GREEDY_GAP_TOL)
