@@ -23,8 +23,9 @@ How
 Results are printed as a table and written as JSON to
 ``benchmarks/results/throughput-<date>.json`` (or ``--json-out``).
 
-Usage: python benchmarks/throughput.py [--num-prompts 64 --input-len 128
-       --output-len 128 --batch-size 16 --skip-hf --json-out PATH]
+Usage: python benchmarks/throughput.py [--num-prompts 64 --input-len 128 --output-len 128
+       --batch-size 16 --skip-hf --json-out PATH]. Timings need an idle machine: the
+"other CPU" column is the share of all cores that other processes used meanwhile.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import datetime
 import json
 import os
 import platform
+import subprocess
 import time
 from pathlib import Path
 
@@ -44,22 +46,48 @@ from pagedllm import LLM, SamplingParams
 
 
 def machine_facts() -> dict:
-    cpu = "unknown"
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+        cpu = next(ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                   if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        cpu = platform.processor() or "unknown"
     import transformers
     return {"cpu_model": cpu, "cpu_count": os.cpu_count(),
             "affinity_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
             "torch_num_threads": torch.get_num_threads(), "python": platform.python_version(),
             "torch": torch.__version__, "transformers": transformers.__version__,
-            "pagedllm": pagedllm.__version__,
+            "pagedllm": pagedllm.__version__, "pagedllm_git": _git_describe(),
             "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "loadavg_1_5_15_at_start": os.getloadavg()}
+
+
+def _git_describe() -> str | None:
+    """Commit of the pagedllm checkout, with ``-dirty`` when the tree has local changes."""
+    try:
+        return subprocess.run(["git", "describe", "--always", "--dirty"], cwd=Path(pagedllm.__file__).parent,
+                              capture_output=True, text=True, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _cpu_seconds() -> tuple[float, float]:
+    """(non-idle CPU seconds of the whole machine, CPU seconds of this process), for contention checks."""
+    try:
+        v = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+        busy = (sum(v) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError):
+        busy = float("nan")
+    t = os.times()
+    return busy, t.user + t.system
+
+
+def timed(fn):
+    """Run ``fn()``; return (result, wall s, share of all cores used by *other* processes meanwhile)."""
+    b0, o0 = _cpu_seconds()
+    t0 = time.perf_counter()
+    res = fn()
+    wall, (b1, o1) = time.perf_counter() - t0, _cpu_seconds()
+    return res, wall, max(0.0, ((b1 - b0) - (o1 - o0)) / (wall * (os.cpu_count() or 1)))
 
 
 def make_prompts(tokenizer, n: int, length: int, seed: int) -> list[list[int]]:
@@ -72,19 +100,19 @@ def make_prompts(tokenizer, n: int, length: int, seed: int) -> list[list[int]]:
 
 def run_pagedllm(args, prompts) -> tuple[dict, list[list[int]], str]:
     blocks_per_seq = -(-(args.input_len + args.output_len) // 16)
-    llm = LLM(max_num_seqs=args.num_prompts, block_size=16,
-              num_kv_blocks=args.num_prompts * blocks_per_seq + 16,
+    llm = LLM(max_num_seqs=args.num_prompts, block_size=16, num_kv_blocks=args.num_prompts * blocks_per_seq + 16,
               max_num_batched_tokens=max(2048, args.input_len))
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-    llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    wall = time.perf_counter() - t0
+    warm = make_prompts(llm.get_tokenizer(), 2, 16, args.seed + 1)  # not the timed prompts: no prefix-cache hits
+    llm.generate(warm, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    steps0 = llm.engine.stats["num_steps"]
+    outs, wall, other = timed(lambda: llm.generate(prompts, params, use_tqdm=False))
     gen = sum(len(o.outputs[0].token_ids) for o in outs)
     assert gen == args.num_prompts * args.output_len, f"pagedllm generated {gen} tokens"
     res = {"engine": "pagedllm", "config": f"max_num_seqs={args.num_prompts}", "wall_s": wall,
-           "output_tokens": gen, "prompt_tokens": sum(map(len, prompts)),
-           "engine_steps": llm.engine.stats["num_steps"]}
+           "other_cpu_share": other, "output_tokens": gen, "prompt_tokens": sum(map(len, prompts)),
+           "engine_steps": llm.engine.stats["num_steps"] - steps0,
+           "engine_args": {k: str(v) for k, v in vars(llm.engine.args).items()}}
     model_dir = str(llm.engine.model_dir)
     del llm
     return res, [list(o.outputs[0].token_ids) for o in outs[:3]], model_dir
@@ -93,7 +121,7 @@ def run_pagedllm(args, prompts) -> tuple[dict, list[list[int]], str]:
 def run_hf(args, prompts, model_dir: str, batch_sizes: list[int]) -> tuple[list[dict], list[list[int]]]:
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    kw = dict(do_sample=False, use_cache=True, pad_token_id=model.config.eos_token_id)
+    kw = dict(do_sample=False, use_cache=True, pad_token_id=model.config.eos_token_id)  # no padding happens
 
     def gen(batch, n):
         ids = torch.tensor(batch, dtype=torch.long)
@@ -105,24 +133,16 @@ def run_hf(args, prompts, model_dir: str, batch_sizes: list[int]) -> tuple[list[
     with torch.inference_mode():
         gen(prompts[:2], 4)  # warm-up
         for bs in batch_sizes:
-            t0 = time.perf_counter()
-            toks = []
-            for i in range(0, len(prompts), bs):
-                toks.extend(gen(prompts[i:i + bs], args.output_len).tolist())
-            wall = time.perf_counter() - t0
+            toks, wall, other = timed(lambda: [t for i in range(0, len(prompts), bs)
+                                               for t in gen(prompts[i:i + bs], args.output_len).tolist()])
             gen_n = sum(map(len, toks))
             assert gen_n == len(prompts) * args.output_len, f"HF generated {gen_n} tokens"
             results.append({"engine": "hf-transformers", "config": f"static batch={bs}", "batch_size": bs,
-                            "wall_s": wall, "output_tokens": gen_n, "prompt_tokens": sum(map(len, prompts))})
+                            "wall_s": wall, "other_cpu_share": other, "output_tokens": gen_n,
+                            "prompt_tokens": sum(map(len, prompts))})
             first3 = first3 or toks[:3]
             print(f"  HF batch={bs}: {wall:.1f} s", flush=True)
     return results, first3
-
-
-def hf_batch_sizes(args) -> list[int]:
-    if args.batch_size:
-        return [args.batch_size]
-    return sorted({min(16, args.num_prompts), args.num_prompts})
 
 
 def main() -> None:
@@ -151,7 +171,8 @@ def main() -> None:
     rows, match = [paged], None
     if not args.skip_hf:
         print("running HF transformers ...", flush=True)
-        hf_rows, hf3 = run_hf(args, prompts, model_dir, hf_batch_sizes(args))
+        sizes = [args.batch_size] if args.batch_size else sorted({min(16, args.num_prompts), args.num_prompts})
+        hf_rows, hf3 = run_hf(args, prompts, model_dir, sizes)
         rows += hf_rows
         match = sum(a == b for a, b in zip(paged3, hf3))
     for r in rows:
@@ -160,10 +181,12 @@ def main() -> None:
 
     print(f"\nworkload: {args.num_prompts} prompts x {args.input_len} in / {args.output_len} out, "
           f"greedy, ignore_eos, float32, {facts['torch_num_threads']} threads")
-    print(f"{'engine':<16} {'config':<22} {'wall s':>8} {'out tok/s':>10} {'total tok/s':>12}")
+    print(f"{'engine':<16} {'config':<22} {'wall s':>8} {'out tok/s':>10} {'total tok/s':>12} {'other CPU':>10}")
     for r in rows:
         print(f"{r['engine']:<16} {r['config']:<22} {r['wall_s']:>8.2f} {r['output_tok_s']:>10.1f} "
-              f"{r['total_tok_s']:>12.1f}")
+              f"{r['total_tok_s']:>12.1f} {r['other_cpu_share']:>10.0%}")
+    if any(r["other_cpu_share"] > 0.05 for r in rows):
+        print("WARNING: other processes used >5% of the CPUs during a timed run; the numbers are skewed")
     summary = {}
     if not args.skip_hf:
         best = max(rows[1:], key=lambda r: r["output_tok_s"])
@@ -172,8 +195,7 @@ def main() -> None:
                    "greedy_match": f"{match}/3"}
         print(f"ratio pagedllm / HF-best (batch={best['batch_size']}): {summary['ratio_output_tok_s']:.2f}x")
         print(f"greedy match: {match}/3")
-    summary["benchmark_wall_s"] = time.perf_counter() - start
-    summary["loadavg_1_5_15_at_end"] = os.getloadavg()  # other processes on the box skew timings
+    summary.update(benchmark_wall_s=time.perf_counter() - start, loadavg_1_5_15_at_end=os.getloadavg())
     print(f"benchmark wall time: {summary['benchmark_wall_s']:.1f} s")
 
     out = Path(args.json_out) if args.json_out else (
