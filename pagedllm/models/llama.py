@@ -71,10 +71,14 @@ class RotaryEmbedding(nn.Module):
         self.cos = (emb.cos() * self._scaling).to(device)
         self.sin = (emb.sin() * self._scaling).to(device)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate ``q`` ``[T, H, D]`` and ``k`` ``[T, KVH, D]`` by their ``positions`` ``[T]``."""
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin ``[T, 1, D]`` for ``positions`` ``[T]``; computed once per step, shared by all layers."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+
+    @staticmethod
+    def apply(rope: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate ``q`` ``[T, H, D]`` and ``k`` ``[T, KVH, D]`` by the ``lookup`` result."""
+        cos, sin = rope
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
@@ -101,15 +105,15 @@ class LlamaAttention(nn.Module):
         self.rotary = rotary
         self.scale = self.head_dim ** -0.5
 
-    def forward(self, positions, x, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
-        """``x`` ``[T, hidden]`` -> ``[T, hidden]``; writes this layer's K/V into ``kv_cache``."""
+    def forward(self, rope, x, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        """``x`` ``[T, hidden]`` -> ``[T, hidden]`` (``rope``: the step's cos/sin); writes this layer's K/V into ``kv_cache``."""
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         t = x.shape[0]
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
+        q, k = RotaryEmbedding.apply(rope, q, k)
         o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(o.reshape(t, self.q_size))
 
@@ -140,9 +144,9 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
-    def forward(self, positions, x, kv_cache, meta) -> torch.Tensor:
+    def forward(self, rope, x, kv_cache, meta) -> torch.Tensor:
         """``[T, hidden]`` -> ``[T, hidden]``."""
-        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
+        x = x + self.self_attn(rope, self.input_layernorm(x), kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -185,8 +189,9 @@ class LlamaForCausalLM(nn.Module):
             ``[R, vocab]`` float32 logits.
         """
         x = self.embed_tokens(input_ids)
+        rope = self.rotary.lookup(positions, x.dtype)
         for layer, kv in zip(self.layers, kv_caches):
-            x = layer(positions, x, kv, meta)
+            x = layer(rope, x, kv, meta)
         x = self.norm(x.index_select(0, logits_indices))
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(x, w).float()
