@@ -36,7 +36,8 @@ class AttentionMetadata:
         decode_token_idx: ``[num_decodes]`` int64 rows of one-token requests.
         decode_slots: ``[num_decodes, max_len]`` int64 cache slots of each decode's context,
             padded with slot 0.
-        decode_mask: ``[num_decodes, 1, 1, max_len]`` bool, True where a slot is real.
+        decode_mask: ``[num_decodes, 1, 1, max_len]`` bool, True where a slot is real;
+            ``None`` when every decode has ``max_len`` tokens (no padding, so SDPA runs unmasked).
         prefills: requests with more than one query token.
     """
 
@@ -46,5 +47,5 @@ class AttentionMetadata:
     seq_lens: torch.Tensor
     decode_token_idx: torch.Tensor
     decode_slots: torch.Tensor
-    decode_mask: torch.Tensor
+    decode_mask: torch.Tensor | None
     prefills: list[PrefillSeq]

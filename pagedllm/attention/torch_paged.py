@@ -44,14 +44,15 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     gqa = num_heads != kvh
     out = torch.empty_like(query)
     if meta.decode_token_idx.numel():
-        q = query.index_select(0, meta.decode_token_idx).unsqueeze(2)            # [B, H, 1, D]
         # index_select copies whole rows; advanced indexing is ~3x slower on CPU
         b, length = meta.decode_slots.shape
         flat = meta.decode_slots.view(-1)
         k = k_flat.index_select(0, flat).view(b, length, kvh, d).transpose(1, 2)   # [B, KVH, L, D]
         v = v_flat.index_select(0, flat).view(b, length, kvh, d).transpose(1, 2)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.decode_mask, scale=scale, enable_gqa=gqa)
-        out.index_copy_(0, meta.decode_token_idx, o.squeeze(2))
+        # one query row per head of a KV group: no K/V expansion for grouped-query attention
+        q = query.index_select(0, meta.decode_token_idx).view(b, kvh, num_heads // kvh, d)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.decode_mask, scale=scale)
+        out.index_copy_(0, meta.decode_token_idx, o.reshape(b, num_heads, d))
     for p in meta.prefills:
         q = query[p.q_start:p.q_end].transpose(0, 1).unsqueeze(0)                 # [1, H, n, D]
         k = k_flat.index_select(0, p.gather_slots).transpose(0, 1).unsqueeze(0)    # [1, KVH, S, D]

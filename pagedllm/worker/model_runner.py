@@ -142,7 +142,7 @@ class ModelRunner:
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
             decode_token_idx=torch.tensor(dec_idx, dtype=torch.int64, device=dev),
             decode_slots=torch.from_numpy(ds).to(dev),
-            decode_mask=torch.from_numpy(dm).to(dev).view(len(dec_slots), 1, 1, max_len),
+            decode_mask=None if dm.all() else torch.from_numpy(dm).to(dev).view(len(dec_slots), 1, 1, max_len),
             prefills=prefills)
         input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
         positions = torch.from_numpy(np.concatenate(pos)).to(dev)
