@@ -137,10 +137,11 @@ GREEDY_GAP_TOL = 1e-3  # a greedy pick may flip only where the reference's top-2
 
 
 def hf_greedy(model, prompt: list[int], max_new: int) -> tuple[list[int], torch.Tensor]:
-    """transformers float32 greedy ``generate`` of exactly ``max_new`` tokens, EOS disabled.
+    """transformers float32 greedy ``generate`` of exactly ``max_new`` tokens, EOS disabled
+    (neither stops nor is suppressed: the engine's ``ignore_eos``).
 
     Returns:
-        ``(token_ids, logits)`` with ``logits`` ``[max_new, vocab]``: the scores each token was picked from.
+        ``(token_ids, logits)`` with ``logits`` ``[max_new, vocab]`` float32: the scores each token was picked from.
     """
     saved = model.generation_config
     model.generation_config = copy.deepcopy(saved)
@@ -183,7 +184,7 @@ def assert_same_greedy(got: list[int], want: list[int], prompt: list[int], hf_mo
     assert_greedy_match(got, ref_ids, ref_logits, what)
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def greedy_ref():
     """Greedy-reference helpers: ``hf_greedy``, ``assert_greedy_match``, ``assert_same_greedy``, ``gap_tol``."""
     return SimpleNamespace(hf_greedy=hf_greedy, assert_greedy_match=assert_greedy_match,

@@ -12,8 +12,6 @@ prefill through a small token budget, and a KV pool small enough to preempt.
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
@@ -57,34 +55,6 @@ def build_prompts(tokenizer) -> list[list[int]]:
     lengths = [len(p) for p in prompts]
     assert min(lengths) == 1 and max(lengths) >= 300 and len(set(map(tuple, prompts))) == 8
     return prompts
-
-
-def hf_greedy(model, prompt: list[int], max_new: int = MAX_NEW, keep_eos: bool = False):
-    """transformers greedy ``generate`` of exactly ``max_new`` tokens.
-
-    By default EOS is disabled (neither stops nor is suppressed: the engine's
-    ``ignore_eos``); with ``keep_eos`` it is suppressed by ``min_new_tokens``
-    (the engine's ``min_tokens``).
-
-    Returns:
-        ``(token_ids, scores)`` with ``scores`` ``[max_new, vocab]``: the processed
-        logits each token was picked from (EOS at -inf where it was suppressed).
-    """
-    saved = model.generation_config
-    model.generation_config = copy.deepcopy(saved)
-    if not keep_eos:
-        model.generation_config.eos_token_id = None  # a None argument would fall back to the model's EOS
-    try:
-        with torch.no_grad():
-            out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                                 do_sample=False, max_new_tokens=max_new, min_new_tokens=max_new,
-                                 pad_token_id=saved.pad_token_id if saved.pad_token_id is not None else 0,
-                                 output_scores=True, return_dict_in_generate=True)
-    finally:
-        model.generation_config = saved
-    ids = out.sequences[0, len(prompt):].tolist()
-    assert len(ids) == max_new
-    return ids, torch.stack([x[0] for x in out.scores]).float()
 
 
 def top2_gap(logits: torch.Tensor) -> float:
@@ -154,8 +124,8 @@ def smol_prompts(smollm2_tokenizer):
 
 
 @pytest.fixture(scope="module")
-def smol_refs(hf_smollm2, smol_prompts):
-    return [hf_greedy(hf_smollm2, p) for p in smol_prompts]
+def smol_refs(hf_smollm2, smol_prompts, greedy_ref):
+    return [greedy_ref.hf_greedy(hf_smollm2, p, MAX_NEW) for p in smol_prompts]
 
 
 SMOL_CONFIGS = {
@@ -239,13 +209,13 @@ TINY_CONFIGS = {
 
 
 @pytest.fixture(scope="module", params=["llama", "llama_bias_tied", "qwen2"])
-def tiny_case(request, tiny_model_dir, smol_prompts):
+def tiny_case(request, tiny_model_dir, smol_prompts, greedy_ref):
     """(kind, model dir, prompts, references) for one tiny architecture."""
     from transformers import AutoModelForCausalLM
     path = tiny_model_dir(request.param)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     prompts = smol_prompts[:4] + smol_prompts[5:7] + [smol_prompts[7][:300]]
-    refs = [hf_greedy(hf, p) for p in prompts]
+    refs = [greedy_ref.hf_greedy(hf, p, MAX_NEW) for p in prompts]
     return request.param, path, prompts, refs
 
 
