@@ -90,10 +90,12 @@ def build_app(llm: AsyncLLM, model_name: str, chat_template: str | None = None) 
 
     @app.get("/health")
     async def health() -> Response:
+        """200 while the engine loop runs, 503 once it has died."""
         return Response(status_code=200 if llm.is_healthy else 503)
 
     @app.get("/v1/models")
     async def models() -> dict:
+        """The served model, in the OpenAI ``/v1/models`` list shape (``max_model_len`` in tokens)."""
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": now(),
                                             "owned_by": "pagedllm", "root": str(llm.engine.model_dir),
                                             "max_model_len": llm.engine.max_model_len}]}
@@ -114,10 +116,12 @@ def build_app(llm: AsyncLLM, model_name: str, chat_template: str | None = None) 
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
+        """OpenAI Chat Completions; SSE when ``stream`` is true. 400/404/503 as OpenAI error bodies."""
         return await respond(request, serving.chat(body))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
+        """OpenAI (legacy) Completions; SSE when ``stream`` is true. 400/404/503 as OpenAI error bodies."""
         return await respond(request, serving.completion(body))
 
     return app
