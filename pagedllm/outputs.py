@@ -39,7 +39,9 @@ class RequestOutput:
         prompt_token_ids: the prompt as token ids.
         outputs: one ``CompletionOutput`` per sample.
         finished: True when every output has finished.
-        metrics: timings in seconds since the epoch: ``arrival``, ``first_token``, ``finished``.
+        metrics: timings in seconds since the epoch (``arrival``, ``first_token``, and
+            ``finished`` once finished) and token counts (``num_prompt_tokens``,
+            ``num_generation_tokens`` so far).
     """
 
     request_id: str

@@ -41,6 +41,7 @@ class AsyncLLM:
         self.errored: BaseException | None = None
         self._stop = threading.Event()
         self._stats: dict = engine.get_stats()
+        self._finished_callbacks: list = []
         self._thread = threading.Thread(target=self._loop, name="pagedllm-engine", daemon=True)
         self._thread.start()
 
@@ -52,6 +53,20 @@ class AsyncLLM:
     def get_stats(self) -> dict:
         """Engine counters as of the last step (see ``LLMEngine.get_stats``)."""
         return dict(self._stats)
+
+    def add_finished_callback(self, fn) -> None:
+        """Call ``fn(output)`` in the engine thread for every request that finishes
+        (not for aborts). ``output.metrics`` then holds ``arrival``, ``first_token``,
+        ``finished`` (seconds since the epoch) and ``num_generation_tokens``.
+        Exceptions from ``fn`` are logged and ignored."""
+        self._finished_callbacks.append(fn)
+
+    def _on_finished(self, out: RequestOutput) -> None:
+        for fn in self._finished_callbacks:
+            try:
+                fn(out)
+            except Exception:  # metrics must never take the engine down
+                logger.exception("finished-request callback failed")
 
     def shutdown(self) -> None:
         """Stop the engine thread (pending requests are aborted)."""
@@ -70,6 +85,8 @@ class AsyncLLM:
                     self._stats = eng.get_stats()  # an abort freed blocks without a step
                     continue
                 for out in eng.step(delta=True):
+                    if out.finished:
+                        self._on_finished(out)
                     self._deliver(out.request_id, out)
                 self._stats = eng.get_stats()
         except BaseException as e:  # report to every waiter, never die silently

@@ -82,7 +82,8 @@ class OutputProcessor:
             else:
                 text, toks = st.detok.output_text[:st.detok.sent_offset], list(st.token_ids)
             comp = CompletionOutput(0, text, toks, finish_reason, stop_reason)
-            metrics = {"arrival": st.arrival, "first_token": st.first_token_time or now}
+            metrics = {"arrival": st.arrival, "first_token": st.first_token_time or now,
+                       "num_prompt_tokens": len(st.prompt_token_ids), "num_generation_tokens": len(st.token_ids)}
             if finished:
                 metrics["finished"] = now
                 del self.states[eo.request_id]
