@@ -6,6 +6,26 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class Logprob:
+    """One token's log-probability (vLLM's ``Logprob``).
+
+    Attributes:
+        logprob: natural-log probability under the model's raw distribution.
+        rank: 1-based rank among the vocabulary (1 = most likely).
+        decoded_token: the token's text. For a sampled or prompt token this is the
+            text it added to the output, so the tokens of an output join to its text.
+    """
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+# per position: token id -> Logprob; the position's own token first, then the top-k
+PositionLogprobs = dict[int, Logprob]
+
+
+@dataclass
 class CompletionOutput:
     """One generated sequence of a request.
 
@@ -15,6 +35,7 @@ class CompletionOutput:
         token_ids: generated token ids (the new ones only in delta mode).
         finish_reason: ``"stop"``, ``"length"``, ``"abort"`` or ``None`` while running.
         stop_reason: the stop string or stop token id that ended the output, if any.
+        logprobs: one ``PositionLogprobs`` per entry of ``token_ids`` when requested, else ``None``.
     """
 
     index: int
@@ -22,6 +43,7 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    logprobs: list[PositionLogprobs] | None = None
 
     @property
     def finished(self) -> bool:
@@ -38,6 +60,8 @@ class RequestOutput:
         prompt: prompt text, if the request had one.
         prompt_token_ids: the prompt as token ids.
         outputs: one ``CompletionOutput`` per sample.
+        prompt_logprobs: with ``SamplingParams.prompt_logprobs``, one entry per prompt
+            token, ``None`` for the first (it has no context); else ``None``.
         finished: True when every output has finished.
         metrics: timings in seconds since the epoch (``arrival``, ``first_token``, and
             ``finished`` once finished) and token counts (``num_prompt_tokens``,
@@ -50,3 +74,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     metrics: dict[str, float] = field(default_factory=dict)
+    prompt_logprobs: list[PositionLogprobs | None] | None = None

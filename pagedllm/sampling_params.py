@@ -8,7 +8,10 @@ starts with the parameter name, so the server can report it as ``param``.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+
+MAX_LOGPROBS = 20  # vLLM's default --max-logprobs; OpenAI's top_logprobs limit
+MAX_N = 128        # a bound vLLM lacks: each sample is a request, and n=10**6 would exhaust memory
 
 
 class SamplingParamError(ValueError):
@@ -24,12 +27,20 @@ class SamplingParams:
     """How to sample one request's output.
 
     Attributes:
-        n: number of output sequences (only 1 is supported so far).
+        n: number of output sequences; each is sampled as its own request, sharing
+            the prompt's KV blocks through the prefix cache. With a ``seed``,
+            sample ``i`` uses ``seed + i`` (as vLLM).
         temperature: softmax temperature; 0 means greedy (argmax).
         top_p: nucleus sampling mass in (0, 1].
         top_k: keep the k most likely tokens; 0 or -1 disables.
         min_p: drop tokens whose probability is below ``min_p`` times the top one.
         seed: per-request seed; the tokens then do not depend on the batch.
+        presence_penalty: subtracted from the logit of every token already generated,
+            in [-2, 2] (OpenAI's definition).
+        frequency_penalty: subtracted once per earlier occurrence in the output, in [-2, 2].
+        repetition_penalty: CTRL's penalty (Keskar et al. 2019) on tokens of the prompt
+            and output: positive logits are divided by it, negative ones multiplied; > 0.
+        logit_bias: token id -> bias in [-100, 100] added to the logit before sampling.
         max_tokens: most tokens to generate (``None``: up to ``max_model_len``).
         min_tokens: tokens to generate before EOS / stop token ids may end the output.
         stop: strings that end the output; the match is not included in the text.
@@ -37,7 +48,13 @@ class SamplingParams:
         ignore_eos: keep generating after the EOS token.
         include_stop_str_in_output: keep the matched stop string in the text.
         skip_special_tokens: drop special tokens from the detokenized text.
-        logprobs: number of top logprobs per generated token (``None``: none).
+        spaces_between_special_tokens: put spaces around special tokens in the text
+            (only tokenizers whose ``decode`` supports it; fast tokenizers ignore it, as in vLLM).
+        logprobs: number of top logprobs per generated token (``None``: none; 0: only the
+            sampled token's). Logprobs are the model's raw log-softmax, before penalties,
+            bias and temperature (vLLM's default ``raw_logprobs`` mode).
+        prompt_logprobs: like ``logprobs`` for every prompt token after the first.
+            Such requests do not read the prefix cache (a cached prefix has no logits).
     """
 
     n: int = 1
@@ -46,6 +63,10 @@ class SamplingParams:
     top_k: int = 0
     min_p: float = 0.0
     seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
     max_tokens: int | None = 16
     min_tokens: int = 0
     stop: list[str] | str | None = None
@@ -53,7 +74,9 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     extra_args: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -61,6 +84,11 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = [s for s in (self.stop or []) if s]
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.logit_bias:
+            try:
+                self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            except (TypeError, ValueError):
+                raise SamplingParamError("logit_bias", "logit_bias: keys must be token ids and values numbers") from None
         self.validate()
 
     def validate(self) -> None:
@@ -74,8 +102,8 @@ class SamplingParams:
 
         if not isinstance(self.n, int) or self.n < 1:
             bad("n", f"must be at least 1, got {self.n}")
-        if self.n != 1:
-            bad("n", "only n=1 is supported")
+        if self.n > MAX_N:
+            bad("n", f"must be at most {MAX_N}, got {self.n}")
         if self.temperature is None or not math.isfinite(self.temperature) or self.temperature < 0:
             bad("temperature", f"must be a finite non-negative number, got {self.temperature}")
         if math.isnan(self.top_p) or not 0.0 < self.top_p <= 1.0:
@@ -90,8 +118,30 @@ class SamplingParams:
             bad("min_tokens", f"must be non-negative, got {self.min_tokens}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad("min_tokens", f"must be <= max_tokens={self.max_tokens}, got {self.min_tokens}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            bad("logprobs", f"must be in [0, 20], got {self.logprobs}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not math.isfinite(v) or not -2.0 <= v <= 2.0:
+                bad(name, f"must be in [-2, 2], got {v}")
+        if not math.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0:
+            bad("repetition_penalty", f"must be a finite number > 0, got {self.repetition_penalty}")
+        for tok, bias in (self.logit_bias or {}).items():
+            if tok < 0:
+                bad("logit_bias", f"token ids must be non-negative, got {tok}")
+            if not math.isfinite(bias) or not -100.0 <= bias <= 100.0:
+                bad("logit_bias", f"values must be in [-100, 100], got {bias} for token {tok}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and not 0 <= v <= MAX_LOGPROBS:
+                bad(name, f"must be in [0, {MAX_LOGPROBS}], got {v}")
+
+    @property
+    def has_penalties(self) -> bool:
+        """True when any of presence, frequency or repetition penalty is active."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    def child(self, index: int) -> "SamplingParams":
+        """Parameters of sample ``index`` of an ``n > 1`` request: ``n=1`` and ``seed + index``."""
+        return replace(self, n=1, seed=None if self.seed is None else self.seed + index)
 
     @property
     def greedy(self) -> bool:

@@ -53,14 +53,14 @@ class KVCacheManager:
         """The longest run of cached full blocks that prefixes the request's tokens.
 
         The hit is capped so the last token is always computed (its logits
-        give the next token). The caller counts the lookup with
+        give the next token). A request asking for prompt logprobs gets no hit. The caller counts the lookup with
         ``record_prefix_query`` once the request is admitted.
 
         Returns:
             ``(blocks, num_tokens)``: the blocks to reuse and the tokens they cover.
         """
-        if not self.enable_prefix_caching:
-            return [], 0
+        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
+            return [], 0  # prompt logprobs need the logits of every prompt position
         hashes = self._hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
         blocks = []

@@ -177,7 +177,11 @@ class Scheduler:
 
     # ---- results -----------------------------------------------------------
     def update_from_output(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[EngineCoreOutput]:
-        """Append sampled tokens, apply EOS / stop token / length limits, free finished requests."""
+        """Append sampled tokens, apply EOS / stop token / length limits, free finished requests.
+
+        Prompt logprobs of a step that sampled nothing (a partial prefill chunk)
+        are passed on in an output without tokens.
+        """
         outputs = []
         for rid, token in runner_out.sampled_token_ids.items():
             req = self.requests.get(rid)
@@ -189,7 +193,13 @@ class Scheduler:
                 req.status = status
                 self.running.remove(req)
                 self._free(req)
-            outputs.append(EngineCoreOutput(rid, [token], req.status.finish_reason, req.stop_reason))
+            lp = runner_out.logprobs.get(rid)
+            outputs.append(EngineCoreOutput(rid, [token], req.status.finish_reason, req.stop_reason,
+                                            None if lp is None else [lp], runner_out.prompt_logprobs.get(rid)))
+        for rid, plp in runner_out.prompt_logprobs.items():
+            req = self.requests.get(rid)
+            if rid not in runner_out.sampled_token_ids and req is not None and not req.is_finished():
+                outputs.append(EngineCoreOutput(rid, [], prompt_logprobs=plp))
         return outputs
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker.sampler import TokenLogprobs
 
 
 @dataclass
@@ -78,9 +79,14 @@ class ModelRunnerOutput:
         sampled_token_ids: request id -> sampled token id, only for requests
             whose scheduled tokens reached the end of their sequence (a partial
             prefill chunk samples nothing).
+        logprobs: request id -> logprobs of its sampled token (requests that asked).
+        prompt_logprobs: request id -> ``(first, entries)``: logprobs of prompt tokens
+            ``first, first + 1, ...`` computed this step (requests with ``prompt_logprobs``).
     """
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
 
 
 @dataclass
@@ -92,9 +98,13 @@ class EngineCoreOutput:
         new_token_ids: tokens generated this step.
         finish_reason: ``"stop"``, ``"length"``, ``"abort"`` or ``None``.
         stop_reason: stop token id that ended the request, if any.
+        new_logprobs: logprobs of ``new_token_ids`` (when requested).
+        prompt_logprobs: ``(first, entries)`` as ``ModelRunnerOutput.prompt_logprobs``.
     """
 
     request_id: str
     new_token_ids: list[int]
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    new_logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: tuple[int, list[TokenLogprobs]] | None = None

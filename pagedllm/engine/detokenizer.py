@@ -48,10 +48,12 @@ class IncrementalDetokenizer:
         self.stop_reason: str | None = None
         self._stop_checked = 0  # text before this index holds no stop string
         self._special = special_token_ids(tokenizer) if params.skip_special_tokens else set()
+        self.token_texts: list[str] = []  # per appended token, the text it added (they join to output_text)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode([t for t in ids if t not in self._special], skip_special_tokens=False,
-                                     clean_up_tokenization_spaces=False)
+                                     clean_up_tokenization_spaces=False,
+                                     spaces_between_special_tokens=self.params.spaces_between_special_tokens)
 
     def append(self, new_token_ids: list[int], finished: bool) -> bool:
         """Add tokens; returns True when a stop string ended the output.
@@ -60,7 +62,9 @@ class IncrementalDetokenizer:
         ``stop_reason`` instead).
         """
         for tok in new_token_ids:
+            before = len(self.output_text)
             if tok in self.params.stop_token_ids:
+                self.token_texts.append("")
                 continue
             self.tokens.append(tok)
             prefix = self._decode(self.tokens[self.prefix_offset:self.read_offset])
@@ -70,9 +74,23 @@ class IncrementalDetokenizer:
                 self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
             elif finished and tok == new_token_ids[-1] and len(full) > len(prefix):
                 self.output_text += full[len(prefix):]
+            self.token_texts.append(self.output_text[before:])
             if self.stop and self._check_stop():
+                self._trim_token_texts()
                 return True
         return False
+
+    def _trim_token_texts(self) -> None:
+        """Cut the per-token texts after a stop string truncated the output, so they still join to it."""
+        room = len(self.output_text)
+        for i, t in enumerate(self.token_texts):
+            self.token_texts[i] = t[:max(room, 0)]
+            room -= len(t)
+
+    @property
+    def num_tokens(self) -> int:
+        """Generated tokens appended so far (stop token ids included)."""
+        return len(self.token_texts)
 
     def _check_stop(self) -> bool:
         text = self.output_text
@@ -108,3 +126,15 @@ class IncrementalDetokenizer:
             if any(s.startswith(tail) for s in self.stop):
                 return k
         return 0
+
+
+def token_texts(tokenizer, token_ids: list[int], skip_special_tokens: bool = False) -> list[str]:
+    """The text each token adds when ``token_ids`` are decoded left to right; they join to the decoded text.
+
+    A token that ends inside a multi-byte character gets ``""`` and the token
+    completing the character gets all of it.
+    """
+    detok = IncrementalDetokenizer(tokenizer, SamplingParams(max_tokens=None, skip_special_tokens=skip_special_tokens),
+                                   [])
+    detok.append(list(token_ids), finished=True)
+    return detok.token_texts

@@ -79,6 +79,18 @@ class LLMEngine:
             ids.add(self.tokenizer.eos_token_id)
         return ids
 
+    def default_sampling_fields(self) -> dict:
+        """Sampling defaults from the model's ``generation_config.json``, under ``SamplingParams`` names.
+
+        Only fields a request leaves out take these values (vLLM's ``--generation-config auto``):
+        temperature, top_p, top_k, min_p, repetition_penalty, and ``max_new_tokens`` as ``max_tokens``.
+        """
+        gc = self.generation_config
+        out = {k: gc[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty") if k in gc}
+        if gc.get("max_new_tokens") is not None:
+            out["max_tokens"] = gc["max_new_tokens"]
+        return out
+
     # ---- requests ----------------------------------------------------------
     @property
     def context_limit(self) -> int:
@@ -125,10 +137,14 @@ class LLMEngine:
             raise SamplingParamError("prompt", "prompt: must contain at least one token")
         if min(ids) < 0 or max(ids) >= vocab:
             raise SamplingParamError("prompt", f"prompt: token ids must be in [0, {vocab})")
+        bad_bias = [t for t in (params.logit_bias or {}) if t >= vocab]
+        if bad_bias:
+            raise SamplingParamError("logit_bias", f"logit_bias: token ids must be in [0, {vocab}), got {bad_bias[0]}")
         limit = self.context_limit
         if len(ids) >= limit:
+            asked = "" if params.max_tokens is None else f" and requested max_tokens={params.max_tokens}"
             raise PromptTooLongError("prompt", f"This model's maximum context length is {limit} tokens. "
-                                     f"However, your prompt has {len(ids)} tokens.")
+                                     f"However, your prompt has {len(ids)} tokens{asked}.")
         max_tokens = params.max_tokens if params.max_tokens is not None else limit - len(ids)
         if len(ids) + max_tokens > limit:
             raise PromptTooLongError("max_tokens", f"This model's maximum context length is {limit} tokens. "

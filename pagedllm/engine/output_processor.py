@@ -9,9 +9,10 @@ import time
 from dataclasses import dataclass
 
 from pagedllm.core.scheduler_output import EngineCoreOutput
-from pagedllm.engine.detokenizer import IncrementalDetokenizer
-from pagedllm.outputs import CompletionOutput, RequestOutput
+from pagedllm.engine.detokenizer import IncrementalDetokenizer, token_texts
+from pagedllm.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker.sampler import TokenLogprobs
 
 
 @dataclass
@@ -26,6 +27,9 @@ class RequestState:
     token_ids: list[int]
     arrival: float
     first_token_time: float | None = None
+    logprobs: list[PositionLogprobs] | None = None
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    prompt_texts: list[str] | None = None
 
 
 class OutputProcessor:
@@ -38,13 +42,40 @@ class OutputProcessor:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self.states: dict[str, RequestState] = {}
+        self._token_text: dict[int, str] = {}  # decode([id]) of top-k alternatives, cached
+
+    def _text_of(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self._token_text[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+    def _position(self, entry: TokenLogprobs, own_text: str) -> PositionLogprobs:
+        """One position's dict: its own token (with ``own_text``) first, then the alternatives by rank."""
+        pos = {entry.token_ids[0]: Logprob(entry.logprobs[0], entry.rank, own_text)}
+        for r, (tid, lp) in enumerate(zip(entry.token_ids[1:], entry.logprobs[1:]), start=1):
+            if tid not in pos:
+                pos[tid] = Logprob(lp, r, self._text_of(tid))
+        return pos
+
+    def _add_prompt_logprobs(self, st: RequestState, first: int, entries: list[TokenLogprobs]) -> None:
+        """Record prompt logprobs from ``first`` on; positions seen before (a preempted
+        request recomputes its prompt) are ignored."""
+        if st.prompt_texts is None:
+            st.prompt_texts = token_texts(self.tokenizer, st.prompt_token_ids)
+            st.prompt_logprobs = [None]
+        have = len(st.prompt_logprobs)
+        for i, e in enumerate(entries):
+            if first + i == have:
+                st.prompt_logprobs.append(self._position(e, st.prompt_texts[have]))
+                have += 1
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                     params: SamplingParams, arrival: float) -> None:
         """Start tracking a request."""
         self.states[request_id] = RequestState(request_id, prompt, prompt_token_ids, params,
                                                IncrementalDetokenizer(self.tokenizer, params, prompt_token_ids),
-                                               [], arrival)
+                                               [], arrival, logprobs=[] if params.logprobs is not None else None)
 
     def abort(self, request_id: str) -> None:
         """Forget a request (no more outputs for it)."""
@@ -66,6 +97,10 @@ class OutputProcessor:
             st = self.states.get(eo.request_id)
             if st is None:
                 continue
+            if eo.prompt_logprobs is not None:
+                self._add_prompt_logprobs(st, *eo.prompt_logprobs)
+            if not eo.new_token_ids and eo.finish_reason is None:
+                continue  # a prefill chunk: nothing to show yet
             if st.first_token_time is None and eo.new_token_ids:
                 st.first_token_time = now
             finish_reason, stop_reason = eo.finish_reason, eo.stop_reason
@@ -75,17 +110,33 @@ class OutputProcessor:
                 finish_reason, stop_reason = "stop", st.detok.stop_reason
                 if eo.finish_reason is None:
                     stopped.append(eo.request_id)
+            if st.logprobs is not None:
+                texts = st.detok.token_texts
+                for j, e in enumerate(eo.new_logprobs or []):
+                    st.logprobs.append(self._position(e, texts[n_before + j]))
+                if finish_reason == "stop" and stop_reason is not None and isinstance(stop_reason, str):
+                    # a stop string cut the text: keep each token's text consistent with it
+                    for pos, text in zip(st.logprobs, texts):
+                        next(iter(pos.values())).decoded_token = text
             finished = finish_reason is not None
             text_delta = st.detok.get_delta(finished)
+            lps = st.logprobs
             if delta:
                 text, toks = text_delta, st.token_ids[n_before:]
+                lps = None if lps is None else lps[n_before:]
             else:
                 text, toks = st.detok.output_text[:st.detok.sent_offset], list(st.token_ids)
-            comp = CompletionOutput(0, text, toks, finish_reason, stop_reason)
+                lps = None if lps is None else list(lps)
+            comp = CompletionOutput(0, text, toks, finish_reason, stop_reason, lps)
             metrics = {"arrival": st.arrival, "first_token": st.first_token_time or now,
                        "num_prompt_tokens": len(st.prompt_token_ids), "num_generation_tokens": len(st.token_ids)}
             if finished:
                 metrics["finished"] = now
                 del self.states[eo.request_id]
-            results.append(RequestOutput(eo.request_id, st.prompt, st.prompt_token_ids, [comp], finished, metrics))
+            # prompt logprobs go out once, with the first output that carries tokens
+            plp = None
+            if st.prompt_logprobs is not None and (not delta or n_before == 0):
+                plp = list(st.prompt_logprobs)
+            results.append(RequestOutput(eo.request_id, st.prompt, st.prompt_token_ids, [comp], finished, metrics,
+                                         plp))
         return results, stopped

@@ -40,6 +40,11 @@ class LLM:
         """The model's ``transformers`` tokenizer."""
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """``SamplingParams()`` with the model's ``generation_config.json`` sampling defaults
+        (temperature, top_p, top_k, min_p, repetition_penalty), as vLLM's ``--generation-config auto``."""
+        return SamplingParams(**self.engine.default_sampling_fields())
+
     def generate(self, prompts: str | list[int] | Sequence[str | list[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
@@ -58,7 +63,7 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
@@ -76,7 +81,7 @@ class LLM:
             One ``RequestOutput`` per conversation, in input order.
         """
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        sp = sampling_params or SamplingParams()
+        sp = sampling_params or self.get_default_sampling_params()
         items = []
         for conv in convs:
             text = self.engine.tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt,
@@ -86,15 +91,18 @@ class LLM:
         return self._run(items, use_tqdm)
 
     def _run(self, items, use_tqdm: bool) -> list[RequestOutput]:
+        """Add every item (``n`` samples each, as child requests), step to completion, merge the children."""
         eng = self.engine
-        ids = []
+        groups: list[tuple[str, list[str]]] = []  # (request id, child request ids)
         try:
             for prompt, sp, text in items:
                 rid = str(next(self._ids))
-                eng.add_request(rid, prompt, sp, prompt_text=text)
-                ids.append(rid)
+                children = [(f"{rid}_{i}", sp.child(i)) for i in range(sp.n)] if sp.n > 1 else [(rid, sp)]
+                groups.append((rid, [c for c, _ in children]))
+                for cid, csp in children:
+                    eng.add_request(cid, prompt, csp, prompt_text=text)
             done: dict[str, RequestOutput] = {}
-            bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm)
+            bar = tqdm(total=sum(len(g) for _, g in groups), desc="Processed prompts", disable=not use_tqdm)
             while eng.has_unfinished_requests():
                 for out in eng.step():
                     if out.finished:
@@ -102,6 +110,26 @@ class LLM:
                         bar.update(1)
             bar.close()
         except BaseException:
-            eng.abort_request(ids)  # KeyboardInterrupt or a bad prompt: free every block we took
+            eng.abort_request([c for _, g in groups for c in g])  # KeyboardInterrupt or a bad prompt: free every block
             raise
-        return [done[r] for r in ids]
+        return [merge_samples(rid, [done[c] for c in g]) for rid, g in groups]
+
+
+def merge_samples(request_id: str, children: list[RequestOutput]) -> RequestOutput:
+    """One ``RequestOutput`` from the outputs of an ``n``-sample request's children.
+
+    Sample ``i``'s output gets ``index == i``; prompt fields come from the first child.
+    """
+    first = children[0]
+    if len(children) == 1:
+        first.request_id = request_id
+        return first
+    outputs = []
+    for i, child in enumerate(children):
+        comp = child.outputs[0]
+        comp.index = i
+        outputs.append(comp)
+    metrics = dict(first.metrics)
+    metrics["num_generation_tokens"] = sum(c.metrics.get("num_generation_tokens", 0) for c in children)
+    return RequestOutput(request_id, first.prompt, first.prompt_token_ids, outputs,
+                         all(c.finished for c in children), metrics, first.prompt_logprobs)

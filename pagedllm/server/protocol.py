@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import SamplingParamError, SamplingParams
 
 
 def random_id(prefix: str) -> str:
@@ -63,21 +63,26 @@ class _SamplingRequest(BaseModel):
     top_p: float | None = None
     top_k: int | None = Field(default=None, le=2**31 - 1)
     min_p: float | None = None
-    n: int = 1
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    n: int = Field(default=1, le=2**31 - 1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-2**63, le=2**64 - 1)
     ignore_eos: bool = False
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     user: str | None = None
     cache_salt: str | None = Field(default=None, min_length=1, description=(
         "prefix-cache namespace: requests share cached KV blocks only when their salts are equal (vLLM's name)"))
 
-    def _sampling_params(self, max_tokens: int | None, defaults: dict) -> SamplingParams:
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None, defaults: dict) -> SamplingParams:
         """Build ``SamplingParams``; fields left out take the model's generation_config defaults.
 
         Raises:
@@ -87,12 +92,24 @@ class _SamplingRequest(BaseModel):
             v = getattr(self, name)
             return v if v is not None else defaults.get(name, fallback)
 
+        if self.stream_options is not None and not self.stream:
+            raise SamplingParamError("stream_options", "stream_options: only allowed when stream is true")
+        bias = None
+        if self.logit_bias:
+            try:
+                bias = {int(k): v for k, v in self.logit_bias.items()}
+            except ValueError:
+                raise SamplingParamError("logit_bias", "logit_bias: keys must be token ids (integers as strings)") from None
         return SamplingParams(n=self.n, temperature=pick("temperature", 1.0), top_p=pick("top_p", 1.0),
                               top_k=pick("top_k", 0), min_p=pick("min_p", 0.0), seed=self.seed,
+                              presence_penalty=self.presence_penalty or 0.0,
+                              frequency_penalty=self.frequency_penalty or 0.0,
+                              repetition_penalty=pick("repetition_penalty", 1.0), logit_bias=bias,
                               max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop,
                               stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
                               include_stop_str_in_output=self.include_stop_str_in_output,
-                              skip_special_tokens=self.skip_special_tokens)
+                              skip_special_tokens=self.skip_special_tokens,
+                              spaces_between_special_tokens=self.spaces_between_special_tokens, logprobs=logprobs)
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -103,11 +120,23 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
 
     def to_sampling_params(self, defaults: dict) -> SamplingParams:
-        """Sampling parameters; ``max_completion_tokens`` wins over the deprecated ``max_tokens``."""
+        """Sampling parameters; ``max_completion_tokens`` wins over the deprecated ``max_tokens``.
+
+        Raises:
+            SamplingParamError: also when ``top_logprobs`` is set without ``logprobs: true`` (as OpenAI).
+        """
         mt = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self._sampling_params(mt, defaults)
+        if mt is None:
+            mt = defaults.get("max_tokens")
+        if self.top_logprobs is not None and self.top_logprobs > 0 and not self.logprobs:
+            raise SamplingParamError("top_logprobs", "top_logprobs: requires logprobs to be true")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:
+            raise SamplingParamError("top_logprobs", f"top_logprobs: must be in [0, 20], got {self.top_logprobs}")
+        return self._sampling_params(mt, (self.top_logprobs or 0) if self.logprobs else None, defaults)
 
 
 class CompletionRequest(_SamplingRequest):
@@ -116,6 +145,7 @@ class CompletionRequest(_SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     echo: bool = False
+    logprobs: int | None = None
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt(s) as a list of strings or token-id lists."""
@@ -126,9 +156,21 @@ class CompletionRequest(_SamplingRequest):
             return [p]
         return list(p)
 
+    @property
+    def echo_only(self) -> bool:
+        """``echo`` with ``max_tokens: 0``: return the prompt (and its logprobs) and generate nothing."""
+        return self.echo and self.max_tokens == 0
+
     def to_sampling_params(self, defaults: dict) -> SamplingParams:
-        """Sampling parameters of the request."""
-        return self._sampling_params(self.max_tokens, defaults)
+        """Sampling parameters of the request; with ``echo`` and ``logprobs`` the prompt's logprobs too.
+
+        An ``echo_only`` request samples one token that is then dropped (the engine
+        needs at least one step past the prompt to finish it).
+        """
+        sp = self._sampling_params(1 if self.echo_only else self.max_tokens, self.logprobs, defaults)
+        if self.echo and self.logprobs is not None:
+            sp.prompt_logprobs = self.logprobs
+        return sp
 
 
 class UsageInfo(BaseModel):

@@ -1,4 +1,10 @@
-"""Handlers of ``/v1/chat/completions`` and ``/v1/completions`` over ``AsyncLLM``."""
+"""Handlers of ``/v1/chat/completions`` and ``/v1/completions`` over ``AsyncLLM``.
+
+Every choice is its own engine request: ``n`` samples of each prompt become
+``n`` requests that share the prompt's KV blocks through the prefix cache.
+Choice ``i * n + j`` is sample ``j`` of prompt ``i`` (OpenAI's and vLLM's order).
+Their delta outputs are merged into one stream or one response.
+"""
 
 from __future__ import annotations
 
@@ -7,10 +13,13 @@ import json
 from typing import AsyncIterator
 
 from pagedllm.engine.async_llm import AsyncLLM, EngineDeadError
+from pagedllm.engine.detokenizer import token_texts
 from pagedllm.engine.llm_engine import PromptTooLongError
 from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import SamplingParamError
+from pagedllm.request import Request
+from pagedllm.sampling_params import SamplingParamError, SamplingParams
 from pagedllm.server.errors import APIError
+from pagedllm.server.logprobs import chat_logprobs, completion_logprobs
 from pagedllm.server.protocol import ChatCompletionRequest, CompletionRequest, now, random_id
 
 
@@ -20,6 +29,66 @@ def _sse(obj: dict) -> str:
 
 def _usage(prompt: int, completion: int) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _error_event(e: BaseException) -> str:
+    # headers are sent: report in-band, as vLLM does
+    return _sse({"error": {"message": str(e), "type": "internal_error", "param": None, "code": None}})
+
+
+async def merge_outputs(gens: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several requests' outputs as ``(choice index, output)`` in arrival order.
+
+    Raises:
+        Exception: the first error any request reports (e.g. ``EngineDeadError``).
+    Closing this iterator early closes every request's generator, aborting them.
+    """
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, gen) -> None:
+        try:
+            async for out in gen:
+                await queue.put((i, out))
+        except Exception as e:
+            await queue.put((i, e))
+        finally:
+            await queue.put((i, None))
+
+    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+    live = len(gens)
+    try:
+        while live:
+            i, item = await queue.get()
+            if item is None:
+                live -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for g in gens:
+            await g.aclose()
+
+
+class _Choice:
+    """Accumulates one choice's text, tokens and logprobs (non-streaming)."""
+
+    def __init__(self) -> None:
+        self.text, self.num_tokens, self.finish = "", 0, None
+        self.logprobs: list = []
+        self.prompt_logprobs = None
+
+    def add(self, out: RequestOutput) -> None:
+        c = out.outputs[0]
+        self.text += c.text
+        self.num_tokens += len(c.token_ids)
+        self.finish = c.finish_reason
+        self.logprobs += c.logprobs or []
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
 
 
 class OpenAIServing:
@@ -36,8 +105,7 @@ class OpenAIServing:
         self.model_name = model_name
         self.chat_template = chat_template
         self.tokenizer = llm.engine.tokenizer
-        gc = llm.engine.generation_config
-        self.defaults = {k: gc[k] for k in ("temperature", "top_p", "top_k", "min_p") if k in gc}
+        self.defaults = llm.engine.default_sampling_fields()
 
     def check_model(self, model: str | None) -> None:
         """Raises ``APIError`` 404 when the request names a model we do not serve, and
@@ -48,13 +116,13 @@ class OpenAIServing:
         if model is not None and model != self.model_name:
             raise APIError(404, f"The model `{model}` does not exist.", "model", code="model_not_found")
 
-    def _params(self, body):
+    def _params(self, body) -> SamplingParams:
         try:
             return body.to_sampling_params(self.defaults)
         except SamplingParamError as e:
             raise APIError(400, str(e), e.param, code="invalid_value") from None
 
-    def _make(self, rid: str, prompt, params, prompt_param: str = "prompt", cache_salt: str | None = None):
+    def _make(self, rid: str, prompt, params, prompt_param: str = "prompt", cache_salt: str | None = None) -> Request:
         try:
             return self.llm.make_request(rid, prompt, params, cache_salt)
         except PromptTooLongError as e:  # OpenAI's code for this case
@@ -63,6 +131,16 @@ class OpenAIServing:
         except SamplingParamError as e:
             param = prompt_param if e.param == "prompt" else e.param
             raise APIError(400, str(e), param, code="invalid_value") from None
+
+    def _fan_out(self, rid: str, prompts: list, params: SamplingParams, prompt_param: str,
+                 cache_salt: str | None) -> list[Request]:
+        """One request per (prompt, sample), all validated before any is submitted."""
+        reqs = []
+        for i, p in enumerate(prompts):
+            for j in range(params.n):
+                cid = rid if len(prompts) == 1 and params.n == 1 else f"{rid}-{i * params.n + j}"
+                reqs.append(self._make(cid, p, params.child(j), prompt_param, cache_salt))
+        return reqs
 
     def render_chat(self, body: ChatCompletionRequest) -> list[int]:
         """Apply the chat template and tokenize (without adding special tokens twice).
@@ -89,127 +167,124 @@ class OpenAIServing:
         self.check_model(body.model)
         params = self._params(body)
         rid = random_id("chatcmpl")
-        req = self._make(rid, self.render_chat(body), params, "messages", body.cache_salt)
-        gen = self.llm.generate(req)
+        reqs = self._fan_out(rid, [self.render_chat(body)], params, "messages", body.cache_salt)
+        merged = merge_outputs([self.llm.generate(r) for r in reqs])
+        n_prompt = reqs[0].num_prompt_tokens
+        top = params.logprobs
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return self._chat_stream(rid, gen, req.num_prompt_tokens, include_usage)
-        text, n_tokens, finish = "", 0, None
-        async for out in gen:
-            c = out.outputs[0]
-            text += c.text
-            n_tokens += len(c.token_ids)
-            finish = c.finish_reason
+            return self._chat_stream(rid, merged, len(reqs), n_prompt, include_usage, top)
+        choices = [_Choice() for _ in reqs]
+        async for i, out in merged:
+            choices[i].add(out)
         return {"id": rid, "object": "chat.completion", "created": now(), "model": self.model_name,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                             "logprobs": None, "finish_reason": finish}],
-                "usage": _usage(req.num_prompt_tokens, n_tokens)}
+                "choices": [{"index": i, "message": {"role": "assistant", "content": c.text},
+                             "logprobs": None if top is None else chat_logprobs(c.logprobs, top),
+                             "finish_reason": c.finish} for i, c in enumerate(choices)],
+                "usage": _usage(n_prompt, sum(c.num_tokens for c in choices))}
 
-    async def _chat_stream(self, rid: str, gen: AsyncIterator[RequestOutput], n_prompt: int,
-                           include_usage: bool) -> AsyncIterator[str]:
+    async def _chat_stream(self, rid: str, merged, num_choices: int, n_prompt: int, include_usage: bool,
+                           top: int | None) -> AsyncIterator[str]:
         created = now()
 
-        def chunk(delta: dict, finish: str | None = None) -> dict:
+        def chunk(i: int, delta: dict, finish: str | None = None, logprobs=None) -> dict:
             return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
-                    "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+                    "choices": [{"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
 
         n_tokens = 0
         try:
-            yield _sse(chunk({"role": "assistant", "content": ""}))
-            async for out in gen:
+            for i in range(num_choices):
+                yield _sse(chunk(i, {"role": "assistant", "content": ""}))
+            async for i, out in merged:
                 c = out.outputs[0]
                 n_tokens += len(c.token_ids)
-                if c.text:
-                    yield _sse(chunk({"content": c.text}))
-                if c.finish_reason is not None:
-                    yield _sse(chunk({}, c.finish_reason))
+                lps = None if top is None or not c.logprobs else chat_logprobs(c.logprobs, top)
+                if c.text or lps:
+                    yield _sse(chunk(i, {"content": c.text}, c.finish_reason, lps))
+                elif c.finish_reason is not None:
+                    yield _sse(chunk(i, {}, c.finish_reason))
             if include_usage:
                 yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created,
                             "model": self.model_name, "choices": [], "usage": _usage(n_prompt, n_tokens)})
-        except Exception as e:  # headers are sent: report in-band, as vLLM does
-            yield _sse({"error": {"message": str(e), "type": "internal_error", "param": None, "code": None}})
+        except Exception as e:
+            yield _error_event(e)
         finally:
-            await gen.aclose()
+            await merged.aclose()
         yield "data: [DONE]\n\n"
 
     # ---- completions ------------------------------------------------------------
     async def completion(self, body: CompletionRequest):
-        """Run a (possibly multi-prompt) completion; dict or SSE iterator."""
+        """Run a (possibly multi-prompt, possibly ``n``-sample) completion; dict or SSE iterator."""
         self.check_model(body.model)
         params = self._params(body)
         rid = random_id("cmpl")
         prompts = body.prompts()
         if not prompts:
             raise APIError(400, "prompt: must not be empty", "prompt", code="invalid_value")
-        reqs = [self._make(f"{rid}-{i}", p, params, cache_salt=body.cache_salt) for i, p in enumerate(prompts)]
-        texts = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in prompts]
-        gens = [self.llm.generate(r) for r in reqs]
-        n_prompt = sum(r.num_prompt_tokens for r in reqs)
+        reqs = self._fan_out(rid, prompts, params, "prompt", body.cache_salt)
+        n = params.n
+        echo = [(p if isinstance(p, str) else self.tokenizer.decode(p)) if body.echo else None
+                for p in prompts for _ in range(n)]
+        merged = merge_outputs([self.llm.generate(r) for r in reqs])
+        n_prompt = sum(r.num_prompt_tokens for r in reqs[::n])
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return self._completion_stream(rid, gens, texts if body.echo else None, n_prompt, include_usage)
-        results = await asyncio.gather(*[self._collect(g) for g in gens])
-        choices = []
-        for i, (text, n, finish) in enumerate(results):
-            choices.append({"index": i, "text": (texts[i] if body.echo else "") + text, "logprobs": None,
-                            "finish_reason": finish})
+            return self._completion_stream(rid, merged, echo, body, n_prompt, include_usage, reqs)
+        choices = [_Choice() for _ in reqs]
+        async for i, out in merged:
+            choices[i].add(out)
+        result, n_tokens = [], 0
+        for i, c in enumerate(choices):
+            if body.echo_only:  # the one sampled token is not part of the answer
+                c.text, c.num_tokens, c.logprobs, c.finish = "", 0, [], "length"
+            lps = None
+            if body.logprobs is not None:
+                lps = completion_logprobs(c.logprobs, body.logprobs, c.prompt_logprobs if body.echo else None,
+                                          first_prompt_text=self._first_token_text(reqs[i]) if body.echo else "")
+            result.append({"index": i, "text": (echo[i] or "") + c.text, "logprobs": lps, "finish_reason": c.finish})
+            n_tokens += c.num_tokens
         return {"id": rid, "object": "text_completion", "created": now(), "model": self.model_name,
-                "choices": choices, "usage": _usage(n_prompt, sum(r[1] for r in results))}
+                "choices": result, "usage": _usage(n_prompt, n_tokens)}
 
-    @staticmethod
-    async def _collect(gen) -> tuple[str, int, str | None]:
-        text, n, finish = "", 0, None
-        async for out in gen:
-            c = out.outputs[0]
-            text += c.text
-            n += len(c.token_ids)
-            finish = c.finish_reason
-        return text, n, finish
+    def _first_token_text(self, req: Request) -> str:
+        return token_texts(self.tokenizer, req.prompt_token_ids[:1])[0]
 
-    async def _completion_stream(self, rid: str, gens: list, echo: list[str] | None, n_prompt: int,
-                                 include_usage: bool) -> AsyncIterator[str]:
+    async def _completion_stream(self, rid: str, merged, echo: list[str | None], body: CompletionRequest,
+                                 n_prompt: int, include_usage: bool, reqs: list[Request]) -> AsyncIterator[str]:
         created = now()
-        queue: asyncio.Queue = asyncio.Queue()
+        offsets = [0] * len(echo)   # characters sent so far per choice (for text_offset)
+        started = [False] * len(echo)
 
-        async def pump(i: int, gen) -> None:
-            try:
-                async for out in gen:
-                    await queue.put((i, out))
-            except Exception as e:
-                await queue.put((i, e))
-            finally:
-                await queue.put((i, None))
-
-        def chunk(i: int, text: str, finish: str | None) -> dict:
+        def chunk(i: int, text: str, finish: str | None, logprobs=None) -> dict:
             return {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
-                    "choices": [{"index": i, "text": text, "logprobs": None, "finish_reason": finish}]}
+                    "choices": [{"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
 
-        tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
-        n_tokens, live = 0, len(gens)
+        n_tokens = 0
         try:
-            if echo:
-                for i, t in enumerate(echo):
-                    yield _sse(chunk(i, t, None))
-            while live:
-                i, item = await queue.get()
-                if item is None:
-                    live -= 1
-                    continue
-                if isinstance(item, Exception):
-                    yield _sse({"error": {"message": str(item), "type": "internal_error", "param": None,
-                                          "code": None}})
-                    continue
-                c = item.outputs[0]
-                n_tokens += len(c.token_ids)
-                if c.text or c.finish_reason is not None:
-                    yield _sse(chunk(i, c.text, c.finish_reason))
+            async for i, out in merged:
+                c = out.outputs[0]
+                text, lp_list, prompt_lps = c.text, c.logprobs or [], None
+                if body.echo_only:
+                    text, lp_list, finish = "", [], "length"
+                else:
+                    n_tokens += len(c.token_ids)
+                    finish = c.finish_reason
+                if not started[i]:  # the echo goes out with the choice's first chunk
+                    started[i] = True
+                    text = (echo[i] or "") + text
+                    prompt_lps = out.prompt_logprobs if body.echo else None
+                lps = None
+                if body.logprobs is not None and (lp_list or prompt_lps):
+                    first = self._first_token_text(reqs[i]) if prompt_lps else ""
+                    lps = completion_logprobs(lp_list, body.logprobs, prompt_lps, offsets[i], first)
+                offsets[i] += len(text)
+                if text or lps or finish is not None:
+                    yield _sse(chunk(i, text, finish, lps))
             if include_usage:
                 yield _sse({"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
                             "choices": [], "usage": _usage(n_prompt, n_tokens)})
+        except Exception as e:
+            yield _error_event(e)
         finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            for g in gens:
-                await g.aclose()
+            await merged.aclose()
         yield "data: [DONE]\n\n"

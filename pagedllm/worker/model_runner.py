@@ -15,7 +15,7 @@ import torch
 from pagedllm.attention.metadata import AttentionMetadata, PrefillSeq
 from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.worker.sampler import Sampler
+from pagedllm.worker.sampler import Sampler, gather_logprobs
 
 
 @dataclass
@@ -101,6 +101,7 @@ class ModelRunner:
         bs = self.block_size
         ids, pos, slots, qsl, seq_lens, tables = [], [], [], [0], [], []
         dec_idx, dec_slots, prefills, logit_rows, sample_ids = [], [], [], [], []
+        prompt_lp = []  # (request id, first prompt token, rows): prompt-logprob positions this step
         for rid, n in so.num_scheduled_tokens.items():
             st = self.requests[rid]
             start = st.num_computed_tokens
@@ -120,6 +121,11 @@ class ModelRunner:
                 dec_slots.append(all_slots)
             else:
                 prefills.append(PrefillSeq(q0, q0 + n, start, torch.from_numpy(all_slots).to(self.device)))
+            if st.sampling_params.prompt_logprobs is not None:
+                # the row at position p predicts prompt token p + 1 (token 0 has no logprob)
+                last = min(end, st.num_prompt_tokens - 1)
+                if last > start:
+                    prompt_lp.append((rid, start + 1, list(range(q0, q0 + last - start))))
             if end >= len(st.token_ids):  # reached the sequence's end: sample the next token
                 logit_rows.append(q0 + n - 1)
                 sample_ids.append(rid)
@@ -146,24 +152,44 @@ class ModelRunner:
             prefills=prefills)
         input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
         positions = torch.from_numpy(np.concatenate(pos)).to(dev)
-        return input_ids, positions, meta, torch.tensor(logit_rows, dtype=torch.int64, device=dev), sample_ids
+        return input_ids, positions, meta, logit_rows, sample_ids, prompt_lp
 
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> StepHandle:
-        """Run one step and return a handle to its sampled tokens."""
+        """Run one step and return a handle to its sampled tokens (and logprobs where asked)."""
         self._update_states(so)
         if so.is_empty:
             return StepHandle(ModelRunnerOutput())
-        input_ids, positions, meta, logit_rows, sample_ids = self._prepare(so)
+        input_ids, positions, meta, logit_rows, sample_ids, prompt_lp = self._prepare(so)
+        # logits rows: the sampled ones first, then every prompt-logprob position
+        rows = logit_rows + [r for _, _, rs in prompt_lp for r in rs]
+        logits = self.model(input_ids, positions, self.kv_caches, meta,
+                            torch.tensor(rows, dtype=torch.int64, device=self.device))
         out = ModelRunnerOutput()
         if sample_ids:
-            logits = self.model(input_ids, positions, self.kv_caches, meta, logit_rows)
-            params = [self.requests[r].sampling_params for r in sample_ids]
-            out_lens = [len(self.requests[r].token_ids) - self.requests[r].num_prompt_tokens for r in sample_ids]
-            tokens = self.sampler(logits, params, out_lens).tolist()
-            for rid, tok in zip(sample_ids, tokens):
-                self.requests[rid].token_ids.append(tok)
+            states = [self.requests[r] for r in sample_ids]
+            sampled = self.sampler(logits[:len(sample_ids)], states)
+            for rid, st, tok, lp in zip(sample_ids, states, sampled.token_ids, sampled.logprobs):
+                st.token_ids.append(tok)
                 out.sampled_token_ids[rid] = tok
-        else:
-            self.model(input_ids, positions, self.kv_caches, meta, logit_rows)
+                if lp is not None:
+                    out.logprobs[rid] = lp
+        if prompt_lp:
+            self._prompt_logprobs(logits[len(sample_ids):], prompt_lp, out)
         return StepHandle(out)
+
+    def _prompt_logprobs(self, logits: torch.Tensor, prompt_lp, out: ModelRunnerOutput) -> None:
+        """Logprobs of the prompt tokens whose predicting positions ran this step.
+
+        Args:
+            logits: ``[P, V]`` float32, rows in ``prompt_lp`` order.
+            prompt_lp: ``(request id, first prompt token index, rows)`` per request.
+        """
+        i = 0
+        for rid, first, rs in prompt_lp:
+            st = self.requests[rid]
+            n = len(rs)
+            targets = torch.tensor(st.token_ids[first:first + n], dtype=torch.int64, device=logits.device)
+            entries = gather_logprobs(logits[i:i + n].log_softmax(-1), targets, st.sampling_params.prompt_logprobs)
+            out.prompt_logprobs[rid] = (first, entries)
+            i += n

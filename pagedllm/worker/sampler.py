@@ -1,4 +1,10 @@
-"""Token sampling from logits: greedy, temperature, top-k, top-p, min-p, min-tokens, per-request seeds.
+"""Token sampling from logits: penalties, logit bias, greedy, temperature, top-k, top-p, min-p,
+min-tokens, per-request seeds, and logprobs.
+
+Order of operations (as vLLM's sampler): raw logprobs are taken from the
+model's logits first; then EOS is banned below ``min_tokens``, ``logit_bias``
+is added, the repetition / frequency / presence penalties are applied, and
+finally temperature, min-p, top-k and top-p shape the distribution to sample.
 
 Random draws use the exponential-race form of sampling: ``argmax(p / E)`` with
 ``E ~ Exp(1)`` picks token ``i`` with probability ``p_i``. Seeded rows draw
@@ -10,6 +16,8 @@ seed and history, never on the rest of the batch or on preemption.
 from __future__ import annotations
 
 import torch
+
+from dataclasses import dataclass, field
 
 from pagedllm.sampling_params import SamplingParams
 
@@ -37,6 +45,95 @@ def _apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: t
         remove = (probs.cumsum(-1) - probs) >= top_p.unsqueeze(1)
         sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, idx, sorted_logits)
+
+
+@dataclass
+class TokenLogprobs:
+    """Logprobs of one sampled (or prompt) token.
+
+    Attributes:
+        token_ids: the token itself first, then the top-k tokens by logprob.
+        logprobs: float log-probabilities matching ``token_ids``.
+        rank: 1-based rank of the token itself among the vocabulary (1 = most likely).
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    rank: int
+
+
+@dataclass
+class SamplerOutput:
+    """Sampled tokens of a step, one per row.
+
+    Attributes:
+        token_ids: ``R`` sampled ids.
+        logprobs: per row, the sampled token's ``TokenLogprobs`` or ``None`` when not requested.
+    """
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+
+
+def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int) -> list[TokenLogprobs]:
+    """Logprob, rank and top-``k`` alternatives of given tokens.
+
+    Args:
+        logprobs: ``[R, V]`` float32 log-softmax rows.
+        token_ids: ``[R]`` int64 token of each row.
+        k: alternatives per row (0 for none).
+    Returns:
+        ``R`` entries; ties with the token count as ranked before it.
+    """
+    own = logprobs.gather(1, token_ids.unsqueeze(1))                 # [R, 1]
+    ranks = (logprobs > own).sum(-1) + 1
+    ids, lps = token_ids.unsqueeze(1), own
+    if k > 0:
+        top_lp, top_ids = logprobs.topk(k, dim=-1)
+        ids, lps = torch.cat([ids, top_ids], 1), torch.cat([own, top_lp], 1)
+    return [TokenLogprobs(i, lp, r) for i, lp, r in zip(ids.tolist(), lps.tolist(), ranks.tolist())]
+
+
+def apply_penalties(logits: torch.Tensor, output_ids: list[list[int]], prompt_ids: list[list[int]],
+                    presence: torch.Tensor, frequency: torch.Tensor, repetition: torch.Tensor) -> torch.Tensor:
+    """Repetition, frequency and presence penalties, row by row.
+
+    Definitions (OpenAI's API reference for presence/frequency, CTRL for repetition):
+    ``l[t] -= frequency * count_out[t] + presence * (count_out[t] > 0)``; for every
+    ``t`` in the prompt or output, ``l[t] = l[t] / repetition`` if ``l[t] > 0`` else
+    ``l[t] * repetition``.
+
+    Args:
+        logits: ``[R, V]`` float32.
+        output_ids, prompt_ids: per row, the generated and prompt token ids.
+        presence, frequency, repetition: ``[R]`` float32.
+    Returns:
+        ``[R, V]`` penalised logits (a new tensor).
+    """
+    rows, vocab = logits.shape
+    dev = logits.device
+    counts = torch.zeros(rows, vocab + 1, device=dev)   # column ``vocab`` absorbs padding
+    width = max((len(o) for o in output_ids), default=0)
+    if width:
+        out = torch.full((rows, width), vocab, dtype=torch.int64)
+        for i, o in enumerate(output_ids):
+            out[i, :len(o)] = torch.as_tensor(o, dtype=torch.int64)
+        counts.scatter_add_(1, out.to(dev), torch.ones(rows, width, device=dev))
+    counts = counts[:, :vocab]
+    logits = logits - frequency.unsqueeze(1) * counts - presence.unsqueeze(1) * (counts > 0)
+    if bool((repetition != 1.0).any()):
+        seen = counts > 0
+        pwidth = max((len(p) for p in prompt_ids), default=0)
+        if pwidth:
+            prompt = torch.full((rows, pwidth), vocab, dtype=torch.int64)
+            for i, p in enumerate(prompt_ids):
+                prompt[i, :len(p)] = torch.as_tensor(p, dtype=torch.int64)
+            in_prompt = torch.zeros(rows, vocab + 1, dtype=torch.bool, device=dev)
+            in_prompt.scatter_(1, prompt.to(dev), True)
+            seen |= in_prompt[:, :vocab]
+        r = repetition.unsqueeze(1)
+        logits = torch.where(seen, torch.where(logits > 0, logits / r, logits * r), logits)
+    return logits
 
 
 class Sampler:
@@ -72,17 +169,81 @@ class Sampler:
         logits[rows, cols] = float("-inf")
         return logits
 
-    def __call__(self, logits: torch.Tensor, params: list[SamplingParams], output_lens: list[int]) -> torch.Tensor:
+    @staticmethod
+    def _logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        rows, cols, vals = [], [], []
+        for i, p in enumerate(params):
+            for tok, bias in (p.logit_bias or {}).items():
+                if tok < logits.shape[-1]:  # ids are checked against the vocabulary at admission
+                    rows.append(i)
+                    cols.append(tok)
+                    vals.append(bias)
+        if not rows:
+            return logits
+        logits = logits.clone()
+        logits[rows, cols] += torch.tensor(vals, dtype=logits.dtype, device=logits.device)
+        return logits
+
+    def _penalties(self, logits: torch.Tensor, params: list[SamplingParams], states) -> torch.Tensor:
+        rows = [i for i, p in enumerate(params) if p.has_penalties]
+        if not rows:
+            return logits
+        dev = logits.device
+        sel = torch.tensor(rows, device=dev)
+
+        def vec(name: str) -> torch.Tensor:
+            return torch.tensor([getattr(params[i], name) for i in rows], dtype=logits.dtype, device=dev)
+
+        outs = [states[i].token_ids[states[i].num_prompt_tokens:] for i in rows]
+        prompts = [states[i].token_ids[:states[i].num_prompt_tokens] if params[i].repetition_penalty != 1.0 else []
+                   for i in rows]
+        sub = apply_penalties(logits.index_select(0, sel), outs, prompts, vec("presence_penalty"),
+                              vec("frequency_penalty"), vec("repetition_penalty"))
+        return logits.index_copy(0, sel, sub)
+
+    def __call__(self, logits: torch.Tensor, states) -> SamplerOutput:
         """Sample.
+
+        Args:
+            logits: ``[R, V]`` float32.
+            states: per row, an object with ``sampling_params``, ``token_ids`` (prompt +
+                tokens generated so far) and ``num_prompt_tokens``; the output length
+                is the seeded stream's position.
+        Returns:
+            The sampled ids and, for rows that asked, their logprobs.
+        """
+        params = [s.sampling_params for s in states]
+        output_lens = [len(s.token_ids) - s.num_prompt_tokens for s in states]
+        lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        raw = logits.index_select(0, torch.tensor(lp_rows, device=logits.device)) if lp_rows else None
+        logits = self._ban_stop_tokens(logits, params, output_lens)
+        logits = self._logit_bias(logits, params)
+        logits = self._penalties(logits, params, states)
+        tokens = self._sample(logits, params, output_lens)
+        out = SamplerOutput(tokens.tolist(), [None] * len(params))
+        if lp_rows:
+            k = max(params[i].logprobs for i in lp_rows)
+            entries = gather_logprobs(raw.log_softmax(-1), tokens[lp_rows], k)
+            for i, e in zip(lp_rows, entries):
+                kk = params[i].logprobs
+                out.logprobs[i] = TokenLogprobs(e.token_ids[:kk + 1], e.logprobs[:kk + 1], e.rank)
+        return out
+
+    def sample(self, logits: torch.Tensor, params: list[SamplingParams], output_lens: list[int]) -> torch.Tensor:
+        """Sample without history: min-tokens ban, logit bias, then the draw (no penalties, no logprobs).
 
         Args:
             logits: ``[R, V]`` float32.
             params: one ``SamplingParams`` per row.
             output_lens: per row, tokens generated so far (the seeded stream's position).
         Returns:
-            ``[R]`` int64 token ids (on the logits' device).
+            ``[R]`` int64 token ids.
         """
         logits = self._ban_stop_tokens(logits, params, output_lens)
+        return self._sample(self._logit_bias(logits, params), params, output_lens)
+
+    def _sample(self, logits: torch.Tensor, params: list[SamplingParams], output_lens: list[int]) -> torch.Tensor:
+        """``[R]`` int64 token ids: argmax for greedy rows, a seeded or shared-generator draw otherwise."""
         greedy = logits.argmax(-1)
         rows = [i for i, p in enumerate(params) if not p.greedy]
         if not rows:

@@ -24,7 +24,7 @@ def logits() -> torch.Tensor:
 def draw(probs: list[float], n: int, params: SamplingParams, seed: int = 0) -> torch.Tensor:
     """``n`` tokens sampled from ``n`` identical rows with logits ``log(probs)``."""
     row = torch.tensor(probs).log()
-    return Sampler(seed)(row.repeat(n, 1), [params] * n, [0] * n)
+    return Sampler(seed).sample(row.repeat(n, 1), [params] * n, [0] * n)
 
 
 def freqs(tokens: torch.Tensor, vocab: int) -> list[float]:
@@ -34,25 +34,25 @@ def freqs(tokens: torch.Tensor, vocab: int) -> list[float]:
 # ---------------------------------------------------------------- deterministic filters
 
 def test_greedy_is_argmax(logits):
-    out = Sampler(0)(logits, [sp(temperature=0)] * 16, [0] * 16)
+    out = Sampler(0).sample(logits, [sp(temperature=0)] * 16, [0] * 16)
     assert out.dtype == torch.int64 and out.tolist() == logits.argmax(-1).tolist()
 
 
 def test_top_k_1_is_greedy(logits):
     for seed in range(5):
-        out = Sampler(seed)(logits, [sp(temperature=1.5, top_k=1)] * 16, [0] * 16)
+        out = Sampler(seed).sample(logits, [sp(temperature=1.5, top_k=1)] * 16, [0] * 16)
         assert out.tolist() == logits.argmax(-1).tolist()
 
 
 def test_tiny_top_p_is_greedy(logits):
     for seed in range(5):
-        out = Sampler(seed)(logits, [sp(temperature=2.0, top_p=1e-6)] * 16, [0] * 16)
+        out = Sampler(seed).sample(logits, [sp(temperature=2.0, top_p=1e-6)] * 16, [0] * 16)
         assert out.tolist() == logits.argmax(-1).tolist()
 
 
 def test_greedy_rows_unaffected_by_sampled_rows(logits):
     params = [sp(temperature=0) if i % 2 else sp(temperature=1.0, seed=i) for i in range(16)]
-    out = Sampler(0)(logits, params, [0] * 16)
+    out = Sampler(0).sample(logits, params, [0] * 16)
     assert out[1::2].tolist() == logits.argmax(-1)[1::2].tolist()
 
 
@@ -111,7 +111,7 @@ def test_min_tokens_bans_eos_and_stop_token_ids():
               sp(temperature=0, min_tokens=2, stop_token_ids=[7]),   # reached min: nothing banned
               sp(temperature=0, min_tokens=2, ignore_eos=True),      # ignore_eos: EOS stays allowed
               sp(temperature=0)]
-    out = Sampler(0, eos_token_ids={2})(logits, params, [1, 2, 0, 0])
+    out = Sampler(0, eos_token_ids={2}).sample(logits, params, [1, 2, 0, 0])
     assert out.tolist() == [3, 2, 2, 2]
     assert logits[0, 2] == 5.0  # the caller's logits are not modified
 
@@ -119,7 +119,7 @@ def test_min_tokens_bans_eos_and_stop_token_ids():
 def test_min_tokens_bans_in_random_rows():
     logits = torch.tensor([[3.0, 0.0, 3.0]]).repeat(2000, 1)
     params = [sp(temperature=1.0, min_tokens=5, stop_token_ids=[0])] * 2000
-    toks = Sampler(0, eos_token_ids={2})(logits, params, [4] * 2000)
+    toks = Sampler(0, eos_token_ids={2}).sample(logits, params, [4] * 2000)
     assert set(toks.tolist()) == {1}
 
 
@@ -139,37 +139,37 @@ def test_seeded_rows_follow_softmax_across_seeds():
     row = torch.tensor(p).log()
     n = 20000
     params = [sp(temperature=1.0, seed=s) for s in range(n)]
-    toks = Sampler(0)(row.repeat(n, 1), params, [7] * n)
+    toks = Sampler(0).sample(row.repeat(n, 1), params, [7] * n)
     for got, want in zip(freqs(toks, 3), p):
         assert abs(got - want) < 0.02
 
 
 def test_seeded_token_independent_of_batch(logits):
     me = sp(temperature=1.0, seed=1234)
-    alone = [Sampler(0)(logits[3:4], [me], [pos]).item() for pos in range(8)]
+    alone = [Sampler(0).sample(logits[3:4], [me], [pos]).item() for pos in range(8)]
     for partner_seed in (None, 7):
         partner = sp(temperature=0.7, top_k=50, seed=partner_seed)
         for pos in range(8):
             # put the row at another index, beside other rows, with another engine seed
             batch = torch.cat([logits[5:6], logits[9:10], logits[3:4]])
-            got = Sampler(99)(batch, [partner, sp(temperature=0), me], [0, 4, pos])[2].item()
+            got = Sampler(99).sample(batch, [partner, sp(temperature=0), me], [0, 4, pos])[2].item()
             assert got == alone[pos]
 
 
 def test_seeded_tokens_depend_on_position_and_seed(logits):
     row = logits[0:1] / 20  # flat enough that draws vary
-    a = [Sampler(0)(row, [sp(temperature=1.0, seed=1)], [pos]).item() for pos in range(12)]
-    b = [Sampler(0)(row, [sp(temperature=1.0, seed=2)], [pos]).item() for pos in range(12)]
+    a = [Sampler(0).sample(row, [sp(temperature=1.0, seed=1)], [pos]).item() for pos in range(12)]
+    b = [Sampler(0).sample(row, [sp(temperature=1.0, seed=2)], [pos]).item() for pos in range(12)]
     assert a != b
     assert len(set(a)) > 1
 
 
 def test_unseeded_rows_use_engine_generator(logits):
     row = logits[0:1] / 20
-    a = [Sampler(5)(row, [sp(temperature=1.0)], [0]).item() for _ in range(3)]
+    a = [Sampler(5).sample(row, [sp(temperature=1.0)], [0]).item() for _ in range(3)]
     assert len(set(a)) == 1  # same engine seed, same first draw
     s = Sampler(5)
-    b = [s(row, [sp(temperature=1.0)], [0]).item() for _ in range(12)]
+    b = [s.sample(row, [sp(temperature=1.0)], [0]).item() for _ in range(12)]
     assert len(set(b)) > 1  # the generator advances
 
 
