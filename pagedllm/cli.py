@@ -7,8 +7,25 @@ Flag names follow vLLM's (``--max-num-seqs``, ``--max-num-batched-tokens``,
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import os
 import sys
+
+
+def _json_str_list(text: str) -> list[str]:
+    """Parse a ``--allowed-*`` value: a JSON list of strings such as ``'["http://a.example"]'``.
+
+    Raises:
+        argparse.ArgumentTypeError: not JSON, or not a list of strings.
+    """
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e}): {text!r}") from None
+    if not isinstance(value, list) or not all(isinstance(x, str) for x in value):
+        raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {text!r}")
+    return value
 
 
 def _engine_flags(p: argparse.ArgumentParser) -> None:
@@ -55,7 +72,9 @@ def _serve(a: argparse.Namespace) -> int:
         p = Path(a.chat_template)
         template = p.read_text() if p.exists() else a.chat_template
     llm = AsyncLLM(engine)
-    app = build_app(llm, engine.served_model_name, template)
+    app = build_app(llm, engine.served_model_name, template, api_key=a.api_key or None,
+                    allowed_origins=a.allowed_origins, allowed_methods=a.allowed_methods,
+                    allowed_headers=a.allowed_headers, allow_credentials=a.allow_credentials)
     logging.getLogger(__name__).info("serving %s on http://%s:%d", engine.served_model_name, a.host, a.port)
     try:
         uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level)
@@ -86,6 +105,16 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--served-model-name", default=None, help="model name the API reports and accepts")
     s.add_argument("--chat-template", default=None, help="Jinja chat template (file path or inline text)")
+    # an empty PAGEDLLM_API_KEY counts as unset, so `PAGEDLLM_API_KEY= pagedllm serve` stays open
+    s.add_argument("--api-key", default=os.environ.get("PAGEDLLM_API_KEY") or None,
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $PAGEDLLM_API_KEY, else none)")
+    s.add_argument("--allowed-origins", type=_json_str_list, default=["*"],
+                   help='CORS allowed origins, a JSON list (default: ["*"])')
+    s.add_argument("--allowed-methods", type=_json_str_list, default=["*"],
+                   help='CORS allowed methods, a JSON list (default: ["*"])')
+    s.add_argument("--allowed-headers", type=_json_str_list, default=["*"],
+                   help='CORS allowed headers, a JSON list (default: ["*"])')
+    s.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
     for name in ("generate", "chat"):
         g = sub.add_parser(name, help=f"{name} once from the command line and print the text")
         _engine_flags(g)

@@ -2,7 +2,9 @@
 
 Endpoints: ``GET /health``, ``GET /v1/models``, ``POST /v1/completions``,
 ``POST /v1/chat/completions`` (``stream: true`` answers with server-sent events
-ending in ``data: [DONE]``), following the OpenAI API reference; and, for
+ending in ``data: [DONE]``), following the OpenAI API reference; as vLLM's
+server, ``GET /metrics`` (Prometheus text format, see ``server.metrics``),
+``GET /version``, ``POST /tokenize`` and ``POST /detokenize``; and, for
 debugging and tests, ``GET /stats`` with the engine counters of
 ``LLMEngine.get_stats`` as JSON (not part of the OpenAI API).
 
@@ -13,15 +15,24 @@ blocks go back to the pool.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
+import secrets
+from typing import Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.datastructures import Headers
 
+import pagedllm
 from pagedllm.engine.async_llm import AsyncLLM, EngineDeadError
 from pagedllm.server.errors import APIError, validation_error
+from pagedllm.server.metrics import ServerMetrics
 from pagedllm.server.protocol import ChatCompletionRequest, CompletionRequest, now
+from pagedllm.server.protocol_extra import (DetokenizeRequest, DetokenizeResponse, TokenizeChatRequest,
+                                            TokenizeRequest, TokenizeResponse)
 from pagedllm.server.serving import OpenAIServing
 
 logger = logging.getLogger(__name__)
@@ -59,17 +70,98 @@ async def _unless_disconnected(request: Request, coro):
             task.cancel()
 
 
-def build_app(llm: AsyncLLM, model_name: str, chat_template: str | None = None) -> FastAPI:
+class _APIKeyMiddleware:
+    """ASGI middleware: requests to ``/v1`` and below need ``Authorization: Bearer <api_key>``.
+
+    Anything else answers 401 with an OpenAI error body (code ``invalid_api_key``
+    for a wrong key, as OpenAI does). Paths outside ``/v1`` and ``OPTIONS``
+    requests (CORS preflights carry no credentials) pass untouched, as in vLLM.
+    Pure ASGI rather than ``BaseHTTPMiddleware``, which would get between
+    the handlers and ``request.is_disconnected()``.
+
+    Args:
+        app: the wrapped ASGI app.
+        api_key: the one accepted key (non-empty).
+    """
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app = app
+        # compare digests in constant time: the key's length and prefix do not leak through timing
+        self._digest = hashlib.sha256(api_key.encode()).digest()
+
+    @staticmethod
+    def _guarded(scope) -> bool:
+        path = scope.get("path", "")
+        root = scope.get("root_path", "")
+        if root and path.startswith(root):  # a server mounted under a prefix guards its own /v1
+            path = path[len(root):]
+        return path == "/v1" or path.startswith("/v1/")
+
+    async def __call__(self, scope, receive, send) -> None:
+        """Pass the request on, or answer 401 itself."""
+        if scope["type"] != "http" or scope["method"] == "OPTIONS" or not self._guarded(scope):
+            await self.app(scope, receive, send)
+            return
+        auth = Headers(scope=scope).get("authorization", "")
+        scheme, _, key = auth.partition(" ")
+        if scheme.lower() != "bearer" or not key.strip():
+            err = APIError(401, "You didn't provide an API key. You need to provide your API key in an "
+                           "Authorization header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY).")
+        elif not secrets.compare_digest(hashlib.sha256(key.strip().encode()).digest(), self._digest):
+            err = APIError(401, "Incorrect API key provided.", code="invalid_api_key")
+        else:
+            await self.app(scope, receive, send)
+            return
+        resp = err.response()
+        resp.headers["WWW-Authenticate"] = "Bearer"  # RFC 6750: a 401 names the scheme it wants
+        await resp(scope, receive, send)
+
+
+def _special_affixes(tokenizer) -> tuple[list[int], list[int]]:
+    """The ids ``encode(..., add_special_tokens=True)`` puts before and after a text's own ids.
+
+    Found by encoding a probe both ways, because the rendered chat comes back as
+    ids and this tokenizer backend has no ``build_inputs_with_special_tokens``.
+    """
+    bare = tokenizer.encode("a", add_special_tokens=False)
+    full = tokenizer.encode("a", add_special_tokens=True)
+    for i in range(len(full) - len(bare) + 1):
+        if full[i:i + len(bare)] == bare:
+            return full[:i], full[i + len(bare):]
+    return [], []  # a post-processor that rewrites the text ids: add nothing rather than guess
+
+
+def build_app(llm: AsyncLLM, model_name: str, chat_template: str | None = None, *,
+              api_key: str | None = None, allowed_origins: Sequence[str] = ("*",),
+              allowed_methods: Sequence[str] = ("*",), allowed_headers: Sequence[str] = ("*",),
+              allow_credentials: bool = False) -> FastAPI:
     """Create the FastAPI application around a running ``AsyncLLM``.
 
     Args:
         llm: the engine front door.
         model_name: the name clients must use in ``model`` (or omit).
         chat_template: optional Jinja chat template overriding the tokenizer's.
+        api_key: when set (non-empty), every path under ``/v1`` requires
+            ``Authorization: Bearer <api_key>`` and answers 401 with an OpenAI
+            error body otherwise. As in vLLM, ``/health``, ``/metrics``,
+            ``/version``, ``/tokenize``, ``/detokenize`` (and the debugging
+            ``/stats``) stay open: put the server behind a proxy to guard those.
+        allowed_origins, allowed_methods, allowed_headers, allow_credentials:
+            the CORS policy (``CORSMiddleware`` options, vLLM's ``--allowed-*`` flags).
     """
-    app = FastAPI(title="pagedllm", version=__import__("pagedllm").__version__)
+    app = FastAPI(title="pagedllm", version=pagedllm.__version__)
     serving = OpenAIServing(llm, model_name, chat_template)
+    metrics = ServerMetrics(llm, model_name)
     app.state.llm = llm
+    app.state.metrics = metrics
+    if api_key:
+        app.add_middleware(_APIKeyMiddleware, api_key=api_key)
+    # added last, so outermost: 401 answers carry CORS headers too (a browser client
+    # can then read the error), and preflights are answered before the key check
+    app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=list(allowed_methods),
+                       allow_headers=list(allowed_headers), allow_credentials=allow_credentials)
+    tokenizer = serving.tokenizer
+    special_prefix, special_suffix = _special_affixes(tokenizer)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -104,6 +196,55 @@ def build_app(llm: AsyncLLM, model_name: str, chat_template: str | None = None) 
     async def stats() -> dict:
         """Debugging aid: the engine counters as of the last step (see ``LLMEngine.get_stats``)."""
         return llm.get_stats()
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        """Prometheus text format (0.0.4) of ``ServerMetrics``: engine gauges and counters, latency histograms."""
+        body, content_type = metrics.render()
+        return Response(body, media_type=content_type)
+
+    @app.get("/version")
+    async def version() -> dict:
+        """``{"version": pagedllm.__version__}``."""
+        return {"version": pagedllm.__version__}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict:
+        """Token ids of a prompt, or of a conversation rendered as ``/v1/chat/completions`` renders it.
+
+        Returns ``{"count", "max_model_len", "tokens", "token_strs"}`` (vLLM's shape;
+        ``count`` and ``max_model_len`` in tokens, ``token_strs`` null unless
+        ``return_token_strs``). No length limit is applied. 400 for a bad body or a
+        template error, 404 for an unknown model, 503 once the engine has died.
+        """
+        serving.check_model(body.model)
+        if isinstance(body, TokenizeChatRequest):
+            chat_body = ChatCompletionRequest(messages=body.messages,
+                                              add_generation_prompt=body.add_generation_prompt,
+                                              chat_template_kwargs=body.chat_template_kwargs)
+            ids = serving.render_chat(chat_body)
+            if body.add_special_tokens:
+                ids = special_prefix + ids + special_suffix
+        else:
+            ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        strs = tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+        return TokenizeResponse(count=len(ids), max_model_len=llm.engine.max_model_len, tokens=ids,
+                                token_strs=strs).model_dump()
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        """``{"prompt": text}`` of token ids, special tokens included (vLLM's shape).
+
+        400 with param ``tokens`` for an id outside the tokenizer's vocabulary,
+        404 for an unknown model, 503 once the engine has died.
+        """
+        serving.check_model(body.model)
+        vocab = len(tokenizer)
+        for i, t in enumerate(body.tokens):
+            if not 0 <= t < vocab:
+                raise APIError(400, f"tokens[{i}]: token id {t} is out of vocabulary (valid ids are 0 to "
+                               f"{vocab - 1})", "tokens", code="invalid_value")
+        return DetokenizeResponse(prompt=tokenizer.decode(body.tokens)).model_dump()
 
     async def respond(request: Request, coro):
         result = await _unless_disconnected(request, coro)

@@ -98,10 +98,10 @@ def apply_penalties(logits: torch.Tensor, output_ids: list[list[int]], prompt_id
                     presence: torch.Tensor, frequency: torch.Tensor, repetition: torch.Tensor) -> torch.Tensor:
     """Repetition, frequency and presence penalties, row by row.
 
-    Definitions (OpenAI's API reference for presence/frequency, CTRL for repetition):
-    ``l[t] -= frequency * count_out[t] + presence * (count_out[t] > 0)``; for every
-    ``t`` in the prompt or output, ``l[t] = l[t] / repetition`` if ``l[t] > 0`` else
-    ``l[t] * repetition``.
+    Definitions (CTRL for repetition, OpenAI's API reference for presence/frequency),
+    applied in vLLM's order: first, for every ``t`` in the prompt or output,
+    ``l[t] = l[t] / repetition`` if ``l[t] > 0`` else ``l[t] * repetition``; then
+    ``l[t] -= frequency * count_out[t] + presence * (count_out[t] > 0)``.
 
     Args:
         logits: ``[R, V]`` float32.
@@ -120,7 +120,6 @@ def apply_penalties(logits: torch.Tensor, output_ids: list[list[int]], prompt_id
             out[i, :len(o)] = torch.as_tensor(o, dtype=torch.int64)
         counts.scatter_add_(1, out.to(dev), torch.ones(rows, width, device=dev))
     counts = counts[:, :vocab]
-    logits = logits - frequency.unsqueeze(1) * counts - presence.unsqueeze(1) * (counts > 0)
     if bool((repetition != 1.0).any()):
         seen = counts > 0
         pwidth = max((len(p) for p in prompt_ids), default=0)
@@ -133,7 +132,7 @@ def apply_penalties(logits: torch.Tensor, output_ids: list[list[int]], prompt_id
             seen |= in_prompt[:, :vocab]
         r = repetition.unsqueeze(1)
         logits = torch.where(seen, torch.where(logits > 0, logits / r, logits * r), logits)
-    return logits
+    return logits - frequency.unsqueeze(1) * counts - presence.unsqueeze(1) * (counts > 0)
 
 
 class Sampler:

@@ -1,13 +1,16 @@
-"""Fixtures of the end-to-end tests: a live ``pagedllm serve`` subprocess.
+"""Fixtures of the end-to-end tests: live ``pagedllm serve`` subprocesses.
 
 The server runs the default model (SmolLM2-135M-Instruct, converted from its
 GGUF on first use into ``$PAGEDLLM_CACHE`` or ``~/.cache/pagedllm``) on a free
 local port, with a small KV pool and ``--max-model-len 2048`` so that
-over-long prompts are cheap to provoke.
+over-long prompts are cheap to provoke. ``server_url`` is open and shared by
+the whole session; ``secure_server`` (per module that asks for it) also has an
+API key and a one-origin CORS policy.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -15,6 +18,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Sequence
 
 import httpx
 import pytest
@@ -23,6 +28,8 @@ MODEL_NAME = "smollm2"
 MAX_MODEL_LEN = 2048
 NUM_KV_BLOCKS = 512
 STARTUP_TIMEOUT_S = 120.0
+SECURE_API_KEY = "sk-test"
+SECURE_ORIGIN = "http://example.com"
 
 
 def _free_port() -> int:
@@ -62,18 +69,24 @@ def max_model_len() -> int:
     return MAX_MODEL_LEN
 
 
-@pytest.fixture(scope="session")
-def server_url(tmp_path_factory) -> str:
-    """Start ``pagedllm serve`` and yield its base URL (``http://127.0.0.1:PORT``)."""
+@contextlib.contextmanager
+def _serve(log_dir: Path, extra_args: Sequence[str] = ()):
+    """Start ``pagedllm serve`` with the common test flags plus ``extra_args``; yield its
+    base URL (``http://127.0.0.1:PORT``) once ``/health`` answers 200; stop it on exit.
+
+    Fails the test if the server exits or is not healthy within ``STARTUP_TIMEOUT_S``.
+    """
     port = _free_port()
-    log = tmp_path_factory.mktemp("server") / "server.log"
+    log = log_dir / "server.log"
     cmd = [sys.executable, "-m", "pagedllm.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
            "--num-kv-blocks", str(NUM_KV_BLOCKS), "--max-model-len", str(MAX_MODEL_LEN),
-           "--served-model-name", MODEL_NAME, "--log-level", "warning"]
+           "--served-model-name", MODEL_NAME, "--log-level", "warning", *extra_args]
+    # a key in the developer's environment must not lock the open test server
+    env = {k: v for k, v in os.environ.items() if k != "PAGEDLLM_API_KEY"}
     # output goes to a file, never a pipe nobody drains (a full pipe would block the server)
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                env={**env, "PYTHONUNBUFFERED": "1"})
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
@@ -92,3 +105,21 @@ def server_url(tmp_path_factory) -> str:
         yield url
     finally:
         _stop(proc)
+
+
+@pytest.fixture(scope="session")
+def server_url(tmp_path_factory) -> str:
+    """Start ``pagedllm serve`` and yield its base URL (``http://127.0.0.1:PORT``)."""
+    with _serve(tmp_path_factory.mktemp("server")) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def secure_server(tmp_path_factory) -> SimpleNamespace:
+    """A second server with ``--api-key`` and ``--allowed-origins`` set, for the modules that use it.
+
+    Yields a namespace with ``url``, ``api_key`` and ``allowed_origin``.
+    """
+    args = ["--api-key", SECURE_API_KEY, "--allowed-origins", f'["{SECURE_ORIGIN}"]']
+    with _serve(tmp_path_factory.mktemp("secure_server"), args) as url:
+        yield SimpleNamespace(url=url, api_key=SECURE_API_KEY, allowed_origin=SECURE_ORIGIN)

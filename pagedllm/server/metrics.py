@@ -1,0 +1,138 @@
+"""Prometheus metrics of the server (``GET /metrics``), named after vLLM's with a ``pagedllm:`` prefix.
+
+Scraped at request time from ``AsyncLLM.get_stats()`` (a snapshot taken after each
+engine step):
+
+* gauges ``pagedllm:num_requests_running``, ``pagedllm:num_requests_waiting``,
+  ``pagedllm:kv_cache_usage_perc`` (a fraction in [0, 1], as vLLM's despite the name);
+* counters ``pagedllm:prompt_tokens_total``, ``pagedllm:generation_tokens_total``,
+  ``pagedllm:prefix_cache_queries_total``, ``pagedllm:prefix_cache_hits_total`` (both
+  in tokens) and ``pagedllm:num_preemptions_total``.
+
+Observed once per finished request (aborted requests are not observed):
+
+* histograms ``pagedllm:time_to_first_token_seconds``,
+  ``pagedllm:time_per_output_token_seconds`` (the request's mean inter-token time,
+  one observation per request with at least two output tokens) and
+  ``pagedllm:e2e_request_latency_seconds``;
+* counter ``pagedllm:request_success_total`` labelled ``finished_reason``.
+
+Every series carries a ``model_name`` label.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from pagedllm.outputs import RequestOutput
+
+# Bucket bounds in seconds, as vLLM's: fine at the low end where CPU/GPU latencies
+# of small models sit, and long tails so that slow CPU runs are not all in +Inf.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+               240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+# (metric name, get_stats key, help text)
+_GAUGES = (
+    ("pagedllm:num_requests_running", "num_running", "Number of requests scheduled in the engine."),
+    ("pagedllm:num_requests_waiting", "num_waiting", "Number of requests waiting to be scheduled."),
+    ("pagedllm:kv_cache_usage_perc", "kv_cache_usage", "KV-cache usage as a fraction of blocks (1 = full)."),
+)
+_COUNTERS = (
+    ("pagedllm:prompt_tokens", "num_prompt_tokens", "Number of prompt tokens received."),
+    ("pagedllm:generation_tokens", "num_generation_tokens", "Number of tokens generated."),
+    ("pagedllm:prefix_cache_queries", "prefix_cache_queries", "Prefix-cache lookups, in tokens."),
+    ("pagedllm:prefix_cache_hits", "prefix_cache_hits", "Prefix-cache hits, in tokens."),
+    ("pagedllm:num_preemptions", "num_preemptions", "Number of request preemptions."),
+)
+
+
+class _EngineStatsCollector:
+    """Turns ``llm.get_stats()`` into gauge and counter families at each scrape, so
+    the values are never stale and the engine thread pays nothing for them."""
+
+    def __init__(self, llm, model_name: str) -> None:
+        self.llm = llm
+        self.model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        """Yield one family per engine stat (missing keys read as 0)."""
+        stats = self.llm.get_stats()
+        for name, key, doc in _GAUGES:
+            g = GaugeMetricFamily(name, doc, labels=["model_name"])
+            g.add_metric([self.model_name], float(stats.get(key, 0)))
+            yield g
+        for name, key, doc in _COUNTERS:
+            c = CounterMetricFamily(name, doc, labels=["model_name"])
+            c.add_metric([self.model_name], float(stats.get(key, 0)))
+            yield c
+
+
+class ServerMetrics:
+    """The Prometheus metrics of one server, in a registry of their own.
+
+    A private ``CollectorRegistry`` (never prometheus-client's global one) lets
+    several apps live in one process, e.g. in tests, without duplicate-name errors.
+
+    Args:
+        llm: the ``AsyncLLM`` (anything with ``get_stats()`` and
+            ``add_finished_callback(fn)``); a callback is registered on it.
+        model_name: value of the ``model_name`` label.
+    """
+
+    def __init__(self, llm, model_name: str) -> None:
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineStatsCollector(llm, model_name))
+        labels = ["model_name"]
+        self.ttft = Histogram("pagedllm:time_to_first_token_seconds",
+                              "Time from arrival to the first output token, in seconds.",
+                              labels, buckets=TTFT_BUCKETS, registry=self.registry).labels(model_name)
+        self.tpot = Histogram("pagedllm:time_per_output_token_seconds",
+                              "Mean time per output token after the first, in seconds (one observation "
+                              "per request with two or more output tokens).",
+                              labels, buckets=TPOT_BUCKETS, registry=self.registry).labels(model_name)
+        self.e2e = Histogram("pagedllm:e2e_request_latency_seconds",
+                             "Time from arrival to finish of a request, in seconds.",
+                             labels, buckets=E2E_BUCKETS, registry=self.registry).labels(model_name)
+        self.success = Counter("pagedllm:request_success", "Number of successfully finished requests.",
+                               ["model_name", "finished_reason"], registry=self.registry)
+        for reason in ("stop", "length"):  # export zeros before the first request, as vLLM does
+            self.success.labels(model_name, reason)
+        llm.add_finished_callback(self.observe_finished)
+
+    def observe_finished(self, out: RequestOutput) -> None:
+        """Record one finished request (called in the engine thread; prometheus-client is thread-safe).
+
+        Uses ``out.metrics``: ``arrival``, ``first_token``, ``finished`` (seconds
+        since the epoch) and ``num_generation_tokens``. Requests without a
+        ``finished`` time are ignored; negative intervals (clock steps) are clamped to 0.
+        """
+        m = out.metrics
+        finished = m.get("finished")
+        if finished is None:
+            return
+        arrival = m["arrival"]
+        first = m.get("first_token", finished)
+        self.ttft.observe(max(0.0, first - arrival))
+        self.e2e.observe(max(0.0, finished - arrival))
+        n = int(m.get("num_generation_tokens", 0))
+        if n > 1:  # one token has no inter-token interval
+            self.tpot.observe(max(0.0, finished - first) / (n - 1))
+        reason = (out.outputs[0].finish_reason if out.outputs else None) or "unknown"
+        self.success.labels(self.model_name, reason).inc()
+
+    def render(self) -> tuple[bytes, str]:
+        """The registry in Prometheus text format: ``(body, content_type)``.
+
+        ``generate_latest`` writes the classic 0.0.4 text format (names escaped
+        to the legacy charset), so that is the content type announced; it is
+        also what prometheus-client's own handler answers without content negotiation.
+        """
+        return generate_latest(self.registry), CONTENT_TYPE_PLAIN_0_0_4
