@@ -55,15 +55,16 @@ class IncrementalDetokenizer:
                                      clean_up_tokenization_spaces=False,
                                      spaces_between_special_tokens=self.params.spaces_between_special_tokens)
 
-    def append(self, new_token_ids: list[int], finished: bool) -> bool:
+    def append(self, new_token_ids: list[int], finished: bool, eos_last: bool = False) -> bool:
         """Add tokens; returns True when a stop string ended the output.
 
         Stop token ids are not detokenized (the scheduler reports them in
-        ``stop_reason`` instead).
+        ``stop_reason`` instead), nor is an EOS token that ended the output
+        (``eos_last``), even with ``skip_special_tokens=False``, as in vLLM.
         """
-        for tok in new_token_ids:
+        for i, tok in enumerate(new_token_ids):
             before = len(self.output_text)
-            if tok in self.params.stop_token_ids:
+            if tok in self.params.stop_token_ids or (eos_last and i == len(new_token_ids) - 1):
                 self.token_texts.append("")
                 continue
             self.tokens.append(tok)

@@ -106,7 +106,9 @@ class OutputProcessor:
             finish_reason, stop_reason = eo.finish_reason, eo.stop_reason
             n_before = len(st.token_ids)
             st.token_ids.extend(eo.new_token_ids)
-            if st.detok.append(eo.new_token_ids, finished=finish_reason is not None):
+            # finished "stop" with no stop_reason: the core saw EOS, which is not text
+            eos_last = eo.finish_reason == "stop" and eo.stop_reason is None and bool(eo.new_token_ids)
+            if st.detok.append(eo.new_token_ids, finished=finish_reason is not None, eos_last=eos_last):
                 finish_reason, stop_reason = "stop", st.detok.stop_reason
                 if eo.finish_reason is None:
                     stopped.append(eo.request_id)
