@@ -63,7 +63,6 @@ class OutputProcessor:
         request recomputes its prompt) are ignored."""
         if st.prompt_texts is None:
             st.prompt_texts = token_texts(self.tokenizer, st.prompt_token_ids)
-            st.prompt_logprobs = [None]
         have = len(st.prompt_logprobs)
         for i, e in enumerate(entries):
             if first + i == have:
@@ -75,7 +74,10 @@ class OutputProcessor:
         """Start tracking a request."""
         self.states[request_id] = RequestState(request_id, prompt, prompt_token_ids, params,
                                                IncrementalDetokenizer(self.tokenizer, params, prompt_token_ids),
-                                               [], arrival, logprobs=[] if params.logprobs is not None else None)
+                                               [], arrival, logprobs=[] if params.logprobs is not None else None,
+                                               # the first prompt token has no logprob (and a one-token
+                                               # prompt has no other)
+                                               prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
 
     def abort(self, request_id: str) -> None:
         """Forget a request (no more outputs for it)."""

@@ -165,3 +165,9 @@ def test_default_sampling_params_come_from_generation_config(llm):
     for name in ("temperature", "top_p", "top_k", "repetition_penalty"):
         if name in gc:
             assert getattr(d, name) == gc[name]
+
+
+def test_one_token_prompt_has_prompt_logprobs_entry(llm):
+    """A one-token prompt's prompt_logprobs is ``[None]`` (its only token has no context)."""
+    out = llm.generate([[19556]], SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1), use_tqdm=False)
+    assert out[0].prompt_logprobs == [None]
