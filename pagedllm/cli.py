@@ -74,7 +74,9 @@ def _serve(a: argparse.Namespace) -> int:
     llm = AsyncLLM(engine)
     app = build_app(llm, engine.served_model_name, template, api_key=a.api_key or None,
                     allowed_origins=a.allowed_origins, allowed_methods=a.allowed_methods,
-                    allowed_headers=a.allowed_headers, allow_credentials=a.allow_credentials)
+                    allowed_headers=a.allowed_headers, allow_credentials=a.allow_credentials,
+                    reasoning_parser=a.reasoning_parser, tool_call_parser=a.tool_call_parser,
+                    enable_auto_tool_choice=a.enable_auto_tool_choice)
     logging.getLogger(__name__).info("serving %s on http://%s:%d", engine.served_model_name, a.host, a.port)
     try:
         uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level)
@@ -115,6 +117,13 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--allowed-headers", type=_json_str_list, default=["*"],
                    help='CORS allowed headers, a JSON list (default: ["*"])')
     s.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
+    from pagedllm.parsers import REASONING_PARSERS, TOOL_PARSERS
+    s.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
+                   help="split <think> reasoning into reasoning_content")
+    s.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
+                   help="the model's tool-call format (needs --enable-auto-tool-choice)")
+    s.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='parse tool calls for requests with tools and tool_choice "auto"')
     for name in ("generate", "chat"):
         g = sub.add_parser(name, help=f"{name} once from the command line and print the text")
         _engine_flags(g)

@@ -30,6 +30,8 @@ class RequestState:
     logprobs: list[PositionLogprobs] | None = None
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     prompt_texts: list[str] | None = None
+    lp_sent: int = 0    # delta mode: logprob entries handed out so far
+    lp_chars: int = 0   # characters of text those entries' tokens cover
 
 
 class OutputProcessor:
@@ -57,6 +59,24 @@ class OutputProcessor:
             if tid not in pos:
                 pos[tid] = Logprob(lp, r, self._text_of(tid))
         return pos
+
+    @staticmethod
+    def _release_logprobs(st: RequestState, finished: bool) -> list[PositionLogprobs]:
+        """Delta mode: the logprob entries whose tokens' text has been handed out.
+
+        Text that may start a stop string is held back; its tokens' logprobs wait
+        with it, so each streamed chunk carries the logprobs of its own text and
+        the token strings stay in step with the text (a stop string may still
+        shorten them).
+        """
+        texts = st.detok.token_texts
+        released = st.detok.sent_offset
+        j = st.lp_sent
+        while j < len(st.logprobs) and (finished or st.lp_chars + len(texts[j]) <= released):
+            st.lp_chars += len(texts[j])
+            j += 1
+        out, st.lp_sent = st.logprobs[st.lp_sent:j], j
+        return out
 
     def _add_prompt_logprobs(self, st: RequestState, first: int, entries: list[TokenLogprobs]) -> None:
         """Record prompt logprobs from ``first`` on; positions seen before (a preempted
@@ -127,7 +147,7 @@ class OutputProcessor:
             lps = st.logprobs
             if delta:
                 text, toks = text_delta, st.token_ids[n_before:]
-                lps = None if lps is None else lps[n_before:]
+                lps = None if lps is None else self._release_logprobs(st, finished)
             else:
                 text, toks = st.detok.output_text[:st.detok.sent_offset], list(st.token_ids)
                 lps = None if lps is None else list(lps)

@@ -290,10 +290,14 @@ def resolve_model(model: str | os.PathLike | None) -> Path:
     ``None`` -> the bundled default (``default_model_path`` then
     ``convert_gguf`` with ``DEFAULT_MODEL_SHA256``); a path ending in
     ``.gguf`` -> ``convert_gguf``; an existing directory containing
-    ``config.json`` -> that directory. Nothing is downloaded from a hub.
+    ``config.json`` -> that directory; a named model such as
+    ``"qwen2.5-coder-0.5b-instruct"`` (``real_models.NAMED_MODELS``, when no
+    such path exists) -> its GGUF joined from PyPI wheel parts, verified and
+    converted (``real_models.resolve_named``). Nothing is downloaded from a hub.
 
     Raises ``ModelNotFoundError`` for anything else (and for a missing
-    default package or GGUF file), plus whatever ``convert_gguf`` raises.
+    default package, GGUF file or named model's wheels, the message giving
+    the ``pip install`` commands), plus whatever ``convert_gguf`` raises.
     """
     if model is None:
         return convert_gguf(default_model_path(), expected_sha256=DEFAULT_MODEL_SHA256)
@@ -302,7 +306,30 @@ def resolve_model(model: str | os.PathLike | None) -> Path:
         return convert_gguf(path)
     if path.is_dir() and (path / "config.json").is_file():
         return path
+    from pagedllm.models import real_models
+    spec = real_models.named_model(model) if not path.exists() else None
+    if spec is not None:
+        return real_models.resolve_named(spec)
     raise ModelNotFoundError(
-        f"Model {str(model)!r} is neither a .gguf file nor a local directory with config.json. "
-        f"pagedllm never downloads from a model hub; pass a local path, or omit the model to use "
-        f"the bundled default ({_PIP_HINT}).")
+        f"Model {str(model)!r} is neither a .gguf file, a local directory with config.json nor a "
+        f"named model ({', '.join(real_models.NAMED_MODELS)}). pagedllm never downloads from a "
+        f"model hub; pass a local path, or omit the model to use the bundled default ({_PIP_HINT}).")
+
+
+def default_served_model_name(model: str | os.PathLike | None) -> str:
+    """The name the API reports for ``model`` when no ``served_model_name`` is given.
+
+    ``None`` -> ``"SmolLM2-135M-Instruct"``; a named model (see
+    ``resolve_model``) -> its display name (``"Qwen2.5-Coder-0.5B-Instruct"``);
+    a ``.gguf`` path -> the file name without the suffix; any other path ->
+    its last component, dots kept (``Path.stem`` would cut
+    ``"Qwen2.5-Coder-0.5B-Instruct"`` to ``"Qwen2.5-Coder-0"``). Raises nothing.
+    """
+    if model is None:
+        return "SmolLM2-135M-Instruct"
+    from pagedllm.models import real_models
+    path = Path(model).expanduser()
+    spec = real_models.named_model(model) if not path.exists() else None
+    if spec is not None:
+        return spec.served_name
+    return path.stem if str(model).lower().endswith(".gguf") else (path.name or str(model))

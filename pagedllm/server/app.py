@@ -134,7 +134,8 @@ def _special_affixes(tokenizer) -> tuple[list[int], list[int]]:
 def build_app(llm: AsyncLLM, model_name: str, chat_template: str | None = None, *,
               api_key: str | None = None, allowed_origins: Sequence[str] = ("*",),
               allowed_methods: Sequence[str] = ("*",), allowed_headers: Sequence[str] = ("*",),
-              allow_credentials: bool = False) -> FastAPI:
+              allow_credentials: bool = False, reasoning_parser: str | None = None,
+              tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False) -> FastAPI:
     """Create the FastAPI application around a running ``AsyncLLM``.
 
     Args:
@@ -148,9 +149,12 @@ def build_app(llm: AsyncLLM, model_name: str, chat_template: str | None = None, 
             ``/stats``) stay open: put the server behind a proxy to guard those.
         allowed_origins, allowed_methods, allowed_headers, allow_credentials:
             the CORS policy (``CORSMiddleware`` options, vLLM's ``--allowed-*`` flags).
+        reasoning_parser, tool_call_parser, enable_auto_tool_choice: how chat outputs are
+            split into reasoning, content and tool calls (see ``OpenAIServing``).
     """
     app = FastAPI(title="pagedllm", version=pagedllm.__version__)
-    serving = OpenAIServing(llm, model_name, chat_template)
+    serving = OpenAIServing(llm, model_name, chat_template, reasoning_parser, tool_call_parser,
+                            enable_auto_tool_choice)
     metrics = ServerMetrics(llm, model_name)
     app.state.llm = llm
     app.state.metrics = metrics

@@ -81,3 +81,8 @@ def completion_logprobs(positions: list[PositionLogprobs], k: int,
         offsets.append(offset)
         offset += len(own.decoded_token)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def tokens_length(logprobs: dict) -> int:
+    """Characters covered by a completions ``logprobs`` object's tokens (the next chunk's offset base)."""
+    return sum(len(t) for t in logprobs["tokens"])

@@ -34,19 +34,66 @@ class ContentPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    """``function`` of an assistant message's tool call: ``arguments`` is JSON text."""
+
+    name: str
+    arguments: str
+
+
+class ToolCallMessage(BaseModel):
+    """One entry of an assistant message's ``tool_calls``."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
-    """One message of a conversation."""
+    """One message of a conversation (tool results: role ``tool`` with ``tool_call_id``)."""
 
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallMessage] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
 
     def text(self) -> str:
         """The content as plain text (parts joined)."""
         if isinstance(self.content, list):
             return "".join(p.text for p in self.content)
         return self.content or ""
+
+
+class FunctionDefinition(BaseModel):
+    """A function the model may call: ``parameters`` is a JSON Schema object."""
+
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(BaseModel):
+    """One entry of a chat request's ``tools``."""
+
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedToolChoiceFunction(BaseModel):
+    """``tool_choice.function``."""
+
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    """``tool_choice`` naming one function."""
+
+    type: Literal["function"] = "function"
+    function: NamedToolChoiceFunction
 
 
 class _SamplingRequest(BaseModel):
@@ -122,6 +169,9 @@ class ChatCompletionRequest(_SamplingRequest):
     chat_template_kwargs: dict[str, Any] | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     def to_sampling_params(self, defaults: dict) -> SamplingParams:
         """Sampling parameters; ``max_completion_tokens`` wins over the deprecated ``max_tokens``.
@@ -136,7 +186,14 @@ class ChatCompletionRequest(_SamplingRequest):
             raise SamplingParamError("top_logprobs", "top_logprobs: requires logprobs to be true")
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:
             raise SamplingParamError("top_logprobs", f"top_logprobs: must be in [0, 20], got {self.top_logprobs}")
-        return self._sampling_params(mt, (self.top_logprobs or 0) if self.logprobs else None, defaults)
+        try:
+            return self._sampling_params(mt, (self.top_logprobs or 0) if self.logprobs else None, defaults)
+        except SamplingParamError as e:
+            if self.max_completion_tokens is not None and "max_tokens" in str(e):
+                # the request said max_completion_tokens: name that field, not its deprecated alias
+                raise SamplingParamError("max_completion_tokens" if e.param == "max_tokens" else e.param,
+                                         str(e).replace("max_tokens", "max_completion_tokens")) from None
+            raise
 
 
 class CompletionRequest(_SamplingRequest):

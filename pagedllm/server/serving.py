@@ -16,11 +16,15 @@ from pagedllm.engine.async_llm import AsyncLLM, EngineDeadError
 from pagedllm.engine.detokenizer import token_texts
 from pagedllm.engine.llm_engine import PromptTooLongError
 from pagedllm.outputs import RequestOutput
+from pagedllm.parsers import DeltaMessage, StreamingParser, make_parser
 from pagedllm.request import Request
 from pagedllm.sampling_params import SamplingParamError, SamplingParams
 from pagedllm.server.errors import APIError
-from pagedllm.server.logprobs import chat_logprobs, completion_logprobs
-from pagedllm.server.protocol import ChatCompletionRequest, CompletionRequest, now, random_id
+from pagedllm.server.logprobs import chat_logprobs, completion_logprobs, tokens_length
+from pagedllm.server.protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice, now, random_id
+
+# tool-call formats whose markers are special tokens: the text must keep them
+_NEEDS_SPECIAL_TOKENS = {"mistral", "llama3_json"}
 
 
 def _sse(obj: dict) -> str:
@@ -73,6 +77,45 @@ async def merge_outputs(gens: list[AsyncIterator[RequestOutput]]) -> AsyncIterat
             await g.aclose()
 
 
+def _message(p: StreamingParser) -> dict:
+    """The chat ``message`` of a finished parser: ``content`` null when empty with tool calls."""
+    m = p.message
+    out: dict = {"role": "assistant", "content": "" if m.content is None and not m.tool_calls else m.content}
+    if p.reasoning is not None:
+        out["reasoning_content"] = m.reasoning_content
+    if m.tool_calls:
+        out["tool_calls"] = [c.to_dict() for c in m.tool_calls]
+    return out
+
+
+def _finish_reason(p: StreamingParser, finish: str | None) -> str | None:
+    """``tool_calls`` when a message that stopped normally ends in tool calls (OpenAI's rule)."""
+    return "tool_calls" if finish == "stop" and p.message.tool_calls else finish
+
+
+def _merge_deltas(a: DeltaMessage, b: DeltaMessage) -> DeltaMessage:
+    """Two consecutive deltas as one (argument pieces of the same call joined)."""
+    calls = list(a.tool_calls)
+    for tc in b.tool_calls:
+        if calls and calls[-1].index == tc.index and tc.id is None:
+            calls[-1] = type(tc)(tc.index, calls[-1].id, calls[-1].name, calls[-1].arguments + tc.arguments)
+        else:
+            calls.append(tc)
+    return DeltaMessage(a.reasoning_content + b.reasoning_content, a.content + b.content, calls)
+
+
+def _delta_dict(d: DeltaMessage) -> dict:
+    """The chat chunk ``delta`` object of a parser delta (only the fields that changed)."""
+    out: dict = {}
+    if d.reasoning_content:
+        out["reasoning_content"] = d.reasoning_content
+    if d.content:
+        out["content"] = d.content
+    if d.tool_calls:
+        out["tool_calls"] = [tc.to_dict() for tc in d.tool_calls]
+    return out
+
+
 class _Choice:
     """Accumulates one choice's text, tokens and logprobs (non-streaming)."""
 
@@ -98,12 +141,20 @@ class OpenAIServing:
         llm: the async engine.
         model_name: the served model name (requests naming another get 404).
         chat_template: a Jinja template overriding the tokenizer's, or ``None``.
+        reasoning_parser: name in ``REASONING_PARSERS`` (``--reasoning-parser``), or ``None``.
+        tool_call_parser: name in ``TOOL_PARSERS`` (``--tool-call-parser``), or ``None``.
+        enable_auto_tool_choice: allow ``tool_choice: "auto"`` (``--enable-auto-tool-choice``).
     """
 
-    def __init__(self, llm: AsyncLLM, model_name: str, chat_template: str | None = None) -> None:
+    def __init__(self, llm: AsyncLLM, model_name: str, chat_template: str | None = None,
+                 reasoning_parser: str | None = None, tool_call_parser: str | None = None,
+                 enable_auto_tool_choice: bool = False) -> None:
         self.llm = llm
         self.model_name = model_name
         self.chat_template = chat_template
+        self.reasoning_parser = reasoning_parser
+        self.tool_call_parser = tool_call_parser
+        self.enable_auto_tool_choice = enable_auto_tool_choice
         self.tokenizer = llm.engine.tokenizer
         self.defaults = llm.engine.default_sampling_fields()
 
@@ -142,49 +193,103 @@ class OpenAIServing:
                 reqs.append(self._make(cid, p, params.child(j), prompt_param, cache_salt))
         return reqs
 
-    def render_chat(self, body: ChatCompletionRequest) -> list[int]:
+    def render_chat(self, body: ChatCompletionRequest, with_tools: bool = True) -> list[int]:
         """Apply the chat template and tokenize (without adding special tokens twice).
 
         Raises:
             APIError: 400 when the template rejects the conversation.
         """
+        return self.tokenizer.encode(self._render_text(body, with_tools), add_special_tokens=False)
+
+    def _render_text(self, body: ChatCompletionRequest, with_tools: bool = True) -> str:
         msgs = []
         for m in body.messages:
             d = m.model_dump(exclude_none=True)
             d["content"] = m.text()
+            for tc in d.get("tool_calls") or []:
+                # templates index into the arguments (``arguments | tojson``, ``.items()``): give them a dict
+                try:
+                    args = json.loads(tc["function"]["arguments"])
+                except json.JSONDecodeError:
+                    raise APIError(400, "tool call arguments must be JSON text", "messages", code="invalid_value") from None
+                tc["function"]["arguments"] = args
             msgs.append(d)
+        tools = [t.model_dump(exclude_none=True) for t in body.tools] if with_tools and body.tools else None
         try:
-            text = self.tokenizer.apply_chat_template(msgs, tokenize=False, chat_template=self.chat_template,
+            return self.tokenizer.apply_chat_template(msgs, tools=tools, tokenize=False,
+                                                      chat_template=self.chat_template,
                                                       add_generation_prompt=body.add_generation_prompt,
                                                       **(body.chat_template_kwargs or {}))
         except Exception as e:  # jinja raise_exception(...) or a template bug: the request's fault
             raise APIError(400, f"chat template failed: {e}", "messages", code="invalid_value") from None
-        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _tool_mode(self, body: ChatCompletionRequest) -> bool:
+        """Whether to parse tool calls, following ``tool_choice`` (vLLM's rules).
+
+        Raises:
+            APIError: 400 for ``required`` or a named function (they need structured output,
+                which pagedllm does not have yet), and for ``auto`` on a server started
+                without ``--enable-auto-tool-choice --tool-call-parser``.
+        """
+        choice = body.tool_choice if body.tool_choice is not None else ("auto" if body.tools else "none")
+        if choice == "required" or isinstance(choice, NamedToolChoice):
+            raise APIError(400, "tool_choice: 'required' and named functions need structured output, which "
+                           "pagedllm does not support yet; use 'auto' or 'none'", "tool_choice",
+                           code="unsupported_value")
+        if choice == "none" or not body.tools:
+            return False
+        if not (self.enable_auto_tool_choice and self.tool_call_parser):
+            raise APIError(400, '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
+                           "to be set on the server", "tool_choice", code="unsupported_value")
+        return True
 
     # ---- chat -------------------------------------------------------------------
     async def chat(self, body: ChatCompletionRequest):
         """Run a chat completion; returns a dict, or an async iterator of SSE lines when streaming."""
         self.check_model(body.model)
         params = self._params(body)
+        use_tools = self._tool_mode(body)
+        text = self._render_text(body)
+        if use_tools and self.tool_call_parser in _NEEDS_SPECIAL_TOKENS:
+            params.skip_special_tokens = False
+        kwargs = body.chat_template_kwargs or {}
+        parser_args = None
+        if use_tools or self.reasoning_parser:
+            # thinking is what the request asked for; "starts in reasoning" is what the prompt says
+            parser_args = dict(reasoning_parser=self.reasoning_parser,
+                               tool_parser=self.tool_call_parser if use_tools else None,
+                               thinking=bool(kwargs.get("enable_thinking", True)),
+                               starts_in_reasoning=text.rstrip().endswith("<think>"),
+                               tools=[t.model_dump() for t in body.tools or []])
         rid = random_id("chatcmpl")
-        reqs = self._fan_out(rid, [self.render_chat(body)], params, "messages", body.cache_salt)
+        reqs = self._fan_out(rid, [self.tokenizer.encode(text, add_special_tokens=False)], params, "messages",
+                             body.cache_salt)
         merged = merge_outputs([self.llm.generate(r) for r in reqs])
         n_prompt = reqs[0].num_prompt_tokens
         top = params.logprobs
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return self._chat_stream(rid, merged, len(reqs), n_prompt, include_usage, top)
+            parsers = [make_parser(**parser_args) if parser_args else None for _ in reqs]
+            return self._chat_stream(rid, merged, len(reqs), n_prompt, include_usage, top, parsers)
         choices = [_Choice() for _ in reqs]
         async for i, out in merged:
             choices[i].add(out)
+        result = []
+        for i, c in enumerate(choices):
+            message, finish = {"role": "assistant", "content": c.text}, c.finish
+            if parser_args:
+                p = make_parser(**parser_args)
+                p.feed(c.text)
+                p.finish()
+                message, finish = _message(p), _finish_reason(p, c.finish)
+            result.append({"index": i, "message": message,
+                           "logprobs": None if top is None else chat_logprobs(c.logprobs, top),
+                           "finish_reason": finish})
         return {"id": rid, "object": "chat.completion", "created": now(), "model": self.model_name,
-                "choices": [{"index": i, "message": {"role": "assistant", "content": c.text},
-                             "logprobs": None if top is None else chat_logprobs(c.logprobs, top),
-                             "finish_reason": c.finish} for i, c in enumerate(choices)],
-                "usage": _usage(n_prompt, sum(c.num_tokens for c in choices))}
+                "choices": result, "usage": _usage(n_prompt, sum(c.num_tokens for c in choices))}
 
     async def _chat_stream(self, rid: str, merged, num_choices: int, n_prompt: int, include_usage: bool,
-                           top: int | None) -> AsyncIterator[str]:
+                           top: int | None, parsers: list[StreamingParser | None]) -> AsyncIterator[str]:
         created = now()
 
         def chunk(i: int, delta: dict, finish: str | None = None, logprobs=None) -> dict:
@@ -199,10 +304,20 @@ class OpenAIServing:
                 c = out.outputs[0]
                 n_tokens += len(c.token_ids)
                 lps = None if top is None or not c.logprobs else chat_logprobs(c.logprobs, top)
-                if c.text or lps:
-                    yield _sse(chunk(i, {"content": c.text}, c.finish_reason, lps))
-                elif c.finish_reason is not None:
-                    yield _sse(chunk(i, {}, c.finish_reason))
+                finish = c.finish_reason
+                p = parsers[i]
+                if p is None:
+                    delta = {"content": c.text} if c.text else {}
+                else:
+                    d = p.feed(c.text, c.token_ids)
+                    if finish is not None:
+                        d = _merge_deltas(d, p.finish())
+                        finish = _finish_reason(p, finish)
+                    delta = _delta_dict(d)
+                if delta or lps or finish is not None:
+                    if lps and not delta:
+                        delta = {"content": ""}  # logprobs of tokens whose text is still held back
+                    yield _sse(chunk(i, delta, finish, lps))
             if include_usage:
                 yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created,
                             "model": self.model_name, "choices": [], "usage": _usage(n_prompt, n_tokens)})
@@ -252,7 +367,7 @@ class OpenAIServing:
     async def _completion_stream(self, rid: str, merged, echo: list[str | None], body: CompletionRequest,
                                  n_prompt: int, include_usage: bool, reqs: list[Request]) -> AsyncIterator[str]:
         created = now()
-        offsets = [0] * len(echo)   # characters sent so far per choice (for text_offset)
+        offsets = [0] * len(echo)   # characters covered by the tokens sent so far per choice (text_offset)
         started = [False] * len(echo)
 
         def chunk(i: int, text: str, finish: str | None, logprobs=None) -> dict:
@@ -277,7 +392,8 @@ class OpenAIServing:
                 if body.logprobs is not None and (lp_list or prompt_lps):
                     first = self._first_token_text(reqs[i]) if prompt_lps else ""
                     lps = completion_logprobs(lp_list, body.logprobs, prompt_lps, offsets[i], first)
-                offsets[i] += len(text)
+                if lps is not None:
+                    offsets[i] += tokens_length(lps)  # offsets follow the tokens, which may lag the text
                 if text or lps or finish is not None:
                     yield _sse(chunk(i, text, finish, lps))
             if include_usage:

@@ -7,6 +7,8 @@ sampled token to its own copy of the sequence.
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -77,6 +79,9 @@ class ModelRunner:
                           for _ in range(layers)]
         self.requests: dict[str, CachedRequestState] = {}
         self.sampler = Sampler(seed, eos_token_ids)
+        self._eos = min(eos_token_ids) if eos_token_ids else 0
+        # test hook: replay fixed output tokens instead of sampling (see ``_scripted``)
+        self._script_path = os.environ.get("PAGEDLLM_SCRIPTED_OUTPUT")
 
     @staticmethod
     def kv_bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:
@@ -169,7 +174,8 @@ class ModelRunner:
         if sample_ids:
             states = [self.requests[r] for r in sample_ids]
             sampled = self.sampler(logits[:len(sample_ids)], states)
-            for rid, st, tok, lp in zip(sample_ids, states, sampled.token_ids, sampled.logprobs):
+            tokens = self._scripted(states, sampled.token_ids) if self._script_path else sampled.token_ids
+            for rid, st, tok, lp in zip(sample_ids, states, tokens, sampled.logprobs):
                 st.token_ids.append(tok)
                 out.sampled_token_ids[rid] = tok
                 if lp is not None:
@@ -177,6 +183,19 @@ class ModelRunner:
         if prompt_lp:
             self._prompt_logprobs(logits[len(sample_ids):], prompt_lp, out)
         return StepHandle(out)
+
+    def _scripted(self, states: list[CachedRequestState], tokens: list[int]) -> list[int]:
+        """Test hook: with ``PAGEDLLM_SCRIPTED_OUTPUT`` naming a JSON file ``{"token_ids": [...]}``,
+        every request's output is those tokens, then EOS, whatever the model says (the file
+        is re-read at each step, so a test can change it between requests). The logits
+        still run; logprobs are those of the sampled tokens, not the replayed ones."""
+        with open(self._script_path) as f:
+            script = json.load(f)["token_ids"]
+        out = []
+        for st in states:
+            pos = len(st.token_ids) - st.num_prompt_tokens
+            out.append(script[pos] if pos < len(script) else self._eos)
+        return out
 
     def _prompt_logprobs(self, logits: torch.Tensor, prompt_lp, out: ModelRunnerOutput) -> None:
         """Logprobs of the prompt tokens whose predicting positions ran this step.
