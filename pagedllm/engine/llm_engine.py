@@ -41,14 +41,13 @@ class LLMEngine:
 
     def __init__(self, args: EngineArgs) -> None:
         from transformers import AutoTokenizer
-        from pagedllm.models.loader import resolve_model
+        from pagedllm.models.loader import default_served_model_name, resolve_model
         from pagedllm.models.registry import load_model, read_generation_config
         self.args = args
         if args.num_threads:
             torch.set_num_threads(args.num_threads)
         self.model_dir = Path(resolve_model(args.model))
-        self.served_model_name = args.served_model_name or (
-            Path(args.model).stem if args.model else "SmolLM2-135M-Instruct")
+        self.served_model_name = args.served_model_name or default_served_model_name(args.model)
         self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or self.model_dir)
         dtype, device = args.torch_dtype, args.torch_device
         model, self.hf_config = load_model(self.model_dir, dtype, device)
