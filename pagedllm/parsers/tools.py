@@ -110,23 +110,25 @@ class ToolParser:
         raise NotImplementedError
 
 
-def _leading_calls(text: str, final: bool, reader) -> ToolSplit:
+def _leading_calls(text: str, final: bool, reader, start: int = 0) -> ToolSplit | None:
     """Driver of formats whose calls open the answer (``json``, ``llama3_json``, ``pythonic``).
 
     ``reader(text, i, final)`` returns ``(calls, end)`` for the call region starting
     at ``i`` (``end`` ``None`` while open). Before the region is recognised it raises
     ``_Undecided`` (wait) or ``_NotCalls`` (plain content); once recognised it never
     raises. Text after the region is content.
+
+    Returns:
+        The split (``content`` holds only the text after the region), or ``None`` when
+        ``text[start:]`` is not a call region (or, in partial mode, not yet known to be one).
     """
-    i = skip_ws(text, 0)
+    i = skip_ws(text, start)
     if i == len(text):
-        return ToolSplit(text if final else "")
+        return None
     try:
         calls, end = reader(text, i, final)
-    except _Undecided:
-        return ToolSplit(text if final else "")
-    except _NotCalls:
-        return ToolSplit(text)
+    except (_Undecided, _NotCalls):
+        return None
     return ToolSplit("" if end is None else text[end:], calls)
 
 
@@ -239,15 +241,57 @@ class HermesToolParser(ToolParser):
                 pos = end  # no end tag: the object alone ends the call
 
 
+_FENCE = re.compile(r"```(?:json)?[ \t]*\n")
+
+
+def _classify(text: str, final: bool, reader) -> ToolSplit:
+    """Content, or calls opening the answer, for ``reader``'s format (see ``_leading_calls``)."""
+    split = _leading_calls(text, final, reader)
+    if split is not None:
+        return split
+    return ToolSplit(text if final or not _may_open(text, reader) else "")
+
+
+def _may_open(text: str, reader) -> bool:
+    """Partial mode: True while ``text`` could still become a call region."""
+    i = skip_ws(text, 0)
+    if i == len(text):
+        return True
+    try:
+        reader(text, i, False)
+    except _Undecided:
+        return True
+    except _NotCalls:
+        return False
+    return True
+
+
 @register_tool_parser("json")
 class JSONToolParser(ToolParser):
-    """A bare JSON call object, or an array of them, opening the answer (Qwen2.5-Coder's habit).
-
-    An object is a call when its first key is ``name``; any other JSON answer stays content.
-    """
+    """A bare JSON call object, or an array of them, opening the answer, optionally inside a
+    Markdown code fence (```json ... ```), as Qwen2.5-Coder emits them. An object is a call
+    when its first key is ``name``; any other JSON answer stays content."""
 
     def parse(self, text: str, final: bool) -> ToolSplit:
-        return _leading_calls(text, final, _read_json_calls)
+        i = skip_ws(text, 0)
+        head = text[i:]
+        if not (head.startswith("```") or ("```json\n".startswith(head) and head)):
+            return _classify(text, final, _read_json_calls)
+        m = _FENCE.match(text, i)
+        if m is None:
+            waiting = not final and re.fullmatch(r"`{1,3}(j(s(on?)?)?)?[ \t]*", head) is not None
+            return ToolSplit("" if waiting else text)  # another kind of code block: content
+        split = _leading_calls(text, final, _read_json_calls, m.end())
+        if split is None:
+            waiting = not final and _may_open(text[m.end():], _read_json_calls)
+            return ToolSplit("" if waiting else text)
+        rest = split.content
+        k = skip_ws(rest, 0)
+        if rest.startswith("```", k):
+            rest = rest[k + 3:]
+        elif not final and "```".startswith(rest[k:]):
+            rest = ""  # the closing fence may be arriving
+        return ToolSplit(rest, split.calls)
 
 
 @register_tool_parser("llama3_json")
@@ -268,7 +312,7 @@ class Llama3JSONToolParser(ToolParser):
             elif self.tag.startswith(t[i:]) and not fin:
                 raise _Undecided
             return _read_json_calls(t, i, fin, sep=";")
-        return _leading_calls(text, final, reader)
+        return _classify(text, final, reader)
 
 
 @register_tool_parser("mistral")
@@ -416,4 +460,4 @@ class PythonicToolParser(ToolParser):
     (Llama 3.2 / Llama 4 style). Argument values are Python literals, converted to JSON."""
 
     def parse(self, text: str, final: bool) -> ToolSplit:
-        return _leading_calls(text, final, _read_pythonic)
+        return _classify(text, final, _read_pythonic)

@@ -50,6 +50,12 @@ CORPUS = [
     ("json", None, {}, CALL, (None, None, [("get_weather", ARGS1)])),
     ("json", None, {}, f"[{CALL}, {CALL2}]", (None, None, [("get_weather", ARGS1), ("get_time", ARGS2)])),
     ("json", None, {}, '{"result": {"name": "x"}}', (None, '{"result": {"name": "x"}}', [])),
+    # what the real Qwen2.5-Coder-0.5B-Instruct emits for a get_weather tool (greedy)
+    ("json", None, {}, '```json\n{\n  "name": "get_weather",\n  "arguments": {\n    "city": "Paris"\n  }\n}\n```',
+     (None, None, [("get_weather", '{\n    "city": "Paris"\n  }')])),
+    ("json", None, {}, f"```json\n[{CALL}, {CALL2}]\n```\nDone.", (None, "Done.", [("get_weather", ARGS1), ("get_time", ARGS2)])),
+    ("json", None, {}, "```python\nprint('hi')\n```", (None, "```python\nprint('hi')\n```", [])),
+    ("json", None, {}, '```json\n{"a": 1}\n```', (None, '```json\n{"a": 1}\n```', [])),
     ("json", None, {}, "Sure! Here you go.", (None, "Sure! Here you go.", [])),
     ("json", None, {}, '[1, 2, 3]', (None, '[1, 2, 3]', [])),
     ("json", None, {}, '{"name": "get_weather", "arguments": {"city": "São Pau',
@@ -154,7 +160,7 @@ def test_random_cut_points(data):
 @settings(max_examples=300, deadline=None)
 @given(text=st.lists(st.sampled_from(list('<>/{}[]()"\\:,; =abtnmeoTOLS_CAR|\n') + ["<tool_call>",
        "</tool_call>", "<think>", "</think>", "[TOOL_CALLS]", "[ARGS]", '{"name": "f", "arguments": ',
-       '"name"', "é", "🌸"]), max_size=40).map("".join), tool=st.sampled_from(["hermes", "json", "llama3_json", "mistral", "pythonic"]),
+       '"name"', "é", "🌸", "```json\n", "```", "<|python_tag|>"]), max_size=40).map("".join), tool=st.sampled_from(["hermes", "json", "llama3_json", "mistral", "pythonic"]),
        reasoning=st.sampled_from([None, "deepseek_r1", "qwen3"]), cut=st.integers(1, 7))
 def test_arbitrary_text_never_breaks_the_contract(text, tool, reasoning, cut):
     """On arbitrary text built from markup fragments, chunked parsing equals the whole parse, never raises,
