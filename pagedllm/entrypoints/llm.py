@@ -71,11 +71,13 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict | None = None, tools: list[dict] | None = None) -> list[RequestOutput]:
         """Generate assistant replies for one conversation or a list of them.
 
         Each conversation is rendered with the tokenizer's chat template
-        (``apply_chat_template``) and tokenized without adding special tokens again.
+        (``apply_chat_template``, given ``tools`` in OpenAI's shape when set) and
+        tokenized without adding special tokens again. Parse tool calls and
+        reasoning out of the text with ``pagedllm.parsers.parse_whole``.
 
         Returns:
             One ``RequestOutput`` per conversation, in input order.
@@ -84,7 +86,8 @@ class LLM:
         sp = sampling_params or self.get_default_sampling_params()
         items = []
         for conv in convs:
-            text = self.engine.tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt,
+            text = self.engine.tokenizer.apply_chat_template(conv, tools=tools, tokenize=False,
+                                                             add_generation_prompt=add_generation_prompt,
                                                              **(chat_template_kwargs or {}))
             ids = self.engine.tokenizer.encode(text, add_special_tokens=False)
             items.append((ids, sp, text))
