@@ -123,3 +123,10 @@ def secure_server(tmp_path_factory) -> SimpleNamespace:
     args = ["--api-key", SECURE_API_KEY, "--allowed-origins", f'["{SECURE_ORIGIN}"]']
     with _serve(tmp_path_factory.mktemp("secure_server"), args) as url:
         yield SimpleNamespace(url=url, api_key=SECURE_API_KEY, allowed_origin=SECURE_ORIGIN)
+
+
+@pytest.fixture(scope="session")
+def start_server():
+    """The server context manager ``start_server(log_dir, extra_args)`` (yields the base URL),
+    for modules that need a server of their own (tests cannot import conftest)."""
+    return _serve
