@@ -25,6 +25,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagedllm
 from pagedllm.engine.async_llm import AsyncLLM, EngineDeadError
@@ -178,6 +179,11 @@ def build_app(llm: AsyncLLM, model_name: str, chat_template: str | None = None, 
     @app.exception_handler(EngineDeadError)
     async def _dead(_: Request, exc: EngineDeadError) -> JSONResponse:
         return APIError(503, str(exc), type="service_unavailable", code="engine_dead").response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # unknown paths (404) and wrong methods (405) get OpenAI's error body too
+        return APIError(exc.status_code, str(exc.detail), type="invalid_request_error").response()
 
     @app.exception_handler(Exception)
     async def _crash(_: Request, exc: Exception) -> JSONResponse:

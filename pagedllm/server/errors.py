@@ -72,7 +72,8 @@ def validation_error(exc) -> APIError:
     kind = str(err.get("type", ""))
     param = _param_path(err.get("loc", ()))
     if param is None:  # the body itself: missing, or not a JSON object
-        return APIError(400, "the request body must be a JSON object", None, code="invalid_request")
+        return APIError(400, "the request body must be a JSON object sent with Content-Type: application/json",
+                        None, code="invalid_request")
     if kind == "missing":
         return APIError(400, f"Missing required parameter: '{param}'.", param, code="missing_required_parameter")
     code = "invalid_type" if kind.endswith(("_type", "_parsing")) else "invalid_value"

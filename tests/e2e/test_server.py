@@ -316,3 +316,11 @@ def test_non_stream_disconnect_frees_request(server_url, client):
     s = wait_idle(server_url, timeout=3)
     assert 1 <= s["num_generation_tokens"] - before["num_generation_tokens"] < 1000  # aborted, not finished
     assert_healthy(client)
+
+
+def test_unknown_path_and_wrong_method_get_openai_error_bodies(server_url):
+    """404 for an unknown path and 405 for a wrong method answer with OpenAI's error body too."""
+    r = httpx.get(f"{server_url}/v1/nope")
+    assert r.status_code == 404 and r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.get(f"{server_url}/v1/completions")
+    assert r.status_code == 405 and r.json()["error"]["message"]
