@@ -46,6 +46,8 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                    help="reuse cached KV blocks of shared prefixes (--no-enable-prefix-caching turns it off)")
     p.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling")
     p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
+    p.add_argument("--model-impl", choices=["auto", "native", "transformers"], default="auto",
+                   help="native implementation, the Transformers backend, or auto (native when one exists)")
     p.add_argument("--log-level", default="info")
 
 
@@ -57,7 +59,7 @@ def _engine_args(a: argparse.Namespace):
                       max_model_len=a.max_model_len, enable_chunked_prefill=a.enable_chunked_prefill,
                       enable_prefix_caching=a.enable_prefix_caching,
                       seed=a.seed, served_model_name=getattr(a, "served_model_name", None),
-                      num_threads=a.num_threads)
+                      num_threads=a.num_threads, model_impl=a.model_impl)
 
 
 def _serve(a: argparse.Namespace) -> int:

@@ -85,6 +85,9 @@ class EngineArgs:
         seed: engine seed for unseeded sampling.
         served_model_name: name reported by the API (default: the model path's name).
         tokenizer: tokenizer directory (default: the model directory).
+        num_threads: torch intra-op threads (default: torch's choice).
+        model_impl: ``auto`` (native when one exists, else the Transformers backend),
+            ``native`` or ``transformers`` (vLLM's ``--model-impl``).
     """
 
     model: str | None = None
@@ -102,6 +105,7 @@ class EngineArgs:
     served_model_name: str | None = None
     tokenizer: str | None = None
     num_threads: int | None = None
+    model_impl: str = "auto"
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -111,6 +115,8 @@ class EngineArgs:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.model_impl not in ("auto", "native", "transformers"):
+            raise ValueError(f"model_impl must be auto, native or transformers, got {self.model_impl!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         parse_size(self.kv_cache_memory)

@@ -39,6 +39,7 @@ class AttentionMetadata:
         decode_mask: ``[num_decodes, 1, 1, max_len]`` bool, True where a slot is real;
             ``None`` when every decode has ``max_len`` tokens (no padding, so SDPA runs unmasked).
         prefills: requests with more than one query token.
+        decode_seq_lens: ``[num_decodes]`` int64 context lengths of the decodes (for sliding windows).
     """
 
     slot_mapping: torch.Tensor
@@ -49,3 +50,4 @@ class AttentionMetadata:
     decode_slots: torch.Tensor
     decode_mask: torch.Tensor | None
     prefills: list[PrefillSeq]
+    decode_seq_lens: torch.Tensor | None = None

@@ -50,7 +50,7 @@ class LLMEngine:
         self.served_model_name = args.served_model_name or default_served_model_name(args.model)
         self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or self.model_dir)
         dtype, device = args.torch_dtype, args.torch_device
-        model, self.hf_config = load_model(self.model_dir, dtype, device)
+        model, self.hf_config = load_model(self.model_dir, dtype, device, args.model_impl)
         self.generation_config = read_generation_config(self.model_dir)
         self.max_model_len = min(args.max_model_len or self.hf_config.max_position_embeddings,
                                  self.hf_config.max_position_embeddings)

@@ -34,24 +34,67 @@ def resolve_architecture(config) -> type:
                      f"supported: {sorted(NATIVE_ARCHITECTURES)}")
 
 
-def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device):
-    """Build the native model from ``model_dir`` (config.json + *.safetensors) without a random init.
+MODEL_IMPLS = ("auto", "native", "transformers")
 
-    The model is built on the meta device, materialized empty on ``device``
-    and filled from safetensors, so no second copy of the weights exists.
 
+def select_impl(config, model_impl: str = "auto") -> str:
+    """Which implementation serves ``config``: ``"native"`` or ``"transformers"``.
+
+    ``auto`` takes the native one when it exists, else the Transformers backend.
+
+    Raises:
+        ValueError: an unknown ``model_impl``, or an architecture the chosen
+            implementation(s) cannot serve (the message says what is missing).
+    """
+    from pagedllm.models.transformers_backend import check_supported
+    if model_impl not in MODEL_IMPLS:
+        raise ValueError(f"model_impl must be one of {MODEL_IMPLS}, got {model_impl!r}")
+    archs = getattr(config, "architectures", None) or []
+    native = any(a in NATIVE_ARCHITECTURES for a in archs)
+    if model_impl == "native" or (model_impl == "auto" and native):
+        if not native:
+            raise ValueError(f"architecture {archs} has no native implementation (native: "
+                             f"{sorted(NATIVE_ARCHITECTURES)}); use --model-impl transformers or auto")
+        return "native"
+    try:
+        check_supported(config)
+    except ValueError as e:
+        hint = "" if model_impl == "transformers" else f" and no native implementation exists for {archs}"
+        raise ValueError(f"cannot serve this model: {e}{hint}") from None
+    return "transformers"
+
+
+def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, model_impl: str = "auto"):
+    """Build the model of ``model_dir`` (config.json + *.safetensors) without a random init.
+
+    The native model is built on the meta device, materialized empty on
+    ``device`` and filled from safetensors; the Transformers backend loads
+    through ``from_pretrained``, which does the same. Either way no second copy
+    of the weights exists.
+
+    Args:
+        model_impl: ``auto``, ``native`` or ``transformers`` (see ``select_impl``).
     Returns:
         ``(model, config)`` with the model in eval mode.
     Raises:
         FileNotFoundError: no ``*.safetensors`` in the directory.
-        ValueError: unsupported architecture.
+        ValueError: no implementation can serve the architecture.
     """
     from transformers import AutoConfig
     t0 = time.perf_counter()
     model_dir = Path(model_dir)
     config = AutoConfig.from_pretrained(model_dir)
-    cls = resolve_architecture(config)
+    impl = select_impl(config, model_impl)
     files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {model_dir}")
+    if impl == "transformers":
+        from pagedllm.models.transformers_backend import load_transformers_model
+        model = load_transformers_model(model_dir, config, dtype, device)
+        logger.info("loaded %s (%s, Transformers backend) in %.1f s", model_dir, config.architectures,
+                    time.perf_counter() - t0)
+        return model, config
+    cls = resolve_architecture(config)
     if not files:
         raise FileNotFoundError(f"no *.safetensors weights in {model_dir}")
     with torch.device("meta"):

@@ -154,7 +154,8 @@ class ModelRunner:
             decode_token_idx=torch.tensor(dec_idx, dtype=torch.int64, device=dev),
             decode_slots=torch.from_numpy(ds).to(dev),
             decode_mask=None if dm.all() else torch.from_numpy(dm).to(dev).view(len(dec_slots), 1, 1, max_len),
-            prefills=prefills)
+            prefills=prefills,
+            decode_seq_lens=torch.tensor([len(s) for s in dec_slots], dtype=torch.int64, device=dev))
         input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
         positions = torch.from_numpy(np.concatenate(pos)).to(dev)
         return input_ids, positions, meta, logit_rows, sample_ids, prompt_lp

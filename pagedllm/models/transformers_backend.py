@@ -1,0 +1,158 @@
+"""The Transformers backend: any ``transformers`` causal LM, run with pagedllm's paged attention.
+
+pagedllm's attention is registered in ``transformers``' ``AttentionInterface``
+under the name ``"pagedllm"``, and the model is loaded with
+``attn_implementation="pagedllm"``. The model's own code then runs unchanged
+(embeddings, rotary or learned positions, norms, MLPs, soft-capping), and every
+attention module calls ``paged_attention_forward``, which writes the step's K/V
+into the module's layer of the paged cache and reads the context through the
+step's slots. No ``transformers`` KV cache object exists (``use_cache=False``)
+and no attention mask is built (custom attention gets none). The flattened
+batch is one sequence of ``num_tokens`` rows; positions come from the
+scheduler through ``position_ids``.
+
+Reference: transformers' "Attention interface" documentation.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.attention.torch_paged import paged_attention
+
+logger = logging.getLogger(__name__)
+
+ATTN_NAME = "pagedllm"
+
+
+@dataclass
+class _StepContext:
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    meta: AttentionMetadata
+
+
+_current: _StepContext | None = None  # the step being run (one engine thread runs steps)
+
+
+def paged_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            attention_mask: torch.Tensor | None, scaling: float | None = None,
+                            dropout: float = 0.0, sliding_window: int | None = None,
+                            softcap: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """``transformers`` attention function backed by the paged KV cache.
+
+    Args:
+        module: the attention module; ``module.layer_idx`` picks the cache layer.
+        query: ``[1, num_heads, num_tokens, head_dim]``.
+        key, value: ``[1, num_kv_heads, num_tokens, head_dim]`` of the step's tokens.
+        attention_mask: ignored (always ``None`` for a custom implementation).
+        scaling: softmax scale (default ``head_dim ** -0.5``).
+        sliding_window: the layer's window in tokens, or ``None``.
+        softcap: attention logit soft-capping, or ``None``.
+    Returns:
+        ``([1, num_tokens, num_heads, head_dim], None)`` as transformers' attention functions.
+    Raises:
+        RuntimeError: called outside a pagedllm step.
+    """
+    ctx = _current
+    if ctx is None:
+        raise RuntimeError("pagedllm attention called outside an engine step")
+    q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
+    key_cache, value_cache = ctx.kv_caches[module.layer_idx]
+    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    out = paged_attention(q, k.contiguous(), v.contiguous(), key_cache, value_cache, ctx.meta, scale,
+                          sliding_window=sliding_window, softcap=softcap)
+    return out.unsqueeze(0), None
+
+
+def register() -> None:
+    """Register ``paged_attention_forward`` as ``attn_implementation="pagedllm"`` (idempotent)."""
+    from transformers import AttentionInterface
+    AttentionInterface.register(ATTN_NAME, paged_attention_forward)
+
+
+def _text_config(config):
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def check_supported(config) -> type:
+    """The ``transformers`` class that would serve ``config``.
+
+    Raises:
+        ValueError: ``transformers`` has no causal LM for the config, or that model's
+            attention cannot be replaced (``_supports_attention_backend`` is False).
+    """
+    from transformers import AutoModelForCausalLM
+    try:
+        cls = AutoModelForCausalLM._model_mapping[type(config)]
+    except KeyError:
+        raise ValueError(f"transformers {__import__('transformers').__version__} has no causal LM for "
+                         f"model_type {config.model_type!r}") from None
+    if not getattr(cls, "_supports_attention_backend", False):
+        raise ValueError(f"{cls.__name__} does not take a custom attention implementation "
+                         f"(_supports_attention_backend is False), so the Transformers backend cannot serve it")
+    return cls
+
+
+class TransformersCausalLM(nn.Module):
+    """A ``transformers`` causal LM behind pagedllm's model interface.
+
+    Args:
+        hf_model: a model loaded with ``attn_implementation="pagedllm"``.
+    """
+
+    def __init__(self, hf_model: nn.Module) -> None:
+        super().__init__()
+        self.hf = hf_model
+        cfg = _text_config(hf_model.config)
+        self.num_layers = cfg.num_hidden_layers
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+    def kv_cache_spec(self) -> tuple[int, int, int]:
+        """``(num_layers, num_kv_heads, head_dim)`` of the KV cache."""
+        return self.num_layers, self.num_kv_heads, self.head_dim
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
+        """Run one step (same contract as the native models).
+
+        Args:
+            input_ids: ``[T]`` int64 token ids of the flattened batch.
+            positions: ``[T]`` int64 absolute positions.
+            kv_caches: per layer ``(key_cache, value_cache)``.
+            meta: attention metadata of the step.
+            logits_indices: ``[R]`` int64 rows whose logits are needed (only those are projected).
+        Returns:
+            ``[R, vocab]`` float32 logits (after the model's own final soft-capping, if any).
+        """
+        global _current
+        _current = _StepContext(kv_caches, meta)
+        try:
+            out = self.hf(input_ids=input_ids.unsqueeze(0), position_ids=positions.unsqueeze(0), use_cache=False,
+                          logits_to_keep=logits_indices, return_dict=True)
+        finally:
+            _current = None
+        return out.logits[0].float()
+
+
+def load_transformers_model(model_dir, config, dtype: torch.dtype, device: torch.device) -> TransformersCausalLM:
+    """Load ``model_dir`` with ``transformers`` and pagedllm attention.
+
+    ``from_pretrained`` builds the model on the meta device and loads the
+    safetensors weights into place, so there is no random init and no second copy.
+
+    Raises:
+        ValueError: see ``check_supported``.
+    """
+    from transformers import AutoModelForCausalLM
+    check_supported(config)
+    register()
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation=ATTN_NAME)
+    hf = hf.to(device).eval()
+    return TransformersCausalLM(hf)
