@@ -196,8 +196,9 @@ def _read_json_calls(text: str, i: int, final: bool, sep: str | None = None):
 @register_tool_parser("hermes")
 class HermesToolParser(ToolParser):
     """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, any number, anywhere in the text
-    (Hermes 2 Pro, Qwen2.5, Qwen3). A ``</tool_call>`` inside a JSON string does not end a call;
-    a block that is not JSON is dropped (markup never reaches the content)."""
+    (Hermes 2 Pro, Qwen2.5, Qwen3). A ``</tool_call>`` inside a JSON string does not end a call.
+    A ``<tool_call>`` not followed by a JSON object is prose and stays in the content; a block
+    whose JSON breaks off is dropped up to its end tag."""
 
     start_tag, end_tag = "<tool_call>", "</tool_call>"
 
@@ -215,10 +216,8 @@ class HermesToolParser(ToolParser):
             if k == len(text):
                 return out  # an opened block with nothing in it yet (dropped if final)
             if text[k] != "{":
-                close = text.find(self.end_tag, k)
-                if close == -1:
-                    return out
-                pos = close + len(self.end_tag)
+                out.content += text[j:k]  # not a call: the tag is prose, and so is what follows
+                pos = k
                 continue
             call, end, error = _json_call(text, k)
             if call is not None:

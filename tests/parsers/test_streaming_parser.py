@@ -176,3 +176,10 @@ def test_complete_calls_have_valid_json_arguments(case):
     for name, args in whole(tp, rp, kw, text)[2]:
         if not text.rstrip().endswith(("Par", "Pau")):
             assert isinstance(json.loads(args), dict), (name, args)
+
+
+def test_tool_call_tag_in_prose_stays_content():
+    """A <tool_call> tag not followed by a JSON object is prose: the text stays whole, closed or not."""
+    for text in ("Write <tool_call> then the JSON of the call.", "Use <tool_call>name</tool_call> to call."):
+        assert whole("hermes", None, {}, text) == (None, text, [])
+        assert run_chunks("hermes", None, {}, list(text)) == (None, text, [])
