@@ -98,10 +98,10 @@ def make_prompts(tokenizer, n: int, length: int, seed: int) -> list[list[int]]:
     return torch.randint(low, tokenizer.vocab_size, (n, length), generator=g).tolist()
 
 
-def run_pagedllm(args, prompts) -> tuple[dict, list[list[int]], str]:
+def run_pagedllm(args, prompts, model_impl: str = "native") -> tuple[dict, list[list[int]], str]:
     blocks_per_seq = -(-(args.input_len + args.output_len) // 16)
     llm = LLM(max_num_seqs=args.num_prompts, block_size=16, num_kv_blocks=args.num_prompts * blocks_per_seq + 16,
-              max_num_batched_tokens=max(2048, args.input_len))
+              max_num_batched_tokens=max(2048, args.input_len), model_impl=model_impl)
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     warm = make_prompts(llm.get_tokenizer(), 2, 16, args.seed + 1)  # not the timed prompts: no prefix-cache hits
     llm.generate(warm, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
@@ -109,7 +109,8 @@ def run_pagedllm(args, prompts) -> tuple[dict, list[list[int]], str]:
     outs, wall, other = timed(lambda: llm.generate(prompts, params, use_tqdm=False))
     gen = sum(len(o.outputs[0].token_ids) for o in outs)
     assert gen == args.num_prompts * args.output_len, f"pagedllm generated {gen} tokens"
-    res = {"engine": "pagedllm", "config": f"max_num_seqs={args.num_prompts}", "wall_s": wall,
+    res = {"engine": "pagedllm", "config": f"{model_impl}, max_num_seqs={args.num_prompts}", "model_impl": model_impl,
+           "wall_s": wall,
            "other_cpu_share": other, "output_tokens": gen, "prompt_tokens": sum(map(len, prompts)),
            "engine_steps": llm.engine.stats["num_steps"] - steps0,
            "engine_args": {k: str(v) for k, v in vars(llm.engine.args).items()}}
@@ -154,6 +155,9 @@ def main() -> None:
                     help="HF static batch size (default: 16 and all prompts at once)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-hf", action="store_true", help="run pagedllm only")
+    ap.add_argument("--model-impl", default="native",
+                    help="pagedllm implementation(s), comma-separated: native, transformers or "
+                         "native,transformers (side by side; reports transformers / native)")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
 
@@ -165,10 +169,15 @@ def main() -> None:
     prompts = make_prompts(AutoTokenizer.from_pretrained(str(resolve_model(None))),
                            args.num_prompts, args.input_len, args.seed)
 
-    print("running pagedllm ...", flush=True)
-    paged, paged3, model_dir = run_pagedllm(args, prompts)
-    print(f"  pagedllm: {paged['wall_s']:.1f} s", flush=True)
-    rows, match = [paged], None
+    rows, paged_rows, firsts = [], {}, {}
+    for impl in args.model_impl.split(","):
+        print(f"running pagedllm ({impl}) ...", flush=True)
+        row, firsts[impl], model_dir = run_pagedllm(args, prompts, impl)
+        print(f"  pagedllm {impl}: {row['wall_s']:.1f} s", flush=True)
+        rows.append(row)
+        paged_rows[impl] = row
+    paged, paged3 = rows[0], firsts[rows[0]["model_impl"]]
+    match = None
     if not args.skip_hf:
         print("running HF transformers ...", flush=True)
         sizes = [args.batch_size] if args.batch_size else sorted({min(16, args.num_prompts), args.num_prompts})
@@ -188,8 +197,13 @@ def main() -> None:
     if any(r["other_cpu_share"] > 0.05 for r in rows):
         print("WARNING: other processes used >5% of the CPUs during a timed run; the numbers are skewed")
     summary = {}
+    if len(paged_rows) > 1 and {"native", "transformers"} <= set(paged_rows):
+        ratio = paged_rows["transformers"]["output_tok_s"] / paged_rows["native"]["output_tok_s"]
+        same = sum(a == b for a, b in zip(firsts["native"], firsts["transformers"]))
+        summary.update(ratio_transformers_over_native=ratio, native_transformers_greedy_match=f"{same}/3")
+        print(f"ratio Transformers backend / native: {ratio:.2f}x (greedy match {same}/3)")
     if not args.skip_hf:
-        best = max(rows[1:], key=lambda r: r["output_tok_s"])
+        best = max((r for r in rows if r["engine"] != "pagedllm"), key=lambda r: r["output_tok_s"])
         summary = {"hf_best_batch_size": best["batch_size"],
                    "ratio_output_tok_s": paged["output_tok_s"] / best["output_tok_s"],
                    "greedy_match": f"{match}/3"}
