@@ -63,6 +63,8 @@ def _engine_args(a: argparse.Namespace):
 
 
 def _serve(a: argparse.Namespace) -> int:
+    if a.enable_auto_tool_choice and not a.tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice requires --tool-call-parser (as in vLLM)")
     import uvicorn
     from pagedllm.engine.async_llm import AsyncLLM
     from pagedllm.engine.llm_engine import LLMEngine

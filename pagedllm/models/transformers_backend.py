@@ -61,12 +61,27 @@ def paged_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.T
     ctx = _current
     if ctx is None:
         raise RuntimeError("pagedllm attention called outside an engine step")
+    if kwargs.get("is_causal") is False or getattr(module, "is_causal", True) is False:
+        raise ValueError(f"{type(module).__name__} asks for bidirectional attention; pagedllm attention is causal")
+    for name in _UNSUPPORTED_KWARGS:
+        if kwargs.get(name) is not None:
+            raise ValueError(f"{type(module).__name__} passes {name!r} ({_UNSUPPORTED_KWARGS[name]}), "
+                             f"which pagedllm attention does not implement")
     q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
     key_cache, value_cache = ctx.kv_caches[module.layer_idx]
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     out = paged_attention(q, k.contiguous(), v.contiguous(), key_cache, value_cache, ctx.meta, scale,
                           sliding_window=sliding_window, softcap=softcap)
     return out.unsqueeze(0), None
+
+
+# attention arguments that change the result and that ``paged_attention`` does not implement
+_UNSUPPORTED_KWARGS = {"s_aux": "attention sinks", "sinks": "attention sinks", "position_bias": "relative position bias"}
+
+# ``layer_types`` entries whose only state is the attention K/V of their tokens (what the paged cache
+# holds); MLP kinds carry no state. Anything else (convolution, linear/recurrent attention, chunked
+# or sparse attention, ...) needs state or masking that the backend does not have.
+_SERVABLE_LAYER_TYPES = {"full_attention", "sliding_attention", "dense", "sparse"}
 
 
 def register() -> None:
@@ -83,8 +98,10 @@ def check_supported(config) -> type:
     """The ``transformers`` class that would serve ``config``.
 
     Raises:
-        ValueError: ``transformers`` has no causal LM for the config, or that model's
-            attention cannot be replaced (``_supports_attention_backend`` is False).
+        ValueError: ``transformers`` has no causal LM for the config, that model's
+            attention cannot be replaced (``_supports_attention_backend`` is False), the
+            config asks for bidirectional attention, or it has layers other than full or
+            sliding-window attention (``layer_types``).
     """
     from transformers import AutoModelForCausalLM
     try:
@@ -95,7 +112,32 @@ def check_supported(config) -> type:
     if not getattr(cls, "_supports_attention_backend", False):
         raise ValueError(f"{cls.__name__} does not take a custom attention implementation "
                          f"(_supports_attention_backend is False), so the Transformers backend cannot serve it")
+    text = _text_config(config)
+    if getattr(text, "is_causal", True) is False or getattr(text, "use_bidirectional_attention", False):
+        raise ValueError(f"{cls.__name__} is configured for bidirectional attention; pagedllm serves causal LMs only")
+    other = sorted(set(getattr(text, "layer_types", None) or ()) - _SERVABLE_LAYER_TYPES)
+    if other:
+        raise ValueError(f"{cls.__name__} has {other} layers; the Transformers backend serves full and "
+                         f"sliding-window attention layers only (their state is not a paged KV cache)")
     return cls
+
+
+def _check_modules(hf: nn.Module) -> None:
+    """Reject a loaded model whose decoder attention is bidirectional or uses sinks.
+
+    Raises:
+        ValueError: a module with a ``layer_idx`` (the decoder's attention) has
+            ``is_causal=False`` (e.g. BERT without ``is_decoder``) or a ``sinks`` tensor (gpt-oss).
+    """
+    for name, mod in hf.named_modules():
+        if not hasattr(mod, "layer_idx"):
+            continue
+        if getattr(mod, "is_causal", True) is False:
+            raise ValueError(f"{type(hf).__name__}: {name} is bidirectional (is_causal=False), not a causal LM; "
+                             f"pagedllm attention is causal")
+        if isinstance(getattr(mod, "sinks", None), torch.Tensor):
+            raise ValueError(f"{type(hf).__name__}: {name} uses attention sinks, which pagedllm attention "
+                             f"does not implement")
 
 
 class TransformersCausalLM(nn.Module):
@@ -148,11 +190,12 @@ def load_transformers_model(model_dir, config, dtype: torch.dtype, device: torch
     safetensors weights into place, so there is no random init and no second copy.
 
     Raises:
-        ValueError: see ``check_supported``.
+        ValueError: see ``check_supported`` and ``_check_modules``.
     """
     from transformers import AutoModelForCausalLM
     check_supported(config)
     register()
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation=ATTN_NAME)
+    _check_modules(hf)
     hf = hf.to(device).eval()
     return TransformersCausalLM(hf)

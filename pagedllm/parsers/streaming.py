@@ -145,8 +145,12 @@ def make_parser(reasoning_parser: str | None = None, tool_parser: str | None = N
         starts_in_reasoning: True when the prompt ends inside an open reasoning block.
         tools: the request's tools.
     Raises:
-        KeyError: an unknown parser name.
+        ValueError: an unknown parser name (the message lists the known ones).
     """
+    if reasoning_parser and reasoning_parser not in REASONING_PARSERS:
+        raise ValueError(f"unknown reasoning parser {reasoning_parser!r}; known: {sorted(REASONING_PARSERS)}")
+    if tool_parser and tool_parser not in TOOL_PARSERS:
+        raise ValueError(f"unknown tool parser {tool_parser!r}; known: {sorted(TOOL_PARSERS)}")
     r = REASONING_PARSERS[reasoning_parser](thinking, starts_in_reasoning) if reasoning_parser else None
     t = TOOL_PARSERS[tool_parser](tools) if tool_parser else None
     return StreamingParser(r, t)

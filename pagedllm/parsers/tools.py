@@ -152,9 +152,10 @@ def _check_call_start(text: str, j: int, final: bool, key: str = "name") -> None
         raise _NotCalls
 
 
-def _json_calls_from(text: str, j: int, calls: list[CallState], sep: str | None, close: str | None):
-    """Read call objects from ``text[j] == '{'`` on, separated by ``sep`` and ended by ``close``
-    (a JSON array: ``sep=","``, ``close="]"``) or by anything that is not ``sep``. Never raises."""
+def _json_calls_from(text: str, j: int, calls: list[CallState], sep: str, close: str | None, final: bool):
+    """Read call objects from ``text[j] == '{'`` on. Within a JSON array (``close="]"``) they are
+    separated by ``,``; otherwise by any of the characters in ``sep`` or by whitespace alone, and
+    the run ends at anything else (which is content). Never raises."""
     while True:
         call, end, error = _json_call(text, j)
         if call is not None:
@@ -166,17 +167,27 @@ def _json_calls_from(text: str, j: int, calls: list[CallState], sep: str | None,
             return calls, None
         if close is not None and text[m] == close:
             return calls, m + 1
-        if sep is None or text[m] != sep:
+        nxt = m
+        if text[m] in sep:
+            nxt = skip_ws(text, m + 1)
+            if nxt == len(text):
+                return calls, None
+        elif close is not None:
             return calls, end
-        j = skip_ws(text, m + 1)
-        if j == len(text):
-            return calls, None
-        if text[j] != "{":
-            return calls, m + 1
+        if text[nxt] != "{":
+            return calls, end if nxt == m else m + 1
+        if close is None:
+            try:  # outside an array, a following object continues the run only if it is a call
+                _check_call_start(text, nxt, final)
+            except _Undecided:
+                return calls, None
+            except _NotCalls:
+                return calls, end
+        j = nxt
 
 
-def _read_json_calls(text: str, i: int, final: bool, sep: str | None = None):
-    """Calls as one JSON object, a JSON array of objects, or objects separated by ``sep``."""
+def _read_json_calls(text: str, i: int, final: bool, sep: str = ","):
+    """Calls as a JSON array of objects, or a run of objects separated by whitespace or ``sep``."""
     if text[i] == "[":
         j = skip_ws(text, i + 1)
         if j == len(text):
@@ -186,11 +197,11 @@ def _read_json_calls(text: str, i: int, final: bool, sep: str | None = None):
         if text[j] != "{":
             raise _NotCalls
         _check_call_start(text, j, final)
-        return _json_calls_from(text, j, [], ",", "]")
+        return _json_calls_from(text, j, [], ",", "]", final)
     if text[i] != "{":
         raise _NotCalls
     _check_call_start(text, i, final)
-    return _json_calls_from(text, i, [], sep, None)
+    return _json_calls_from(text, i, [], sep, None, final)
 
 
 @register_tool_parser("hermes")

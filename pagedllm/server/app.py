@@ -231,7 +231,7 @@ def build_app(llm: AsyncLLM, model_name: str, chat_template: str | None = None, 
         if isinstance(body, TokenizeChatRequest):
             chat_body = ChatCompletionRequest(messages=body.messages,
                                               add_generation_prompt=body.add_generation_prompt,
-                                              chat_template_kwargs=body.chat_template_kwargs)
+                                              chat_template_kwargs=body.chat_template_kwargs, tools=body.tools)
             ids = serving.render_chat(chat_body)
             if body.add_special_tokens:
                 ids = special_prefix + ids + special_suffix

@@ -10,7 +10,7 @@ from typing import Annotated, Any, Union
 
 from pydantic import BaseModel, Discriminator, Field, Tag
 
-from pagedllm.server.protocol import ChatMessage
+from pagedllm.server.protocol import ChatMessage, ToolDefinition
 
 
 class TokenizeCompletionRequest(BaseModel):
@@ -30,6 +30,7 @@ class TokenizeChatRequest(BaseModel):
     messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ToolDefinition] | None = None
     add_special_tokens: bool = Field(default=False, description=(
         "add the tokenizer's special tokens on top of the template's (off, as a chat request does)"))
     return_token_strs: bool = Field(default=False, description="also return each token as a string")

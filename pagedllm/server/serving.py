@@ -14,6 +14,7 @@ from typing import AsyncIterator
 
 from pagedllm.engine.async_llm import AsyncLLM, EngineDeadError
 from pagedllm.engine.detokenizer import token_texts
+from pagedllm.entrypoints.chat_utils import prepare_messages
 from pagedllm.engine.llm_engine import PromptTooLongError
 from pagedllm.outputs import RequestOutput
 from pagedllm.parsers import DeltaMessage, StreamingParser, make_parser
@@ -80,7 +81,7 @@ async def merge_outputs(gens: list[AsyncIterator[RequestOutput]]) -> AsyncIterat
 def _message(p: StreamingParser) -> dict:
     """The chat ``message`` of a finished parser: ``content`` null when empty with tool calls."""
     m = p.message
-    out: dict = {"role": "assistant", "content": "" if m.content is None and not m.tool_calls else m.content}
+    out: dict = {"role": "assistant", "content": m.content}  # null when there is none (OpenAI, vLLM)
     if p.reasoning is not None:
         out["reasoning_content"] = m.reasoning_content
     if m.tool_calls:
@@ -202,18 +203,15 @@ class OpenAIServing:
         return self.tokenizer.encode(self._render_text(body, with_tools), add_special_tokens=False)
 
     def _render_text(self, body: ChatCompletionRequest, with_tools: bool = True) -> str:
-        msgs = []
+        raw = []
         for m in body.messages:
             d = m.model_dump(exclude_none=True)
             d["content"] = m.text()
-            for tc in d.get("tool_calls") or []:
-                # templates index into the arguments (``arguments | tojson``, ``.items()``): give them a dict
-                try:
-                    args = json.loads(tc["function"]["arguments"])
-                except json.JSONDecodeError:
-                    raise APIError(400, "tool call arguments must be JSON text", "messages", code="invalid_value") from None
-                tc["function"]["arguments"] = args
-            msgs.append(d)
+            raw.append(d)
+        try:
+            msgs = prepare_messages(raw)
+        except ValueError as e:
+            raise APIError(400, str(e), "messages", code="invalid_value") from None
         tools = [t.model_dump(exclude_none=True) for t in body.tools] if with_tools and body.tools else None
         try:
             return self.tokenizer.apply_chat_template(msgs, tools=tools, tokenize=False,

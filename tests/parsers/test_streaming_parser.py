@@ -57,6 +57,8 @@ CORPUS = [
     ("json", None, {}, "```python\nprint('hi')\n```", (None, "```python\nprint('hi')\n```", [])),
     ("json", None, {}, '```json\n{"a": 1}\n```', (None, '```json\n{"a": 1}\n```', [])),
     ("json", None, {}, "Sure! Here you go.", (None, "Sure! Here you go.", [])),
+    ("json", None, {}, f"{CALL}\n{CALL2}", (None, None, [("get_weather", ARGS1), ("get_time", ARGS2)])),
+    ("json", None, {}, f'{CALL}\n{{"note": 1}}', (None, '{"note": 1}', [("get_weather", ARGS1)])),
     ("json", None, {}, '[1, 2, 3]', (None, '[1, 2, 3]', [])),
     ("json", None, {}, '{"name": "get_weather", "arguments": {"city": "São Pau',
      (None, None, [("get_weather", '{"city": "São Pau')])),
