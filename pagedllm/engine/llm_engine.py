@@ -1,26 +1,22 @@
-"""The synchronous engine: tokenizer, scheduler, KV cache manager, model runner and output processor.
+"""The synchronous engine: the front end (tokenizer, validation, output processor) over an ``EngineCore``.
 
-One ``step()`` schedules, executes and post-processes one batch. The offline
-``LLM`` drives it in a loop; ``AsyncLLM`` drives it from a background thread.
+One ``step()`` runs one core step (schedule, execute, apply) and turns its
+token ids into ``RequestOutput``s. The offline ``LLM`` drives it in a loop;
+``AsyncLLM`` drives it from a background thread.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import time
 from pathlib import Path
 
-import torch
-
-from pagedllm.config import EngineArgs, parse_size
-from pagedllm.core.kv_cache_manager import KVCacheManager, cdiv
-from pagedllm.core.scheduler import Scheduler
+from pagedllm.config import EngineArgs
+from pagedllm.engine.engine_core import EngineCore
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.outputs import RequestOutput
 from pagedllm.request import Request, RequestStatus
 from pagedllm.sampling_params import SamplingParamError, SamplingParams
-from pagedllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -40,36 +36,42 @@ class LLMEngine:
     """
 
     def __init__(self, args: EngineArgs) -> None:
-        from transformers import AutoTokenizer
+        from transformers import AutoConfig, AutoTokenizer
         from pagedllm.models.loader import default_served_model_name, resolve_model
-        from pagedllm.models.registry import load_model, read_generation_config
+        from pagedllm.models.registry import read_generation_config
         self.args = args
-        if args.num_threads:
-            torch.set_num_threads(args.num_threads)
         self.model_dir = Path(resolve_model(args.model))
         self.served_model_name = args.served_model_name or default_served_model_name(args.model)
         self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or self.model_dir)
-        dtype, device = args.torch_dtype, args.torch_device
-        model, self.hf_config = load_model(self.model_dir, dtype, device, args.model_impl)
+        self.hf_config = AutoConfig.from_pretrained(self.model_dir)
         self.generation_config = read_generation_config(self.model_dir)
         self.max_model_len = min(args.max_model_len or self.hf_config.max_position_embeddings,
                                  self.hf_config.max_position_embeddings)
-        per_block = ModelRunner.kv_bytes_per_block(model, args.block_size, dtype)
-        num_blocks = args.num_kv_blocks or parse_size(args.kv_cache_memory) // per_block
-        if num_blocks < 1:
-            raise ValueError(f"kv_cache_memory={args.kv_cache_memory} holds no block of {per_block} bytes")
-        self.num_blocks = num_blocks
-        logger.info("KV cache: %d blocks x %d tokens (%.1f MiB)", num_blocks, args.block_size,
-                    num_blocks * per_block / 2**20)
-        self.kv_cache_manager = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv_cache_manager, args.max_num_seqs, args.max_num_batched_tokens,
-                                   self.max_model_len, args.enable_chunked_prefill)
         self.eos_token_ids = self._eos_ids()
-        self.runner = ModelRunner(model, num_blocks, args.block_size, dtype, device, args.seed,
-                                  eos_token_ids=self.eos_token_ids)
+        self.core = EngineCore(args, self.model_dir, self.max_model_len, self.eos_token_ids)
+        self.num_blocks = self.core.num_blocks
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.stats = {"num_prompt_tokens": 0, "num_generation_tokens": 0, "num_steps": 0,
-                      "max_num_running": 0}
+
+    # the core's parts, for tests and debugging of the in-process engine
+    @property
+    def scheduler(self):
+        """The core's scheduler."""
+        return self.core.scheduler
+
+    @property
+    def kv_cache_manager(self):
+        """The core's KV cache manager."""
+        return self.core.kv_cache_manager
+
+    @property
+    def runner(self):
+        """The core's model runner."""
+        return self.core.runner
+
+    @property
+    def stats(self) -> dict:
+        """The core's token and step counters."""
+        return self.core.stats
 
     def _eos_ids(self) -> set[int]:
         ids = self.generation_config.get("eos_token_id", self.hf_config.eos_token_id)
@@ -158,22 +160,19 @@ class LLMEngine:
         Raises:
             ValueError: the request id is already live.
         """
-        if req.request_id in self.scheduler.requests:
-            raise ValueError(f"request id {req.request_id!r} is already in use")
+        self.core.add_request(req)
         self.output_processor.add_request(req.request_id, prompt_text, req.prompt_token_ids,
                                           req.sampling_params, req.arrival_time)
-        self.scheduler.add_request(req)
-        self.stats["num_prompt_tokens"] += req.num_prompt_tokens
 
     def abort_request(self, request_ids: list[str]) -> None:
         """Abort requests now: their KV blocks go back to the pool before the next step."""
-        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        self.core.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
         for rid in request_ids:
             self.output_processor.abort(rid)
 
     def has_unfinished_requests(self) -> bool:
         """True while any request waits or runs."""
-        return self.scheduler.has_unfinished_requests()
+        return self.core.has_unfinished_requests()
 
     # ---- the step ------------------------------------------------------------
     def step(self, delta: bool = False) -> list[RequestOutput]:
@@ -184,28 +183,12 @@ class LLMEngine:
         Returns:
             Outputs of the requests that produced a token this step.
         """
-        so = self.scheduler.schedule()
-        runner_out = self.runner.execute(so).result()
-        core_outputs = self.scheduler.update_from_output(so, runner_out)
-        self.stats["num_steps"] += 1
-        self.stats["max_num_running"] = max(self.stats["max_num_running"], len(so.num_scheduled_tokens))
-        self.stats["num_generation_tokens"] += len(runner_out.sampled_token_ids)
+        core_outputs = self.core.step()
         outputs, stopped = self.output_processor.process(core_outputs, delta)
         if stopped:
-            self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+            self.core.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         return outputs
 
     def get_stats(self) -> dict:
-        """Counters: running/waiting requests, KV usage (fraction), preemptions, token totals.
-
-        ``max_num_running`` is the most requests scheduled together in one step so far.
-        """
-        return {**self.stats,
-                "num_running": len(self.scheduler.running),
-                "num_waiting": len(self.scheduler.waiting),
-                "kv_cache_usage": self.kv_cache_manager.usage(),
-                "num_free_blocks": self.kv_cache_manager.num_free_blocks,
-                "num_blocks": self.num_blocks,
-                "num_preemptions": self.scheduler.num_preemptions,
-                "prefix_cache_queries": self.kv_cache_manager.prefix_cache_queries,
-                "prefix_cache_hits": self.kv_cache_manager.prefix_cache_hits}
+        """The core's counters (see ``EngineCore.get_stats``)."""
+        return self.core.get_stats()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -161,16 +162,26 @@ class ModelRunner:
         return input_ids, positions, meta, logit_rows, sample_ids, prompt_lp
 
     @torch.inference_mode()
-    def execute(self, so: SchedulerOutput) -> StepHandle:
-        """Run one step and return a handle to its sampled tokens (and logprobs where asked)."""
+    def execute(self, so: SchedulerOutput, timer=None) -> StepHandle:
+        """Run one step and return a handle to its sampled tokens (and logprobs where asked).
+
+        Args:
+            so: the step's plan.
+            timer: optional ``StepTimer``; gets the prepare / execute / sample times (seconds).
+        """
+        t0 = time.perf_counter()
         self._update_states(so)
         if so.is_empty:
             return StepHandle(ModelRunnerOutput())
         input_ids, positions, meta, logit_rows, sample_ids, prompt_lp = self._prepare(so)
         # logits rows: the sampled ones first, then every prompt-logprob position
         rows = logit_rows + [r for _, _, rs in prompt_lp for r in rs]
+        t1 = time.perf_counter()
+        if timer is not None:
+            timer.exec_started(t1)
         logits = self.model(input_ids, positions, self.kv_caches, meta,
                             torch.tensor(rows, dtype=torch.int64, device=self.device))
+        t2 = time.perf_counter()
         out = ModelRunnerOutput()
         if sample_ids:
             states = [self.requests[r] for r in sample_ids]
@@ -183,6 +194,12 @@ class ModelRunner:
                     out.logprobs[rid] = lp
         if prompt_lp:
             self._prompt_logprobs(logits[len(sample_ids):], prompt_lp, out)
+        t3 = time.perf_counter()
+        if timer is not None:
+            timer.exec_ended(t3)
+            timer.totals["prepare"] += t1 - t0
+            timer.totals["execute"] += t2 - t1
+            timer.totals["sample"] += t3 - t2
         return StepHandle(out)
 
     def _scripted(self, states: list[CachedRequestState], tokens: list[int]) -> list[int]:

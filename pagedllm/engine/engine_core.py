@@ -1,0 +1,155 @@
+"""The engine core: scheduler, KV cache manager and model runner, stepping on token ids only.
+
+Everything text-shaped (tokenizing, detokenizing, stop strings, parsers, JSON)
+stays in the front end (``LLMEngine`` / ``AsyncLLM``); the core sees token ids
+and sampling parameters and returns ``EngineCoreOutput``s. This is the part a
+separate core process will run.
+
+Each step's phases are timed (seconds, ``time.perf_counter``): scheduling,
+input preparation, model execution (forward and sampling), result handling,
+and the idle gap between the end of one execution and the start of the next
+(what the device waits for). ``get_stats()["step_timings"]`` reports totals,
+means per step and the idle fraction ``idle / (idle + execute)``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from pagedllm.config import EngineArgs, parse_size
+from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.scheduler import Scheduler
+from pagedllm.core.scheduler_output import EngineCoreOutput
+from pagedllm.request import Request, RequestStatus
+from pagedllm.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+PHASES = ("schedule", "prepare", "execute", "sample", "update", "idle")
+
+
+class StepTimer:
+    """Accumulates per-phase step times (seconds)."""
+
+    def __init__(self) -> None:
+        self.totals = dict.fromkeys(PHASES, 0.0)
+        self.steps = 0
+        self._last_exec_end: float | None = None
+
+    def exec_started(self, now: float) -> None:
+        """The device starts a step: the time since the previous one ended was idle."""
+        if self._last_exec_end is not None:
+            self.totals["idle"] += now - self._last_exec_end
+
+    def exec_ended(self, now: float) -> None:
+        """The device finished a step."""
+        self._last_exec_end = now
+
+    def pause(self) -> None:
+        """No work is queued: waiting for requests is not an idle gap between steps."""
+        self._last_exec_end = None
+
+    def summary(self) -> dict:
+        """Totals and per-step means (seconds) and ``idle_fraction`` of device time."""
+        busy = self.totals["execute"] + self.totals["sample"]
+        out = {f"{k}_s": v for k, v in self.totals.items()}
+        out.update({f"mean_{k}_s": v / self.steps for k, v in self.totals.items()} if self.steps else {})
+        out["steps"] = self.steps
+        out["idle_fraction"] = self.totals["idle"] / (self.totals["idle"] + busy) if busy else 0.0
+        return out
+
+
+class EngineCore:
+    """Owns the model, the KV cache and the scheduler; steps on token ids.
+
+    Args:
+        args: engine arguments.
+        model_dir: the resolved Hugging Face directory.
+        max_model_len: context limit in tokens.
+        eos_token_ids: token ids that end a sequence.
+    Raises:
+        ValueError: an unservable architecture, or a KV pool too small for one block.
+    """
+
+    def __init__(self, args: EngineArgs, model_dir, max_model_len: int, eos_token_ids: set[int]) -> None:
+        from pagedllm.models.registry import load_model
+        if args.num_threads:
+            torch.set_num_threads(args.num_threads)
+        dtype, device = args.torch_dtype, args.torch_device
+        model, _ = load_model(model_dir, dtype, device, args.model_impl)
+        per_block = ModelRunner.kv_bytes_per_block(model, args.block_size, dtype)
+        num_blocks = args.num_kv_blocks or parse_size(args.kv_cache_memory) // per_block
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_memory={args.kv_cache_memory} holds no block of {per_block} bytes")
+        self.num_blocks = num_blocks
+        logger.info("KV cache: %d blocks x %d tokens (%.1f MiB)", num_blocks, args.block_size,
+                    num_blocks * per_block / 2**20)
+        self.kv_cache_manager = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv_cache_manager, args.max_num_seqs, args.max_num_batched_tokens,
+                                   max_model_len, args.enable_chunked_prefill)
+        self.runner = ModelRunner(model, num_blocks, args.block_size, dtype, device, args.seed,
+                                  eos_token_ids=eos_token_ids)
+        self.stats = {"num_prompt_tokens": 0, "num_generation_tokens": 0, "num_steps": 0, "max_num_running": 0}
+        self.timer = StepTimer()
+
+    # ---- requests ----------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        """Queue a validated request.
+
+        Raises:
+            ValueError: the request id is already live.
+        """
+        if req.request_id in self.scheduler.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        self.scheduler.add_request(req)
+        self.stats["num_prompt_tokens"] += req.num_prompt_tokens
+
+    def finish_requests(self, request_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
+        """End requests (abort, or a stop string found by the front end); their blocks are freed now."""
+        self.scheduler.finish_requests(request_ids, status)
+
+    def has_unfinished_requests(self) -> bool:
+        """True while any request waits or runs."""
+        return self.scheduler.has_unfinished_requests()
+
+    # ---- the step ------------------------------------------------------------------
+    def step(self) -> list[EngineCoreOutput]:
+        """Schedule, execute and apply one batch; returns the per-request results."""
+        t0 = time.perf_counter()
+        so = self.scheduler.schedule()
+        t1 = time.perf_counter()
+        self.timer.totals["schedule"] += t1 - t0
+        if so.is_empty:
+            self.timer.pause()
+        handle = self.runner.execute(so, self.timer)
+        runner_out = handle.result()
+        t2 = time.perf_counter()
+        core_outputs = self.scheduler.update_from_output(so, runner_out)
+        self.timer.totals["update"] += time.perf_counter() - t2
+        self.timer.steps += 1
+        self.stats["num_steps"] += 1
+        self.stats["max_num_running"] = max(self.stats["max_num_running"], len(so.num_scheduled_tokens))
+        self.stats["num_generation_tokens"] += len(runner_out.sampled_token_ids)
+        if not self.scheduler.has_unfinished_requests():
+            self.timer.pause()
+        return core_outputs
+
+    def get_stats(self) -> dict:
+        """Counters: running/waiting requests, KV usage (fraction), preemptions, token totals, step timings.
+
+        ``max_num_running`` is the most requests scheduled together in one step so far.
+        """
+        kv = self.kv_cache_manager
+        return {**self.stats,
+                "num_running": len(self.scheduler.running),
+                "num_waiting": len(self.scheduler.waiting),
+                "kv_cache_usage": kv.usage(),
+                "num_free_blocks": kv.num_free_blocks,
+                "num_blocks": self.num_blocks,
+                "num_preemptions": self.scheduler.num_preemptions,
+                "prefix_cache_queries": kv.prefix_cache_queries,
+                "prefix_cache_hits": kv.prefix_cache_hits,
+                "step_timings": self.timer.summary()}
