@@ -59,7 +59,8 @@ def _engine_args(a: argparse.Namespace):
                       max_model_len=a.max_model_len, enable_chunked_prefill=a.enable_chunked_prefill,
                       enable_prefix_caching=a.enable_prefix_caching,
                       seed=a.seed, served_model_name=getattr(a, "served_model_name", None),
-                      num_threads=a.num_threads, model_impl=a.model_impl)
+                      num_threads=a.num_threads, model_impl=a.model_impl,
+                      enable_multiprocessing=getattr(a, "enable_multiprocessing", None))
 
 
 def _serve(a: argparse.Namespace) -> int:
@@ -121,6 +122,9 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--allowed-headers", type=_json_str_list, default=["*"],
                    help='CORS allowed headers, a JSON list (default: ["*"])')
     s.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
+    s.add_argument("--enable-multiprocessing", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the engine core in its own process (--no-enable-multiprocessing: in process, "
+                        "for debugging)")
     from pagedllm.parsers import REASONING_PARSERS, TOOL_PARSERS
     s.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
                    help="split <think> reasoning into reasoning_content")

@@ -7,6 +7,7 @@ command lines between the two engines.
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -88,6 +89,10 @@ class EngineArgs:
         num_threads: torch intra-op threads (default: torch's choice).
         model_impl: ``auto`` (native when one exists, else the Transformers backend),
             ``native`` or ``transformers`` (vLLM's ``--model-impl``).
+        enable_multiprocessing: run the engine core (scheduler, KV cache, model) in its own
+            process, reached over ZMQ; ``pagedllm serve`` does by default. ``None`` reads
+            ``PAGEDLLM_ENABLE_MULTIPROCESSING`` (``1``/``0``), else False (in process, as
+            the offline ``LLM`` runs unless asked).
     """
 
     model: str | None = None
@@ -106,6 +111,7 @@ class EngineArgs:
     tokenizer: str | None = None
     num_threads: int | None = None
     model_impl: str = "auto"
+    enable_multiprocessing: bool | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -115,6 +121,8 @@ class EngineArgs:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.enable_multiprocessing is None:
+            self.enable_multiprocessing = os.environ.get("PAGEDLLM_ENABLE_MULTIPROCESSING", "0") == "1"
         if self.model_impl not in ("auto", "native", "transformers"):
             raise ValueError(f"model_impl must be auto, native or transformers, got {self.model_impl!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

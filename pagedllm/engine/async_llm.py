@@ -15,6 +15,7 @@ import queue
 import threading
 from typing import AsyncIterator
 
+from pagedllm.engine.core_client import EngineDeadError  # re-exported: the server imports it from here
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.outputs import RequestOutput
 from pagedllm.request import Request
@@ -22,8 +23,6 @@ from pagedllm.request import Request
 logger = logging.getLogger(__name__)
 
 
-class EngineDeadError(RuntimeError):
-    """The engine loop crashed; no request can be served."""
 
 
 class AsyncLLM:
@@ -47,8 +46,8 @@ class AsyncLLM:
 
     @property
     def is_healthy(self) -> bool:
-        """True while the engine thread runs without error."""
-        return self.errored is None and self._thread.is_alive()
+        """True while the engine thread (and the core process, if any) runs without error."""
+        return self.errored is None and self._thread.is_alive() and self.engine.is_alive()
 
     def get_stats(self) -> dict:
         """Engine counters as of the last step (see ``LLMEngine.get_stats``)."""
@@ -69,25 +68,24 @@ class AsyncLLM:
                 logger.exception("finished-request callback failed")
 
     def shutdown(self) -> None:
-        """Stop the engine thread (pending requests are aborted)."""
+        """Stop the engine thread (pending requests are aborted) and the core process, if any."""
         self._stop.set()
         self._inbox.put(("noop", None))
         self._thread.join(timeout=10)
+        self.engine.shutdown()
 
     # ---- engine thread ----------------------------------------------------------
     def _loop(self) -> None:
         eng = self.engine
         try:
             while not self._stop.is_set():
-                block = not eng.has_unfinished_requests()
-                self._drain(block)
-                if not eng.has_unfinished_requests():
-                    self._stats = eng.get_stats()  # an abort freed blocks without a step
-                    continue
-                for out in eng.step(delta=True):
-                    if out.finished:
-                        self._on_finished(out)
-                    self._deliver(out.request_id, out)
+                self._drain(block=not eng.has_unfinished_requests())
+                # a core process keeps stepping by itself: read its outputs (and counters) even when idle
+                if eng.has_unfinished_requests() or eng.multiprocess:
+                    for out in eng.step(delta=True):
+                        if out.finished:
+                            self._on_finished(out)
+                        self._deliver(out.request_id, out)
                 self._stats = eng.get_stats()
         except BaseException as e:  # report to every waiter, never die silently
             logger.exception("engine loop crashed")

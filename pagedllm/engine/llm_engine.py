@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from pagedllm.config import EngineArgs
+from pagedllm.engine.core_client import MPEngineCoreClient
 from pagedllm.engine.engine_core import EngineCore
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.outputs import RequestOutput
@@ -48,9 +49,25 @@ class LLMEngine:
         self.max_model_len = min(args.max_model_len or self.hf_config.max_position_embeddings,
                                  self.hf_config.max_position_embeddings)
         self.eos_token_ids = self._eos_ids()
-        self.core = EngineCore(args, self.model_dir, self.max_model_len, self.eos_token_ids)
-        self.num_blocks = self.core.num_blocks
+        self.multiprocess = bool(args.enable_multiprocessing)
+        self.core: EngineCore | None = None
+        self.client: MPEngineCoreClient | None = None
+        if self.multiprocess:
+            self.client = MPEngineCoreClient(args, self.model_dir, self.max_model_len, self.eos_token_ids)
+            self.num_blocks = self.client.num_blocks
+        else:
+            self.core = EngineCore(args, self.model_dir, self.max_model_len, self.eos_token_ids)
+            self.num_blocks = self.core.num_blocks
         self.output_processor = OutputProcessor(self.tokenizer)
+
+    def is_alive(self) -> bool:
+        """False once the core process has died (always True in process)."""
+        return self.client is None or self.client.is_alive()
+
+    def shutdown(self) -> None:
+        """Stop the core process, if any (safe to call twice)."""
+        if self.client is not None:
+            self.client.shutdown()
 
     # the core's parts, for tests and debugging of the in-process engine
     @property
@@ -71,7 +88,7 @@ class LLMEngine:
     @property
     def stats(self) -> dict:
         """The core's token and step counters."""
-        return self.core.stats
+        return self.core.stats if self.core is not None else self.get_stats()
 
     def _eos_ids(self) -> set[int]:
         ids = self.generation_config.get("eos_token_id", self.hf_config.eos_token_id)
@@ -160,19 +177,32 @@ class LLMEngine:
         Raises:
             ValueError: the request id is already live.
         """
-        self.core.add_request(req)
+        if self.core is not None:
+            self.core.add_request(req)
+        else:
+            if req.request_id in self.output_processor.states:
+                raise ValueError(f"request id {req.request_id!r} is already in use")
+            self.client.add_request(req)
         self.output_processor.add_request(req.request_id, prompt_text, req.prompt_token_ids,
                                           req.sampling_params, req.arrival_time)
 
     def abort_request(self, request_ids: list[str]) -> None:
         """Abort requests now: their KV blocks go back to the pool before the next step."""
-        self.core.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        self._finish(request_ids, RequestStatus.FINISHED_ABORTED)
         for rid in request_ids:
             self.output_processor.abort(rid)
 
     def has_unfinished_requests(self) -> bool:
         """True while any request waits or runs."""
-        return self.core.has_unfinished_requests()
+        if self.core is not None:
+            return self.core.has_unfinished_requests()
+        return bool(self.output_processor.states)
+
+    def _finish(self, request_ids: list[str], status: RequestStatus) -> None:
+        if self.core is not None:
+            self.core.finish_requests(request_ids, status)
+        else:
+            self.client.finish_requests(request_ids, status)
 
     # ---- the step ------------------------------------------------------------
     def step(self, delta: bool = False) -> list[RequestOutput]:
@@ -183,12 +213,18 @@ class LLMEngine:
         Returns:
             Outputs of the requests that produced a token this step.
         """
-        core_outputs = self.core.step()
+        if self.core is not None:
+            core_outputs = self.core.step()
+        else:  # the core process steps by itself: take what it has sent
+            core_outputs = self.client.get_outputs(timeout_ms=100)
         outputs, stopped = self.output_processor.process(core_outputs, delta)
         if stopped:
-            self.core.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+            self._finish(stopped, RequestStatus.FINISHED_STOPPED)
         return outputs
 
     def get_stats(self) -> dict:
-        """The core's counters (see ``EngineCore.get_stats``)."""
-        return self.core.get_stats()
+        """The core's counters (see ``EngineCore.get_stats``); with a core process, as of its
+        last message, plus ``core_pid``."""
+        if self.core is not None:
+            return self.core.get_stats()
+        return {**self.client.stats, "core_pid": self.client.core_pid}

@@ -1,0 +1,56 @@
+"""The server with its engine core in a separate process: a dead core is reported, a stopped server ends it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import httpx
+import pytest
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is dead too
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def test_killed_core_ends_the_stream_with_an_error_and_fails_health(tmp_path, start_server):
+    """SIGKILL of the core mid-stream: the stream ends with an error event, /health answers 503."""
+    with start_server(tmp_path) as url:
+        pid = httpx.get(f"{url}/stats").json()["core_pid"]
+        assert pid != os.getpid() and _alive(pid)
+        body = {"prompt": "Tell me a long story.", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+        events = []
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                events.append(line[6:])
+                if len(events) == 3:
+                    os.kill(pid, signal.SIGKILL)
+        assert events[-1] == "[DONE]"
+        errors = [json.loads(e) for e in events[:-1] if "error" in json.loads(e)]
+        assert errors and "engine" in errors[0]["error"]["message"]
+        assert httpx.get(f"{url}/health").status_code == 503
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+
+
+def test_stopping_the_server_ends_the_core(tmp_path, start_server):
+    """After the server stops (SIGTERM), its core process is gone: no orphan."""
+    with start_server(tmp_path) as url:
+        pid = httpx.get(f"{url}/stats").json()["core_pid"]
+        assert _alive(pid)
+    deadline = time.monotonic() + 15
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _alive(pid)
