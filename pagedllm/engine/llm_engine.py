@@ -39,15 +39,16 @@ class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
         from transformers import AutoConfig, AutoTokenizer
         from pagedllm.models.loader import default_served_model_name, resolve_model
-        from pagedllm.models.registry import read_generation_config
+        from pagedllm.models.registry import read_generation_config, select_impl
         self.args = args
         self.model_dir = Path(resolve_model(args.model))
         self.served_model_name = args.served_model_name or default_served_model_name(args.model)
         self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or self.model_dir)
         self.hf_config = AutoConfig.from_pretrained(self.model_dir)
+        select_impl(self.hf_config, args.model_impl)  # an unservable model fails here, before any loading
         self.generation_config = read_generation_config(self.model_dir)
-        self.max_model_len = min(args.max_model_len or self.hf_config.max_position_embeddings,
-                                 self.hf_config.max_position_embeddings)
+        model_limit = getattr(self.hf_config, "max_position_embeddings", None) or args.max_model_len or 2048
+        self.max_model_len = min(args.max_model_len or model_limit, model_limit)
         self.eos_token_ids = self._eos_ids()
         self.multiprocess = bool(args.enable_multiprocessing)
         self.core: EngineCore | None = None

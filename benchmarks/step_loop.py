@@ -1,0 +1,134 @@
+"""Decode-heavy serving benchmark of the step loop: throughput, inter-token latency and the idle gap.
+
+Starts ``pagedllm serve`` (engine core in its own process) and, for each
+concurrency level, streams requests with short prompts and long outputs
+(greedy, ``ignore_eos``) through the OpenAI completions API. Reports output
+tokens/s, mean inter-token latency (ITL, seconds between streamed chunks of a
+request) and, from the core's per-step timings (``GET /stats``), the idle gap
+between the end of one model execution and the start of the next as a fraction
+of device time, plus the mean time of each step phase.
+
+    python benchmarks/step_loop.py                      # concurrency 1, 16, 64
+    python benchmarks/step_loop.py --concurrency 1 16 --output-len 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(extra: list[str]) -> tuple[subprocess.Popen, str]:
+    """Start ``pagedllm serve`` on a free port; return (process, base URL) once healthy."""
+    port = _free_port()
+    log = open(tempfile.mktemp(prefix="step_loop-", suffix=".log"), "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "pagedllm.cli", "serve", "--port", str(port),
+                             "--log-level", "warning", *extra], stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited: see {log.name}")
+        time.sleep(0.5)
+    raise RuntimeError("server not healthy")
+
+
+async def one_request(client: httpx.AsyncClient, url: str, prompt: str, output_len: int) -> tuple[int, list[float]]:
+    """Stream one completion; returns (tokens, chunk arrival times in seconds)."""
+    body = {"prompt": prompt, "max_tokens": output_len, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    times, tokens = [], 0
+    async with client.stream("POST", f"{url}/v1/completions", json=body, timeout=None) as r:
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            elif chunk["choices"] and chunk["choices"][0]["text"]:
+                times.append(time.perf_counter())
+    return tokens, times
+
+
+async def run_level(url: str, concurrency: int, num_requests: int, output_len: int) -> dict:
+    """``num_requests`` requests, ``concurrency`` at a time; client-side throughput and ITL."""
+    before = httpx.get(f"{url}/stats").json()["step_timings"]
+    sem = asyncio.Semaphore(concurrency)
+
+    async def task(i: int):
+        async with sem:
+            return await one_request(client, url, f"Request {i}: write about the number {i}.", output_len)
+
+    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=concurrency + 4)) as client:
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*[task(i) for i in range(num_requests)])
+        wall = time.perf_counter() - t0
+    after = httpx.get(f"{url}/stats").json()["step_timings"]
+    gaps = [b - a for _, ts in results for a, b in zip(ts, ts[1:])]
+    tokens = sum(t for t, _ in results)
+    delta = {k: after[k] - before.get(k, 0.0) for k in after if k.endswith("_s") and not k.startswith("mean_")}
+    steps = after["steps"] - before.get("steps", 0)
+    busy = delta["execute_s"] + delta["sample_s"]
+    return {"concurrency": concurrency, "requests": num_requests, "output_tokens": tokens, "wall_s": wall,
+            "output_tok_s": tokens / wall, "mean_itl_s": sum(gaps) / len(gaps) if gaps else None,
+            "steps": steps, "idle_fraction": delta["idle_s"] / (delta["idle_s"] + busy) if busy else None,
+            "mean_step_phase_s": {k[:-2]: v / steps for k, v in delta.items()} if steps else {}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--requests-per-level", type=int, default=None, help="default: 2 x concurrency (at least 4)")
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--server-arg", action="append", default=[], help="extra `pagedllm serve` flag (repeatable)")
+    ap.add_argument("--json-out", default=None)
+    args = ap.parse_args()
+    proc, url = start_server(["--num-kv-blocks", "2048", "--max-num-seqs", "128", *args.server_arg])
+    try:
+        asyncio.run(run_level(url, 1, 1, 4))  # warm-up
+        rows = []
+        for c in args.concurrency:
+            n = args.requests_per_level or max(4, 2 * c)
+            print(f"concurrency {c}: {n} requests x {args.output_len} tokens ...", flush=True)
+            rows.append(asyncio.run(run_level(url, c, n, args.output_len)))
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    print(f"\n{'conc':>5} {'out tok/s':>10} {'mean ITL s':>11} {'idle %':>7} {'steps':>6}  mean step phases (ms)")
+    for r in rows:
+        ph = " ".join(f"{k}={v * 1e3:.2f}" for k, v in r["mean_step_phase_s"].items())
+        print(f"{r['concurrency']:>5} {r['output_tok_s']:>10.1f} {r['mean_itl_s']:>11.4f} "
+              f"{100 * r['idle_fraction']:>6.2f}% {r['steps']:>6}  {ph}")
+    out = Path(args.json_out) if args.json_out else (
+        Path(__file__).resolve().parent / "results" / f"step_loop-{datetime.date.today().isoformat()}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"machine": {"cpu_count": os.cpu_count(), "platform": platform.platform()},
+                               "args": vars(args), "results": rows}, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
