@@ -73,9 +73,19 @@ async def one_request(client: httpx.AsyncClient, url: str, prompt: str, output_l
     return tokens, times
 
 
+def _timings(url: str) -> dict:
+    """The core's step timings from /stats (waiting up to 5 s for its first report)."""
+    deadline = time.monotonic() + 5
+    while True:
+        st = httpx.get(f"{url}/stats").json()
+        if "step_timings" in st or time.monotonic() > deadline:
+            return st["step_timings"]
+        time.sleep(0.2)
+
+
 async def run_level(url: str, concurrency: int, num_requests: int, output_len: int) -> dict:
     """``num_requests`` requests, ``concurrency`` at a time; client-side throughput and ITL."""
-    before = httpx.get(f"{url}/stats").json()["step_timings"]
+    before = _timings(url)
     sem = asyncio.Semaphore(concurrency)
 
     async def task(i: int):
@@ -86,7 +96,7 @@ async def run_level(url: str, concurrency: int, num_requests: int, output_len: i
         t0 = time.perf_counter()
         results = await asyncio.gather(*[task(i) for i in range(num_requests)])
         wall = time.perf_counter() - t0
-    after = httpx.get(f"{url}/stats").json()["step_timings"]
+    after = _timings(url)
     gaps = [b - a for _, ts in results for a, b in zip(ts, ts[1:])]
     tokens = sum(t for t, _ in results)
     delta = {k: after[k] - before.get(k, 0.0) for k in after if k.endswith("_s") and not k.startswith("mean_")}

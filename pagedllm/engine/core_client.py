@@ -101,6 +101,7 @@ def run_engine_core(args: EngineArgs, model_dir: str, max_model_len: int, eos_to
         eos = set(eos_token_ids)  # one set shared by all requests, as in the in-process engine
         core = EngineCore(args, model_dir, max_model_len, eos)
         out.send(enc.encode(CoreReady(core.num_blocks, os.getpid())))
+        out.send(enc.encode(CoreOutputs([], core.get_stats())))  # counters exist before the first request
         while True:
             busy = core.has_unfinished_requests()
             changed = False
