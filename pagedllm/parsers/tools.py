@@ -214,6 +214,7 @@ class HermesToolParser(ToolParser):
     start_tag, end_tag = "<tool_call>", "</tool_call>"
 
     def parse(self, text: str, final: bool) -> ToolSplit:
+        """Split ``text`` (the answer so far) in this format; see ``ToolParser.parse``."""
         out = ToolSplit()
         pos = 0
         while True:
@@ -283,6 +284,7 @@ class JSONToolParser(ToolParser):
     when its first key is ``name``; any other JSON answer stays content."""
 
     def parse(self, text: str, final: bool) -> ToolSplit:
+        """Split ``text`` (the answer so far) in this format; see ``ToolParser.parse``."""
         i = skip_ws(text, 0)
         head = text[i:]
         if not (head.startswith("```") or ("```json\n".startswith(head) and head)):
@@ -312,6 +314,7 @@ class Llama3JSONToolParser(ToolParser):
     tag = "<|python_tag|>"
 
     def parse(self, text: str, final: bool) -> ToolSplit:
+        """Split ``text`` (the answer so far) in this format; see ``ToolParser.parse``."""
         def reader(t: str, i: int, fin: bool):
             if t.startswith(self.tag, i):
                 i = skip_ws(t, i + len(self.tag))
@@ -335,6 +338,7 @@ class MistralToolParser(ToolParser):
     _name = re.compile(r"[A-Za-z_][\w.\-]*")
 
     def parse(self, text: str, final: bool) -> ToolSplit:
+        """Split ``text`` (the answer so far) in this format; see ``ToolParser.parse``."""
         j = text.find(self.marker)
         if j == -1:
             return ToolSplit(text if final else text[:len(text) - held_back(text, self.marker)])
@@ -470,4 +474,5 @@ class PythonicToolParser(ToolParser):
     (Llama 3.2 / Llama 4 style). Argument values are Python literals, converted to JSON."""
 
     def parse(self, text: str, final: bool) -> ToolSplit:
+        """Split ``text`` (the answer so far) in this format; see ``ToolParser.parse``."""
         return _classify(text, final, _read_pythonic)
