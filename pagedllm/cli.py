@@ -48,6 +48,9 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
     p.add_argument("--model-impl", choices=["auto", "native", "transformers"], default="auto",
                    help="native implementation, the Transformers backend, or auto (native when one exists)")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="schedule step N+1 while step N runs (default: on; PAGEDLLM_ASYNC_SCHEDULING=0 "
+                        "turns it off)")
     p.add_argument("--log-level", default="info")
 
 
@@ -60,7 +63,8 @@ def _engine_args(a: argparse.Namespace):
                       enable_prefix_caching=a.enable_prefix_caching,
                       seed=a.seed, served_model_name=getattr(a, "served_model_name", None),
                       num_threads=a.num_threads, model_impl=a.model_impl,
-                      enable_multiprocessing=getattr(a, "enable_multiprocessing", None))
+                      enable_multiprocessing=getattr(a, "enable_multiprocessing", None),
+                      async_scheduling=a.async_scheduling)
 
 
 def _serve(a: argparse.Namespace) -> int:

@@ -93,6 +93,10 @@ class EngineArgs:
             process, reached over ZMQ; ``pagedllm serve`` does by default. ``None`` reads
             ``PAGEDLLM_ENABLE_MULTIPROCESSING`` (``1``/``0``), else False (in process, as
             the offline ``LLM`` runs unless asked).
+        async_scheduling: schedule and prepare step N+1 while step N runs (vLLM's
+            ``--async-scheduling``; on by default here). ``None`` reads
+            ``PAGEDLLM_ASYNC_SCHEDULING`` (``1``/``0``), else True. Greedy outputs are the
+            same either way.
     """
 
     model: str | None = None
@@ -112,6 +116,7 @@ class EngineArgs:
     num_threads: int | None = None
     model_impl: str = "auto"
     enable_multiprocessing: bool | None = None
+    async_scheduling: bool | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -123,6 +128,8 @@ class EngineArgs:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.enable_multiprocessing is None:
             self.enable_multiprocessing = os.environ.get("PAGEDLLM_ENABLE_MULTIPROCESSING", "0") == "1"
+        if self.async_scheduling is None:
+            self.async_scheduling = os.environ.get("PAGEDLLM_ASYNC_SCHEDULING", "1") == "1"
         if self.model_impl not in ("auto", "native", "transformers"):
             raise ValueError(f"model_impl must be auto, native or transformers, got {self.model_impl!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

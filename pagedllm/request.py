@@ -46,6 +46,8 @@ class Request:
         max_tokens: resolved output limit in tokens.
         arrival_time: seconds since the epoch.
         cache_salt: prefix-cache namespace; requests share cached blocks only with equal salts.
+        num_output_placeholders: tokens being sampled by steps in flight, not yet known
+            (async scheduling schedules the next step before the previous one's tokens arrive).
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
@@ -64,6 +66,7 @@ class Request:
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
         self.cache_salt = cache_salt
+        self.num_output_placeholders = 0
         self.block_hashes: list[bytes] = []  # hashes of full blocks, filled by the KV cache manager
 
     @property

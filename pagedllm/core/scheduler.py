@@ -7,6 +7,15 @@ admitted while budget, sequence slots and KV blocks last. When blocks run out,
 the most recently admitted running request is preempted: its blocks are freed
 and it is recomputed later, keeping its generated tokens (vLLM's
 "recompute" preemption mode).
+
+Async scheduling: a step may be scheduled while the previous one still runs.
+A step that reaches the end of a request's sequence will sample one token;
+until that token arrives the request counts it as an output placeholder, so
+the next step already computes the placeholder's position (the runner feeds
+the sampled token in itself). A request whose placeholders alone reach its
+``max_tokens`` or the context limit is not scheduled again. A stop found in a
+late result frees the request; the token the step in flight computes for it
+is dropped on arrival.
 """
 
 from __future__ import annotations
@@ -94,10 +103,16 @@ class Scheduler:
             n = out.num_scheduled_tokens.get(req.request_id)
             if n:
                 req.num_computed_tokens += n
+                if req.num_computed_tokens == req.num_tokens + req.num_output_placeholders:
+                    req.num_output_placeholders += 1  # this step samples the next token
         return out
 
     def _num_new_tokens(self, req: Request, budget: int) -> int:
-        n = min(req.num_tokens - req.num_computed_tokens, budget)
+        pending = req.num_output_placeholders
+        if pending and (req.num_output_tokens + pending >= req.max_tokens
+                        or req.num_tokens + pending >= self.max_model_len):
+            return 0  # finishes for length when the tokens in flight arrive
+        n = min(req.num_tokens + pending - req.num_computed_tokens, budget)
         return min(n, self.max_model_len - req.num_computed_tokens)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> bool:
@@ -132,6 +147,8 @@ class Scheduler:
         """
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
+            if req.num_output_placeholders:
+                break  # preempted while a step computed its token: re-admit once it arrives
             cached, num_cached = self.kv.get_computed_blocks(req)
             req.num_computed_tokens = num_cached
             n = self._num_new_tokens(req, budget)
@@ -186,12 +203,14 @@ class Scheduler:
         for rid, token in runner_out.sampled_token_ids.items():
             req = self.requests.get(rid)
             if req is None or req.is_finished():
-                continue  # aborted while the step ran: drop the token
+                continue  # aborted, or stopped by an earlier step's token: drop it
+            req.num_output_placeholders -= 1
             req.append_output_token(token)
             status = self._check_stop(req, token)
             if status is not None:
                 req.status = status
-                self.running.remove(req)
+                # a request preempted while its step ran waits in the queue
+                (self.running if req in self.running else self.waiting).remove(req)
                 self._free(req)
             lp = runner_out.logprobs.get(rid)
             outputs.append(EngineCoreOutput(rid, [token], req.status.finish_reason, req.stop_reason,

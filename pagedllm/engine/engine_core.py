@@ -5,6 +5,12 @@ stays in the front end (``LLMEngine`` / ``AsyncLLM``); the core sees token ids
 and sampling parameters and returns ``EngineCoreOutput``s. This is the part a
 separate core process will run.
 
+With async scheduling (``EngineArgs.async_scheduling``, the default) the
+core keeps one step in flight: each ``step()`` schedules and issues step N+1
+on the runner's execution thread, then applies step N's results while N+1
+runs. The scheduler counts the tokens in flight as placeholders, and the
+runner feeds each sampled token into the next step itself.
+
 Each step's phases are timed (seconds, ``time.perf_counter``): scheduling,
 input preparation, model execution (forward and sampling), result handling,
 and the idle gap between the end of one execution and the start of the next
@@ -91,7 +97,10 @@ class EngineCore:
         self.scheduler = Scheduler(self.kv_cache_manager, args.max_num_seqs, args.max_num_batched_tokens,
                                    max_model_len, args.enable_chunked_prefill)
         self.runner = ModelRunner(model, num_blocks, args.block_size, dtype, device, args.seed,
-                                  eos_token_ids=eos_token_ids)
+                                  eos_token_ids=eos_token_ids, max_num_reqs=args.max_num_seqs,
+                                  max_model_len=max_model_len)
+        self.async_scheduling = args.async_scheduling
+        self._in_flight = None  # (SchedulerOutput, StepHandle) issued but not yet applied
         self.stats = {"num_prompt_tokens": 0, "num_generation_tokens": 0, "num_steps": 0, "max_num_running": 0}
         self.timer = StepTimer()
 
@@ -112,19 +121,32 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids, status)
 
     def has_unfinished_requests(self) -> bool:
-        """True while any request waits or runs."""
-        return self.scheduler.has_unfinished_requests()
+        """True while any request waits or runs, or a step's results are still to be applied."""
+        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
 
     # ---- the step ------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
-        """Schedule, execute and apply one batch; returns the per-request results."""
+        """Advance the engine by one step; returns the per-request results that became known.
+
+        Synchronous: schedule, run and apply one step. With async scheduling, step
+        N+1 is scheduled and issued first, then step N's results (issued by the
+        previous call) are applied while N+1 runs; the results returned are step N's.
+        """
         t0 = time.perf_counter()
         so = self.scheduler.schedule()
-        t1 = time.perf_counter()
-        self.timer.totals["schedule"] += t1 - t0
-        if so.is_empty:
+        self.timer.totals["schedule"] += time.perf_counter() - t0
+        if so.is_empty and self._in_flight is None:
             self.timer.pause()
-        handle = self.runner.execute(so, self.timer)
+        handle = self.runner.execute(so, self.timer, non_blocking=self.async_scheduling)
+        if not self.async_scheduling:
+            return self._apply(so, handle)
+        prev, self._in_flight = self._in_flight, (None if so.is_empty else (so, handle))
+        if so.is_empty:
+            handle.result()
+        return self._apply(*prev) if prev is not None else []
+
+    def _apply(self, so, handle) -> list[EngineCoreOutput]:
+        """Wait for an issued step and apply its tokens to the scheduler."""
         runner_out = handle.result()
         t2 = time.perf_counter()
         core_outputs = self.scheduler.update_from_output(so, runner_out)
@@ -132,10 +154,17 @@ class EngineCore:
         self.timer.steps += 1
         self.stats["num_steps"] += 1
         self.stats["max_num_running"] = max(self.stats["max_num_running"], len(so.num_scheduled_tokens))
-        self.stats["num_generation_tokens"] += len(runner_out.sampled_token_ids)
-        if not self.scheduler.has_unfinished_requests():
+        self.stats["num_generation_tokens"] += sum(len(o.new_token_ids) for o in core_outputs)
+        if not self.has_unfinished_requests():
             self.timer.pause()
         return core_outputs
+
+    def shutdown(self) -> None:
+        """Finish the step in flight, if any, and stop the runner's execution thread."""
+        if self._in_flight is not None:
+            self._in_flight[1].result()
+            self._in_flight = None
+        self.runner.shutdown()
 
     def get_stats(self) -> dict:
         """Counters: running/waiting requests, KV usage (fraction), preemptions, token totals, step timings.

@@ -66,9 +66,11 @@ class LLMEngine:
         return self.client is None or self.client.is_alive()
 
     def shutdown(self) -> None:
-        """Stop the core process, if any (safe to call twice)."""
+        """Stop the core process, or the in-process core's execution thread (safe to call twice)."""
         if self.client is not None:
             self.client.shutdown()
+        elif self.core is not None:
+            self.core.shutdown()
 
     # the core's parts, for tests and debugging of the in-process engine
     @property

@@ -1,8 +1,15 @@
-"""Executes one scheduler step on the device: builds the flattened batch, runs the model, samples.
+"""Executes scheduler steps on the device: builds the flattened batch, runs the model, samples.
 
-The runner keeps per-request state between steps (token ids, block table,
-sampling parameters), so the scheduler sends only diffs, and it appends each
-sampled token to its own copy of the sequence.
+Per-request state lives in the persistent ``InputBatch`` (fixed slots), so
+the scheduler sends only diffs and a step's inputs come from one vectorized
+pass over the scheduled slots.
+
+Steps can be issued without waiting (``execute(..., non_blocking=True)``):
+they run in order on one execution thread, the CPU analogue of a device
+stream, while the caller schedules and prepares the next step. A request
+whose last token is still being sampled by the previous step gets that token
+from the previous step's sampled ids right before its own step runs, so
+preparing step N+1 never waits for step N.
 """
 
 from __future__ import annotations
@@ -10,53 +17,75 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from pagedllm.attention.metadata import AttentionMetadata, PrefillSeq
 from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker.input_batch import InputBatch, SamplingMetadata
 from pagedllm.worker.sampler import Sampler, gather_logprobs
 
 
 @dataclass
-class CachedRequestState:
-    """What the runner remembers about a running request.
+class PreparedStep:
+    """One step's inputs, built on the scheduling thread, then run on the execution thread.
 
     Attributes:
-        token_ids: prompt + generated tokens known to the runner.
-        num_prompt_tokens: prompt length in tokens.
-        block_ids: block table.
-        num_computed_tokens: tokens with K/V in the cache.
-        sampling_params: sampling settings.
+        input_ids: ``[T]`` int64; entries at ``pending_idx`` are filled from the previous step.
+        positions: ``[T]`` int64 absolute positions.
+        meta: attention metadata.
+        logits_rows: ``[R + P]`` int64 rows of the flattened batch whose logits are needed:
+            the ``R`` sampled ones, then the prompt-logprob positions.
+        sample_ids: the ``R`` request ids sampled this step, in row order.
+        sampling: their ``SamplingMetadata`` (``None`` when ``R == 0``).
+        prompt_lp: per request with prompt logprobs computed this step,
+            ``(request id, first prompt token index, targets [n] int64, k)``.
+        pending_idx, pending_src: ``[P]`` int64 rows of ``input_ids`` that take the previous
+            step's sampled token, and that token's row among the previous step's samples.
+        slot_row: ``[max_num_reqs]`` int64, the sample row of each batch slot this step (-1: none).
+        sampled: ``[R]`` int64 sampled ids, set once the step has run.
     """
 
-    token_ids: list[int]
-    num_prompt_tokens: int
-    block_ids: list[int]
-    num_computed_tokens: int
-    sampling_params: SamplingParams
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_rows: torch.Tensor
+    sample_ids: list[str]
+    sampling: SamplingMetadata | None
+    prompt_lp: list
+    pending_idx: torch.Tensor
+    pending_src: torch.Tensor
+    slot_row: np.ndarray
+    sampled: torch.Tensor | None = None
+    sampled_list: list[int] = field(default_factory=list)
 
 
 class StepHandle:
-    """The result of an issued step. ``result()`` blocks until it is ready.
+    """An issued step. ``result()`` waits for it, records its tokens in the batch, and returns them.
 
-    Execution is synchronous today; the handle keeps the interface stable for
-    overlapping the next step's scheduling with this one's execution.
+    Raises:
+        Exception: whatever the step raised on the execution thread.
     """
 
-    def __init__(self, output: ModelRunnerOutput) -> None:
-        self._output = output
+    def __init__(self, runner: "ModelRunner | None", step: PreparedStep | None,
+                 output: ModelRunnerOutput | None = None, future: Future | None = None) -> None:
+        self._runner, self._step, self._output, self._future = runner, step, output, future
 
     def result(self) -> ModelRunnerOutput:
-        """The step's sampled tokens."""
+        """The step's sampled tokens (and logprobs), once it has run."""
+        if self._future is not None:
+            self._output, self._future = self._future.result(), None
+        if self._step is not None:
+            self._runner.input_batch.append_tokens(self._step.sample_ids, self._step.sampled_list)
+            self._step = None
         return self._output
 
 
 class ModelRunner:
-    """Owns the model, the KV cache tensors and the per-request state.
+    """Owns the model, the KV cache tensors and the persistent batch.
 
     Args:
         model: native model with ``forward(input_ids, positions, kv_caches, meta, logits_indices)``
@@ -67,10 +96,13 @@ class ModelRunner:
         device: device of the model and cache.
         seed: sampler seed.
         eos_token_ids: the model's EOS ids, banned (with stop token ids) before ``min_tokens``.
+        max_num_reqs: batch slots (the scheduler's ``max_num_seqs``).
+        max_model_len: longest sequence in tokens.
     """
 
     def __init__(self, model, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
-                 seed: int = 0, eos_token_ids: set[int] | None = None) -> None:
+                 seed: int = 0, eos_token_ids: set[int] | None = None, max_num_reqs: int = 128,
+                 max_model_len: int = 8192) -> None:
         self.model = model
         self.block_size = block_size
         self.device = device
@@ -78,11 +110,18 @@ class ModelRunner:
         shape = (num_blocks, block_size, kvh, d)
         self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
                           for _ in range(layers)]
-        self.requests: dict[str, CachedRequestState] = {}
+        self.input_batch = InputBatch(max_num_reqs, max_model_len, block_size)
         self.sampler = Sampler(seed, eos_token_ids)
         self._eos = min(eos_token_ids) if eos_token_ids else 0
+        self._last: PreparedStep | None = None  # the most recently issued step
+        self._executor: ThreadPoolExecutor | None = None
         # test hook: replay fixed output tokens instead of sampling (see ``_scripted``)
         self._script_path = os.environ.get("PAGEDLLM_SCRIPTED_OUTPUT")
+
+    @property
+    def requests(self) -> dict[str, int]:
+        """Request id -> batch slot of every request the runner holds."""
+        return self.input_batch.slot_of
 
     @staticmethod
     def kv_bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:
@@ -90,143 +129,172 @@ class ModelRunner:
         layers, kvh, d = model.kv_cache_spec()
         return 2 * layers * block_size * kvh * d * torch.empty((), dtype=dtype).element_size()
 
+    def shutdown(self) -> None:
+        """Stop the execution thread (after the step it runs, if any)."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+
     def _update_states(self, so: SchedulerOutput) -> None:
+        b = self.input_batch
         for rid in so.finished_req_ids:
-            self.requests.pop(rid, None)
+            b.remove(rid)
         for nr in so.new_reqs:
-            self.requests[nr.req_id] = CachedRequestState(list(nr.token_ids), nr.num_prompt_tokens,
-                                                          list(nr.block_ids), nr.num_computed_tokens,
-                                                          nr.sampling_params)
+            b.add(nr)
         for cr in so.cached_reqs:
-            st = self.requests[cr.req_id]
-            st.block_ids.extend(cr.new_block_ids)
-            st.num_computed_tokens = cr.num_computed_tokens
+            b.update(cr)
 
-    def _prepare(self, so: SchedulerOutput):
-        """Build input ids, positions, attention metadata and the rows to sample."""
-        bs = self.block_size
-        ids, pos, slots, qsl, seq_lens, tables = [], [], [], [0], [], []
-        dec_idx, dec_slots, prefills, logit_rows, sample_ids = [], [], [], [], []
-        prompt_lp = []  # (request id, first prompt token, rows): prompt-logprob positions this step
-        for rid, n in so.num_scheduled_tokens.items():
-            st = self.requests[rid]
-            start = st.num_computed_tokens
-            end = start + n
-            table = np.asarray(st.block_ids, dtype=np.int64)
-            all_pos = np.arange(end, dtype=np.int64)
-            all_slots = table[all_pos // bs] * bs + all_pos % bs
-            q0 = qsl[-1]
-            ids.extend(st.token_ids[start:end])
-            pos.append(all_pos[start:])
-            slots.append(all_slots[start:])
-            qsl.append(q0 + n)
-            seq_lens.append(end)
-            tables.append(table)
-            if n == 1:
-                dec_idx.append(q0)
-                dec_slots.append(all_slots)
-            else:
-                prefills.append(PrefillSeq(q0, q0 + n, start, torch.from_numpy(all_slots).to(self.device)))
-            if st.sampling_params.prompt_logprobs is not None:
-                # the row at position p predicts prompt token p + 1 (token 0 has no logprob)
-                last = min(end, st.num_prompt_tokens - 1)
-                if last > start:
-                    prompt_lp.append((rid, start + 1, list(range(q0, q0 + last - start))))
-            if end >= len(st.token_ids):  # reached the sequence's end: sample the next token
-                logit_rows.append(q0 + n - 1)
-                sample_ids.append(rid)
-            st.num_computed_tokens = end
-        dev = self.device
-        max_blocks = max(len(t) for t in tables)
-        bt = np.zeros((len(tables), max_blocks), dtype=np.int32)
-        for i, t in enumerate(tables):
-            bt[i, :len(t)] = t
-        max_len = max((len(s) for s in dec_slots), default=0)
-        ds = np.zeros((len(dec_slots), max_len), dtype=np.int64)
-        dm = np.zeros((len(dec_slots), max_len), dtype=bool)
-        for i, s in enumerate(dec_slots):
-            ds[i, :len(s)] = s
-            dm[i, :len(s)] = True
+    def _prepare(self, so: SchedulerOutput) -> PreparedStep:
+        """Build the step's inputs in one vectorized pass over the scheduled slots."""
+        b, bs, dev = self.input_batch, self.block_size, self.device
+        rids = list(so.num_scheduled_tokens)
+        num_reqs = len(rids)
+        slots = np.fromiter((b.slot_of[r] for r in rids), dtype=np.int64, count=num_reqs)
+        n = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=num_reqs)
+        start = b.num_computed_tokens[slots]
+        end = start + n
+        qsl = np.zeros(num_reqs + 1, dtype=np.int64)
+        np.cumsum(n, out=qsl[1:])
+        row_slot = np.repeat(slots, n)
+        pos = np.arange(qsl[-1], dtype=np.int64) - np.repeat(qsl[:-1] - start, n)
+        input_ids = b.token_ids[row_slot, pos].astype(np.int64)
+        slot_mapping = b.block_table[row_slot, pos // bs] * bs + pos % bs
+        b.num_computed_tokens[slots] = end
+
+        # a request whose last scheduled token is still being sampled takes it from the last step
+        known = b.num_tokens[slots]
+        pend = np.flatnonzero(end > known)
+        sample = np.flatnonzero(end >= known)  # reached the sequence's end: sample the next token
+        pending_src = np.zeros(0, dtype=np.int64)
+        if pend.size:
+            assert self._last is not None and bool((end[pend] == known[pend] + 1).all())
+            pending_src = self._last.slot_row[slots[pend]]
+            assert bool((pending_src >= 0).all()), "a pending token's step sampled no token for it"
+        slot_row = np.full(b.max_num_reqs, -1, dtype=np.int64)
+        slot_row[slots[sample]] = np.arange(sample.size)
+        sampling = (b.sampling_metadata(slots[sample], np.searchsorted(sample, pend), pending_src)
+                    if sample.size else None)
+
+        dec = np.flatnonzero(n == 1)
+        dec_len = end[dec]
+        width = int(dec_len.max()) if dec.size else 0
+        cols = np.arange(width, dtype=np.int64)
+        dec_slots = b.block_table[slots[dec][:, None], cols // bs] * bs + cols % bs      # [D, width]
+        dec_mask = cols[None, :] < dec_len[:, None]
+        prefills = []
+        for i in np.flatnonzero(n > 1).tolist():
+            ar = np.arange(end[i], dtype=np.int64)
+            gather = b.block_table[slots[i], ar // bs] * bs + ar % bs
+            prefills.append(PrefillSeq(int(qsl[i]), int(qsl[i + 1]), int(start[i]), torch.from_numpy(gather).to(dev)))
+        rows = [qsl[1:][sample] - 1]
+        prompt_lp = []
+        for i in np.flatnonzero(b.prompt_logprobs[slots] >= 0).tolist():
+            # the row at position p predicts prompt token p + 1 (token 0 has no logprob)
+            s, first = slots[i], int(start[i]) + 1
+            last = min(int(end[i]), int(b.num_prompt_tokens[s]) - 1)
+            if last > start[i]:
+                cnt = last - int(start[i])
+                rows.append(np.arange(qsl[i], qsl[i] + cnt, dtype=np.int64))
+                prompt_lp.append((rids[i], first, b.token_ids[s, first:first + cnt].astype(np.int64),
+                                  int(b.prompt_logprobs[s])))
+        max_blocks = int(b.num_blocks[slots].max())
         meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
-            block_tables=torch.from_numpy(bt).to(dev),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            decode_token_idx=torch.tensor(dec_idx, dtype=torch.int64, device=dev),
-            decode_slots=torch.from_numpy(ds).to(dev),
-            decode_mask=None if dm.all() else torch.from_numpy(dm).to(dev).view(len(dec_slots), 1, 1, max_len),
+            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
+            block_tables=torch.from_numpy(b.block_table[slots, :max_blocks].astype(np.int32)).to(dev),
+            query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(dev),
+            seq_lens=torch.from_numpy(end.astype(np.int32)).to(dev),
+            decode_token_idx=torch.from_numpy(qsl[dec]).to(dev),
+            decode_slots=torch.from_numpy(dec_slots).to(dev),
+            decode_mask=None if dec_mask.all() else torch.from_numpy(dec_mask).to(dev).view(dec.size, 1, 1, width),
             prefills=prefills,
-            decode_seq_lens=torch.tensor([len(s) for s in dec_slots], dtype=torch.int64, device=dev))
-        input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
-        positions = torch.from_numpy(np.concatenate(pos)).to(dev)
-        return input_ids, positions, meta, logit_rows, sample_ids, prompt_lp
+            decode_seq_lens=torch.from_numpy(dec_len).to(dev))
+        return PreparedStep(
+            input_ids=torch.from_numpy(input_ids).to(dev), positions=torch.from_numpy(pos).to(dev), meta=meta,
+            logits_rows=torch.from_numpy(np.concatenate(rows)).to(dev), sample_ids=[rids[i] for i in sample.tolist()],
+            sampling=sampling, prompt_lp=prompt_lp,
+            pending_idx=torch.from_numpy(qsl[1:][pend] - 1).to(dev), pending_src=torch.from_numpy(pending_src).to(dev),
+            slot_row=slot_row)
 
-    @torch.inference_mode()
-    def execute(self, so: SchedulerOutput, timer=None) -> StepHandle:
-        """Run one step and return a handle to its sampled tokens (and logprobs where asked).
+    def execute(self, so: SchedulerOutput, timer=None, non_blocking: bool = False) -> StepHandle:
+        """Apply the step's diffs to the batch, prepare its inputs and issue it.
 
         Args:
             so: the step's plan.
             timer: optional ``StepTimer``; gets the prepare / execute / sample times (seconds).
+            non_blocking: return at once and run the step on the execution thread, after any
+                step issued before it; otherwise run it now on this thread.
+        Returns:
+            A handle whose ``result()`` gives the sampled tokens. Call ``result()`` on the
+            handles in issue order, before the step after next is issued.
         """
         t0 = time.perf_counter()
         self._update_states(so)
         if so.is_empty:
-            return StepHandle(ModelRunnerOutput())
-        input_ids, positions, meta, logit_rows, sample_ids, prompt_lp = self._prepare(so)
-        # logits rows: the sampled ones first, then every prompt-logprob position
-        rows = logit_rows + [r for _, _, rs in prompt_lp for r in rs]
+            return StepHandle(None, None, ModelRunnerOutput())
+        step, prev = self._prepare(so), self._last
+        self._last = step
+        if timer is not None:
+            timer.totals["prepare"] += time.perf_counter() - t0
+        if not non_blocking:
+            return StepHandle(self, step, self._run(step, prev, timer))
+        if self._executor is None:
+            threads = torch.get_num_threads()
+            self._executor = ThreadPoolExecutor(1, "pagedllm-exec", initializer=torch.set_num_threads,
+                                                initargs=(threads,))
+        return StepHandle(self, step, future=self._executor.submit(self._run, step, prev, timer))
+
+    @torch.inference_mode()
+    def _run(self, step: PreparedStep, prev: PreparedStep | None, timer) -> ModelRunnerOutput:
+        """Forward and sample one prepared step (on the execution thread when non-blocking)."""
         t1 = time.perf_counter()
         if timer is not None:
             timer.exec_started(t1)
-        logits = self.model(input_ids, positions, self.kv_caches, meta,
-                            torch.tensor(rows, dtype=torch.int64, device=self.device))
+        if step.pending_idx.numel():
+            step.input_ids[step.pending_idx] = prev.sampled[step.pending_src]
+        logits = self.model(step.input_ids, step.positions, self.kv_caches, step.meta, step.logits_rows)
         t2 = time.perf_counter()
         out = ModelRunnerOutput()
-        if sample_ids:
-            states = [self.requests[r] for r in sample_ids]
-            sampled = self.sampler(logits[:len(sample_ids)], states)
-            tokens = self._scripted(states, sampled.token_ids) if self._script_path else sampled.token_ids
-            for rid, st, tok, lp in zip(sample_ids, states, tokens, sampled.logprobs):
-                st.token_ids.append(tok)
-                out.sampled_token_ids[rid] = tok
+        num_sampled = len(step.sample_ids)
+        if num_sampled:
+            md = step.sampling
+            prev_tokens = prev.sampled_list if md.pending_rows.size else None
+            sampled = self.sampler(logits[:num_sampled], md, prev_tokens)
+            tokens = self._scripted(md.output_lens.tolist(), sampled.token_ids) if self._script_path \
+                else sampled.token_ids
+            step.sampled_list = tokens
+            step.sampled = torch.tensor(tokens, dtype=torch.int64, device=self.device)
+            out.sampled_token_ids = dict(zip(step.sample_ids, tokens))
+            for rid, lp in zip(step.sample_ids, sampled.logprobs):
                 if lp is not None:
                     out.logprobs[rid] = lp
-        if prompt_lp:
-            self._prompt_logprobs(logits[len(sample_ids):], prompt_lp, out)
+        if step.prompt_lp:
+            self._prompt_logprobs(logits[num_sampled:], step.prompt_lp, out)
         t3 = time.perf_counter()
         if timer is not None:
             timer.exec_ended(t3)
-            timer.totals["prepare"] += t1 - t0
             timer.totals["execute"] += t2 - t1
             timer.totals["sample"] += t3 - t2
-        return StepHandle(out)
+        return out
 
-    def _scripted(self, states: list[CachedRequestState], tokens: list[int]) -> list[int]:
+    def _scripted(self, output_lens: list[int], tokens: list[int]) -> list[int]:
         """Test hook: with ``PAGEDLLM_SCRIPTED_OUTPUT`` naming a JSON file ``{"token_ids": [...]}``,
         every request's output is those tokens, then EOS, whatever the model says (the file
         is re-read at each step, so a test can change it between requests). The logits
         still run; logprobs are those of the sampled tokens, not the replayed ones."""
         with open(self._script_path) as f:
             script = json.load(f)["token_ids"]
-        out = []
-        for st in states:
-            pos = len(st.token_ids) - st.num_prompt_tokens
-            out.append(script[pos] if pos < len(script) else self._eos)
-        return out
+        return [script[pos] if pos < len(script) else self._eos for pos in output_lens]
 
     def _prompt_logprobs(self, logits: torch.Tensor, prompt_lp, out: ModelRunnerOutput) -> None:
         """Logprobs of the prompt tokens whose predicting positions ran this step.
 
         Args:
             logits: ``[P, V]`` float32, rows in ``prompt_lp`` order.
-            prompt_lp: ``(request id, first prompt token index, rows)`` per request.
+            prompt_lp: ``(request id, first prompt token index, targets, k)`` per request.
         """
         i = 0
-        for rid, first, rs in prompt_lp:
-            st = self.requests[rid]
-            n = len(rs)
-            targets = torch.tensor(st.token_ids[first:first + n], dtype=torch.int64, device=logits.device)
-            entries = gather_logprobs(logits[i:i + n].log_softmax(-1), targets, st.sampling_params.prompt_logprobs)
+        for rid, first, targets, k in prompt_lp:
+            n = len(targets)
+            entries = gather_logprobs(logits[i:i + n].log_softmax(-1), torch.from_numpy(targets).to(logits.device), k)
             out.prompt_logprobs[rid] = (first, entries)
             i += n

@@ -183,42 +183,51 @@ class Sampler:
         logits[rows, cols] += torch.tensor(vals, dtype=logits.dtype, device=logits.device)
         return logits
 
-    def _penalties(self, logits: torch.Tensor, params: list[SamplingParams], states) -> torch.Tensor:
-        rows = [i for i, p in enumerate(params) if p.has_penalties]
-        if not rows:
+    @staticmethod
+    def _penalties(logits: torch.Tensor, md, prev_tokens: list[int] | None) -> torch.Tensor:
+        """Penalise the rows that asked; a row's history gets the previous step's token if still pending."""
+        if not md.penalty_rows:
             return logits
         dev = logits.device
-        sel = torch.tensor(rows, device=dev)
+        rows = md.penalty_rows
+        pending = dict(zip(md.pending_rows.tolist(), md.pending_src.tolist()))
+        outs = []
+        for row, known in zip(rows, md.penalty_outputs):
+            out = known.tolist()
+            if row in pending:
+                out.append(prev_tokens[pending[row]])
+            outs.append(out)
+        prompts = [p.tolist() for p in md.penalty_prompts]
 
         def vec(name: str) -> torch.Tensor:
-            return torch.tensor([getattr(params[i], name) for i in rows], dtype=logits.dtype, device=dev)
+            return torch.tensor([getattr(md.params[i], name) for i in rows], dtype=logits.dtype, device=dev)
 
-        outs = [states[i].token_ids[states[i].num_prompt_tokens:] for i in rows]
-        prompts = [states[i].token_ids[:states[i].num_prompt_tokens] if params[i].repetition_penalty != 1.0 else []
-                   for i in rows]
+        sel = torch.tensor(rows, device=dev)
         sub = apply_penalties(logits.index_select(0, sel), outs, prompts, vec("presence_penalty"),
                               vec("frequency_penalty"), vec("repetition_penalty"))
         return logits.index_copy(0, sel, sub)
 
-    def __call__(self, logits: torch.Tensor, states) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, md, prev_tokens: list[int] | None = None) -> SamplerOutput:
         """Sample.
 
         Args:
             logits: ``[R, V]`` float32.
-            states: per row, an object with ``sampling_params``, ``token_ids`` (prompt +
-                tokens generated so far) and ``num_prompt_tokens``; the output length
-                is the seeded stream's position.
+            md: the rows' ``SamplingMetadata`` (``pagedllm.worker.input_batch``).
+            prev_tokens: the previous step's sampled ids, for rows whose last output token
+                is still pending (``md.pending_src`` indexes it); ``None`` when none is.
         Returns:
             The sampled ids and, for rows that asked, their logprobs.
         """
-        params = [s.sampling_params for s in states]
-        output_lens = [len(s.token_ids) - s.num_prompt_tokens for s in states]
+        params = md.params
+        output_lens = md.output_lens.tolist()
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         raw = logits.index_select(0, torch.tensor(lp_rows, device=logits.device)) if lp_rows else None
-        logits = self._ban_stop_tokens(logits, params, output_lens)
-        logits = self._logit_bias(logits, params)
-        logits = self._penalties(logits, params, states)
-        tokens = self._sample(logits, params, output_lens)
+        if md.any_min_tokens:
+            logits = self._ban_stop_tokens(logits, params, output_lens)
+        if md.any_logit_bias:
+            logits = self._logit_bias(logits, params)
+        logits = self._penalties(logits, md, prev_tokens)
+        tokens = logits.argmax(-1) if md.all_greedy else self._sample(logits, params, output_lens)
         out = SamplerOutput(tokens.tolist(), [None] * len(params))
         if lp_rows:
             k = max(params[i].logprobs for i in lp_rows)
