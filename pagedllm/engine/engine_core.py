@@ -76,16 +76,19 @@ class EngineCore:
         model_dir: the resolved Hugging Face directory.
         max_model_len: context limit in tokens.
         eos_token_ids: token ids that end a sequence.
+        model: an already built model (tests); by default it is loaded from ``model_dir``.
     Raises:
         ValueError: an unservable architecture, or a KV pool too small for one block.
     """
 
-    def __init__(self, args: EngineArgs, model_dir, max_model_len: int, eos_token_ids: set[int]) -> None:
+    def __init__(self, args: EngineArgs, model_dir, max_model_len: int, eos_token_ids: set[int],
+                 model=None) -> None:
         from pagedllm.models.registry import load_model
         if args.num_threads:
             torch.set_num_threads(args.num_threads)
         dtype, device = args.torch_dtype, args.torch_device
-        model, _ = load_model(model_dir, dtype, device, args.model_impl)
+        if model is None:
+            model, _ = load_model(model_dir, dtype, device, args.model_impl)
         per_block = ModelRunner.kv_bytes_per_block(model, args.block_size, dtype)
         num_blocks = args.num_kv_blocks or parse_size(args.kv_cache_memory) // per_block
         if num_blocks < 1:
