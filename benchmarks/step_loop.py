@@ -8,8 +8,11 @@ request) and, from the core's per-step timings (``GET /stats``), the idle gap
 between the end of one model execution and the start of the next as a fraction
 of device time, plus the mean time of each step phase.
 
-    python benchmarks/step_loop.py                      # concurrency 1, 16, 64
-    python benchmarks/step_loop.py --concurrency 1 16 --output-len 64
+Each mode (async scheduling on, then off) gets its own server in the same run,
+and the ratios on/off are printed at the end.
+
+    python benchmarks/step_loop.py                      # concurrency 1, 16, 64, async on and off
+    python benchmarks/step_loop.py --concurrency 1 16 --output-len 64 --modes on
 """
 
 from __future__ import annotations
@@ -108,30 +111,46 @@ async def run_level(url: str, concurrency: int, num_requests: int, output_len: i
             "mean_step_phase_s": {k[:-2]: v / steps for k, v in delta.items()} if steps else {}}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
-    ap.add_argument("--requests-per-level", type=int, default=None, help="default: 2 x concurrency (at least 4)")
-    ap.add_argument("--output-len", type=int, default=128)
-    ap.add_argument("--server-arg", action="append", default=[], help="extra `pagedllm serve` flag (repeatable)")
-    ap.add_argument("--json-out", default=None)
-    args = ap.parse_args()
-    proc, url = start_server(["--num-kv-blocks", "2048", "--max-num-seqs", "128", *args.server_arg])
+def run_mode(mode: str, args) -> list[dict]:
+    """All concurrency levels against one server, async scheduling ``on`` or ``off``."""
+    flag = "--async-scheduling" if mode == "on" else "--no-async-scheduling"
+    proc, url = start_server(["--num-kv-blocks", "2048", "--max-num-seqs", "128", flag, *args.server_arg])
     try:
         asyncio.run(run_level(url, 1, 1, 4))  # warm-up
         rows = []
         for c in args.concurrency:
             n = args.requests_per_level or max(4, 2 * c)
-            print(f"concurrency {c}: {n} requests x {args.output_len} tokens ...", flush=True)
-            rows.append(asyncio.run(run_level(url, c, n, args.output_len)))
+            print(f"async {mode}, concurrency {c}: {n} requests x {args.output_len} tokens ...", flush=True)
+            rows.append({"async_scheduling": mode, **asyncio.run(run_level(url, c, n, args.output_len))})
+        return rows
     finally:
         proc.terminate()
         proc.wait(timeout=30)
-    print(f"\n{'conc':>5} {'out tok/s':>10} {'mean ITL s':>11} {'idle %':>7} {'steps':>6}  mean step phases (ms)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--modes", nargs="+", choices=["on", "off"], default=["on", "off"],
+                    help="async scheduling modes to run, one server each (default: both)")
+    ap.add_argument("--requests-per-level", type=int, default=None, help="default: 2 x concurrency (at least 4)")
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--server-arg", action="append", default=[], help="extra `pagedllm serve` flag (repeatable)")
+    ap.add_argument("--json-out", default=None)
+    args = ap.parse_args()
+    rows = [r for mode in args.modes for r in run_mode(mode, args)]
+    print(f"\n{'async':>5} {'conc':>5} {'out tok/s':>10} {'mean ITL s':>11} {'idle %':>7} {'steps':>6}  "
+          f"mean step phases (ms)")
     for r in rows:
         ph = " ".join(f"{k}={v * 1e3:.2f}" for k, v in r["mean_step_phase_s"].items())
-        print(f"{r['concurrency']:>5} {r['output_tok_s']:>10.1f} {r['mean_itl_s']:>11.4f} "
+        print(f"{r['async_scheduling']:>5} {r['concurrency']:>5} {r['output_tok_s']:>10.1f} {r['mean_itl_s']:>11.4f} "
               f"{100 * r['idle_fraction']:>6.2f}% {r['steps']:>6}  {ph}")
+    if set(args.modes) == {"on", "off"}:
+        print(f"\n{'conc':>5} {'tok/s on/off':>13} {'ITL on/off':>11}")
+        for c in args.concurrency:
+            on, off = (next(r for r in rows if r["concurrency"] == c and r["async_scheduling"] == m)
+                       for m in ("on", "off"))
+            print(f"{c:>5} {on['output_tok_s'] / off['output_tok_s']:>13.3f} {on['mean_itl_s'] / off['mean_itl_s']:>11.3f}")
     out = Path(args.json_out) if args.json_out else (
         Path(__file__).resolve().parent / "results" / f"step_loop-{datetime.date.today().isoformat()}.json")
     out.parent.mkdir(parents=True, exist_ok=True)

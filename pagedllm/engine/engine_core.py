@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -84,11 +85,12 @@ class EngineCore:
     def __init__(self, args: EngineArgs, model_dir, max_model_len: int, eos_token_ids: set[int],
                  model=None) -> None:
         from pagedllm.models.registry import load_model
-        if args.num_threads:
-            torch.set_num_threads(args.num_threads)
         dtype, device = args.torch_dtype, args.torch_device
+        # every torch op of the core (loading, KV allocation, steps) runs on this one thread
+        threads = args.num_threads or torch.get_num_threads()
+        self._exec = ThreadPoolExecutor(1, "pagedllm-exec", initializer=torch.set_num_threads, initargs=(threads,))
         if model is None:
-            model, _ = load_model(model_dir, dtype, device, args.model_impl)
+            model, _ = self._exec.submit(load_model, model_dir, dtype, device, args.model_impl).result()
         per_block = ModelRunner.kv_bytes_per_block(model, args.block_size, dtype)
         num_blocks = args.num_kv_blocks or parse_size(args.kv_cache_memory) // per_block
         if num_blocks < 1:
@@ -99,9 +101,9 @@ class EngineCore:
         self.kv_cache_manager = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv_cache_manager, args.max_num_seqs, args.max_num_batched_tokens,
                                    max_model_len, args.enable_chunked_prefill)
-        self.runner = ModelRunner(model, num_blocks, args.block_size, dtype, device, args.seed,
-                                  eos_token_ids=eos_token_ids, max_num_reqs=args.max_num_seqs,
-                                  max_model_len=max_model_len)
+        self.runner = self._exec.submit(
+            ModelRunner, model, num_blocks, args.block_size, dtype, device, args.seed, eos_token_ids=eos_token_ids,
+            max_num_reqs=args.max_num_seqs, max_model_len=max_model_len, executor=self._exec).result()
         self.async_scheduling = args.async_scheduling
         self._in_flight = None  # (SchedulerOutput, StepHandle) issued but not yet applied
         self.stats = {"num_prompt_tokens": 0, "num_generation_tokens": 0, "num_steps": 0, "max_num_running": 0}
@@ -163,11 +165,11 @@ class EngineCore:
         return core_outputs
 
     def shutdown(self) -> None:
-        """Finish the step in flight, if any, and stop the runner's execution thread."""
+        """Finish the step in flight, if any, and stop the execution thread."""
         if self._in_flight is not None:
             self._in_flight[1].result()
             self._in_flight = None
-        self.runner.shutdown()
+        self._exec.shutdown(wait=True)
 
     def get_stats(self) -> dict:
         """Counters: running/waiting requests, KV usage (fraction), preemptions, token totals, step timings.

@@ -4,9 +4,13 @@ Per-request state lives in the persistent ``InputBatch`` (fixed slots), so
 the scheduler sends only diffs and a step's inputs come from one vectorized
 pass over the scheduled slots.
 
-Steps can be issued without waiting (``execute(..., non_blocking=True)``):
-they run in order on one execution thread, the CPU analogue of a device
-stream, while the caller schedules and prepares the next step. A request
+Steps run in order on one execution thread (the engine core's), the CPU
+analogue of a device stream; issued without waiting
+(``execute(..., non_blocking=True)``), they run while the caller schedules
+and prepares the next step. All torch work of the engine happens on that one
+thread: on CPU, a second thread entering OpenMP parallel regions creates a
+second thread team, and on two cores that made every matrix product about
+1.5x slower, even when the two never ran at the same time. A request
 whose last token is still being sampled by the previous step gets that token
 from the previous step's sampled ids right before its own step runs, so
 preparing step N+1 never waits for step N.
@@ -98,11 +102,12 @@ class ModelRunner:
         eos_token_ids: the model's EOS ids, banned (with stop token ids) before ``min_tokens``.
         max_num_reqs: batch slots (the scheduler's ``max_num_seqs``).
         max_model_len: longest sequence in tokens.
+        executor: the one-thread executor that runs every step (``None``: run on the caller's thread).
     """
 
     def __init__(self, model, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
                  seed: int = 0, eos_token_ids: set[int] | None = None, max_num_reqs: int = 128,
-                 max_model_len: int = 8192) -> None:
+                 max_model_len: int = 8192, executor: ThreadPoolExecutor | None = None) -> None:
         self.model = model
         self.block_size = block_size
         self.device = device
@@ -114,7 +119,7 @@ class ModelRunner:
         self.sampler = Sampler(seed, eos_token_ids)
         self._eos = min(eos_token_ids) if eos_token_ids else 0
         self._last: PreparedStep | None = None  # the most recently issued step
-        self._executor: ThreadPoolExecutor | None = None
+        self._executor = executor
         # test hook: replay fixed output tokens instead of sampling (see ``_scripted``)
         self._script_path = os.environ.get("PAGEDLLM_SCRIPTED_OUTPUT")
 
@@ -128,12 +133,6 @@ class ModelRunner:
         """Bytes one block takes across all layers (K and V)."""
         layers, kvh, d = model.kv_cache_spec()
         return 2 * layers * block_size * kvh * d * torch.empty((), dtype=dtype).element_size()
-
-    def shutdown(self) -> None:
-        """Stop the execution thread (after the step it runs, if any)."""
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-            self._executor = None
 
     def _update_states(self, so: SchedulerOutput) -> None:
         b = self.input_batch
@@ -221,8 +220,8 @@ class ModelRunner:
         Args:
             so: the step's plan.
             timer: optional ``StepTimer``; gets the prepare / execute / sample times (seconds).
-            non_blocking: return at once and run the step on the execution thread, after any
-                step issued before it; otherwise run it now on this thread.
+            non_blocking: return at once, with the step queued on the execution thread after
+                any step issued before it; otherwise wait until it has run.
         Returns:
             A handle whose ``result()`` gives the sampled tokens. Call ``result()`` on the
             handles in issue order, before the step after next is issued.
@@ -235,13 +234,12 @@ class ModelRunner:
         self._last = step
         if timer is not None:
             timer.totals["prepare"] += time.perf_counter() - t0
-        if not non_blocking:
-            return StepHandle(self, step, self._run(step, prev, timer))
         if self._executor is None:
-            threads = torch.get_num_threads()
-            self._executor = ThreadPoolExecutor(1, "pagedllm-exec", initializer=torch.set_num_threads,
-                                                initargs=(threads,))
-        return StepHandle(self, step, future=self._executor.submit(self._run, step, prev, timer))
+            return StepHandle(self, step, self._run(step, prev, timer))
+        handle = StepHandle(self, step, future=self._executor.submit(self._run, step, prev, timer))
+        if not non_blocking:
+            handle.result()
+        return handle
 
     @torch.inference_mode()
     def _run(self, step: PreparedStep, prev: PreparedStep | None, timer) -> ModelRunnerOutput:
