@@ -36,8 +36,12 @@ install-test: install
 serve: install
 	$(BIN)/pagedllm serve --host $(HOST) --port $(PORT) $(ARGS)
 
+# the whole suite runs with async scheduling (the default); the engine-level tests run again
+# with it off (SYNC_PASS= skips that second pass)
+SYNC_PASS ?= tests/core tests/worker tests/engine
 test: install-test
 	$(BIN)/python -m pytest -q $(ARGS)
+	$(if $(SYNC_PASS),PAGEDLLM_ASYNC_SCHEDULING=0 $(BIN)/python -m pytest -q $(SYNC_PASS))
 
 bench: install
 	$(BIN)/python benchmarks/throughput.py $(ARGS)

@@ -128,17 +128,34 @@ def run_mode(mode: str, args) -> list[dict]:
         proc.wait(timeout=30)
 
 
+def _medians(rows: list[dict], args) -> list[dict]:
+    """Per (mode, concurrency), the run with the median output tok/s, with every round's tok/s listed."""
+    out = []
+    for mode in args.modes:
+        for c in args.concurrency:
+            runs = sorted((r for r in rows if r["async_scheduling"] == mode and r["concurrency"] == c),
+                          key=lambda r: r["output_tok_s"])
+            med = dict(runs[len(runs) // 2])
+            med["all_rounds_tok_s"] = [r["output_tok_s"] for r in runs]
+            out.append(med)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--modes", nargs="+", choices=["on", "off"], default=["on", "off"],
                     help="async scheduling modes to run, one server each (default: both)")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="run the modes alternately this many times; the table gives medians (this CPU is noisy)")
     ap.add_argument("--requests-per-level", type=int, default=None, help="default: 2 x concurrency (at least 4)")
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--server-arg", action="append", default=[], help="extra `pagedllm serve` flag (repeatable)")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
-    rows = [r for mode in args.modes for r in run_mode(mode, args)]
+    rows = [dict(r, round=k) for k in range(args.repeat) for mode in args.modes for r in run_mode(mode, args)]
+    if args.repeat > 1:
+        rows = _medians(rows, args)
     print(f"\n{'async':>5} {'conc':>5} {'out tok/s':>10} {'mean ITL s':>11} {'idle %':>7} {'steps':>6}  "
           f"mean step phases (ms)")
     for r in rows:
