@@ -1,4 +1,4 @@
-"""Command line: ``pagedllm serve [MODEL]``, ``pagedllm generate PROMPT``, ``pagedllm chat``.
+"""Command line: ``pagedllm serve [MODEL]``, ``generate``, ``chat`` and ``bench throughput|latency|serve``.
 
 Flag names follow vLLM's (``--max-num-seqs``, ``--max-num-batched-tokens``,
 ``--block-size``, ``--served-model-name``, ...).
@@ -143,13 +143,69 @@ def main(argv: list[str] | None = None) -> int:
         g.add_argument("--temperature", type=float, default=0.0)
         g.add_argument("--max-tokens", type=int, default=64)
         g.add_argument("--sampling-seed", type=int, default=None)
+    _bench_flags(sub)
     a = parser.parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        if a.command == "bench":
+            return _bench(a)
         return _serve(a) if a.command == "serve" else _generate(a)
     except (FileNotFoundError, ValueError) as e:
         print(f"pagedllm: error: {e}", file=sys.stderr)
         return 2
+
+
+def _bench_flags(sub) -> None:
+    from pagedllm.bench.datasets import add_dataset_args
+    b = sub.add_parser("bench", help="benchmark: throughput (offline), latency (one batch), serve (any "
+                                     "OpenAI-compatible server)")
+    bsub = b.add_subparsers(dest="bench_command", required=True)
+    t = bsub.add_parser("throughput", help="offline LLM.generate over a dataset")
+    _engine_flags(t)
+    add_dataset_args(t, with_seed=False)
+    t.add_argument("--output-json", default=None, help="write the result here")
+    lat = bsub.add_parser("latency", help="one batch end to end, repeated")
+    _engine_flags(lat)
+    lat.add_argument("--batch-size", type=int, default=1)
+    lat.add_argument("--input-len", type=int, default=32)
+    lat.add_argument("--output-len", type=int, default=128)
+    lat.add_argument("--num-iters", type=int, default=5)
+    lat.add_argument("--num-iters-warmup", type=int, default=1)
+    lat.add_argument("--output-json", default=None, help="write the result here")
+    s = bsub.add_parser("serve", help="drive a running OpenAI-compatible server")
+    s.add_argument("--base-url", default="http://127.0.0.1:8000")
+    s.add_argument("--model", default=None, help="model name to send (default: the first in /v1/models)")
+    s.add_argument("--tokenizer", default=None, help="tokenizer for the prompts (default: the embedded SmolLM2)")
+    s.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    s.add_argument("--max-concurrency", type=int, nargs="+", default=None,
+                   help="requests in flight; several values run one after another (and are plotted)")
+    s.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson arrivals per second")
+    s.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the one-request warm-up")
+    add_dataset_args(s)
+    s.add_argument("--result-file", default=None, help="write every run's metrics here (JSON)")
+    s.add_argument("--plot", default=None, help="PNG of throughput and latency against concurrency "
+                                                "(default with several --max-concurrency: next to --result-file)")
+    s.add_argument("--log-level", default="warning")
+
+
+def _bench(a: argparse.Namespace) -> int:
+    from pagedllm.bench.report import plot_runs, write_result
+    if a.bench_command == "throughput":
+        from pagedllm.bench.offline import throughput_main
+        res = throughput_main(a)
+    elif a.bench_command == "latency":
+        from pagedllm.bench.offline import latency_main
+        res = latency_main(a)
+    else:
+        from pagedllm.bench.serve import serve_main
+        res = serve_main(a)
+        plot = a.plot or (str(a.result_file).rsplit(".", 1)[0] + ".png" if a.result_file and len(res) > 1 else None)
+        if plot:
+            print(f"plot: {plot_runs(res, plot)}")
+    out = getattr(a, "output_json", None) or getattr(a, "result_file", None)
+    if out:
+        print(f"result: {write_result(out, a.bench_command, a, res)}")
+    return 0
 
 
 if __name__ == "__main__":

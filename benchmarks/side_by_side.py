@@ -1,0 +1,246 @@
+"""pagedllm against its peers on the same model and workloads, in one run, with the roofline.
+
+Workloads (SmolLM2-135M-Instruct, float32, greedy, EOS ignored; prompts are
+seeded random token ids, the same ids for every engine):
+
+* W1 batch-1: one 32-token prompt, 128 output tokens; decode tok/s and TTFT.
+* W2 offline: 64 prompts x 128 tokens in, 128 out; output tok/s.
+* W3 online: 64 requests of 128 in / 128 out streamed through each engine's
+  OpenAI-compatible server by ``pagedllm bench serve``'s client at concurrency
+  1 and 16; output tok/s, median TTFT and TPOT.
+
+Engines: pagedllm (``peers/pagedllm_run.py`` and ``pagedllm serve``), Hugging Face
+``generate`` with static batching (``peers/hf_generate.py``; no server), vLLM CPU
+(``peers/vllm_cpu.py``) and llama.cpp through llama-cpp-python
+(``peers/llama_cpp.py``, float32 GGUF); each peer runs in its own process, from its
+own virtual environment (``--install-peers`` creates them), and is skipped when
+that environment is missing. Before the engines run, the machine's float32
+matrix-product rate and read bandwidth are measured and turned into the
+workloads' rooflines (``pagedllm.bench.roofline``).
+
+Prints one table of values and ratios (pagedllm / peer) and writes
+``results/side_by_side-<date>.json`` and ``.md`` with date, machine and versions.
+
+    python benchmarks/side_by_side.py                         # every available engine, W1-W3
+    python benchmarks/side_by_side.py --engines pagedllm hf --workloads w1 w2
+    python benchmarks/side_by_side.py --install-peers         # set up vLLM CPU and llama.cpp first
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+HERE = Path(__file__).resolve().parent
+PEERS = HERE / "peers"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def engines(args, model_dir: str, gguf: str) -> dict[str, dict]:
+    """Per engine: the python to run it with, its run command, and its server command (or None)."""
+    py = sys.executable
+    vpy, lpy = f"{args.vllm_venv}/bin/python", f"{args.llamacpp_venv}/bin/python"
+    return {
+        "pagedllm": {"python": py, "run": [py, str(PEERS / "pagedllm_run.py"), "run"],
+                     "serve": lambda port: [py, "-m", "pagedllm.cli", "serve", "--port", str(port),
+                                            "--max-num-seqs", "128", "--num-kv-blocks", "4096",
+                                            "--log-level", "warning"]},
+        "hf": {"python": py, "run": [py, str(PEERS / "hf_generate.py"), "run", "--model-dir", model_dir],
+               "serve": None},
+        "vllm": {"python": vpy, "run": [vpy, str(PEERS / "vllm_cpu.py"), "run", "--model-dir", model_dir],
+                 "serve": lambda port: [vpy, str(PEERS / "vllm_cpu.py"), "serve", "--port", str(port),
+                                        "--model-dir", model_dir]},
+        "llamacpp": {"python": lpy, "run": [lpy, str(PEERS / "llama_cpp.py"), "run", "--gguf", gguf],
+                     "serve": lambda port: [lpy, str(PEERS / "llama_cpp.py"), "serve", "--port", str(port),
+                                            "--gguf", gguf]},
+    }
+
+
+def make_workloads(tokenizer, out_dir: Path, w3_requests: int) -> dict[str, Path]:
+    """Write W1, W2 and W3 as ``{"name", "prompts": [[ids]], "output_len"}`` files."""
+    from pagedllm.bench.datasets import random_requests
+    spec = {"w1": (1, 32, 1), "w2": (64, 128, 2), "w3": (w3_requests, 128, 3)}
+    paths = {}
+    for name, (n, inp, seed) in spec.items():
+        reqs = random_requests(tokenizer, n, inp, 128, seed=seed)
+        paths[name] = out_dir / f"{name}.json"
+        paths[name].write_text(json.dumps({"name": name, "prompts": [r.prompt for r in reqs], "output_len": 128}))
+    return paths
+
+
+def run_offline(name: str, eng: dict, workload: Path, tmp: Path, timeout: int) -> dict | None:
+    """Run one engine's ``run`` on a workload file in a subprocess; its JSON result or None."""
+    out = tmp / f"{name}-{workload.stem}.json"
+    cmd = [*eng["run"], "--workload", str(workload), "--json-out", str(out)]
+    print(f"[{name}] {workload.stem}: {' '.join(cmd[1:3])} ...", flush=True)
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        print(f"[{name}] {workload.stem}: timed out after {timeout} s", flush=True)
+        return None
+    if p.returncode != 0 or not out.exists():
+        print(f"[{name}] {workload.stem}: failed\n{p.stderr[-2000:]}", flush=True)
+        return None
+    return json.loads(out.read_text())
+
+
+def run_online(name: str, eng: dict, workload: Path, concurrencies: list[int], tokenizer, tmp: Path,
+               start_timeout: int) -> list[dict] | None:
+    """Start the engine's server, drive it with the bench client at each concurrency, stop it."""
+    from pagedllm.bench.datasets import json_requests
+    from pagedllm.bench.serve import run_serve, served_model
+    port = _free_port()
+    log = open(tmp / f"{name}-server.log", "wb")
+    proc = subprocess.Popen(eng["serve"](port), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + start_timeout
+        while True:
+            try:
+                if httpx.get(f"{url}/v1/models", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                print(f"[{name}] server did not start: see {log.name}", flush=True)
+                return None
+            time.sleep(1)
+        model = served_model(url)
+        reqs = json_requests(workload, tokenizer, None, 128)
+        asyncio.run(run_serve(url, model, reqs[:1], 1))  # warm-up
+        runs = []
+        for c in concurrencies:
+            print(f"[{name}] w3 concurrency {c}: {len(reqs)} requests ...", flush=True)
+            res = asyncio.run(run_serve(url, model, reqs, c))
+            if res["failed"]:
+                print(f"[{name}] w3: {res['failed']} requests failed: {res.get('errors')}", flush=True)
+            runs.append(res)
+        return runs
+    finally:
+        os.killpg(proc.pid, 15)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+
+
+ROWS = [  # (label, workload, key, higher is better)
+    ("W1 decode tok/s", "w1", "decode_tok_s", True),
+    ("W1 TTFT ms", "w1", "mean_ttft_ms", False),
+    ("W2 output tok/s", "w2", "output_throughput", True),
+    ("W3 c=1 output tok/s", "w3c1", "output_throughput", True),
+    ("W3 c=1 median TTFT ms", "w3c1", "median_ttft_ms", False),
+    ("W3 c=1 median TPOT ms", "w3c1", "median_tpot_ms", False),
+    ("W3 c=16 output tok/s", "w3c16", "output_throughput", True),
+    ("W3 c=16 median TTFT ms", "w3c16", "median_ttft_ms", False),
+    ("W3 c=16 median TPOT ms", "w3c16", "median_tpot_ms", False),
+]
+
+
+def table(results: dict[str, dict], roof: dict) -> str:
+    """Markdown: one row per metric, a value and a pagedllm / peer ratio per peer, then the rooflines."""
+    names = list(results)
+    peers = [n for n in names if n != "pagedllm"]
+    head = "| metric | pagedllm | " + " | ".join(f"{p} | pagedllm / {p}" for p in peers) + " |"
+    lines = [head, "|" + "---|" * (2 + 2 * len(peers))]
+    for label, w, key, _ in ROWS:
+        ours = results.get("pagedllm", {}).get(w, {}).get(key)
+        cells = [f"{ours:.1f}" if ours is not None else "n/a"]
+        for p in peers:
+            v = results[p].get(w, {}).get(key)
+            cells += [f"{v:.1f}" if v is not None else "n/a",
+                      f"{ours / v:.2f}x" if v and ours is not None else "n/a"]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    if roof:
+        ours = results.get("pagedllm", {})
+        w1 = ours.get("w1", {}).get("decode_tok_s")
+        w2 = ours.get("w2", {}).get("output_throughput")
+        lines += ["", f"Measured: float32 matmul {roof['matmul_gflops']:.1f} GFLOP/s, read bandwidth "
+                      f"{roof['read_bandwidth_gbs']:.2f} GB/s.",
+                  f"W1 bandwidth roofline {roof['w1_decode_tok_s']:.1f} decode tok/s "
+                  f"({roof['decode_bytes'] / 1e6:.0f} MB read per token)"
+                  + (f"; pagedllm reaches {100 * w1 / roof['w1_decode_tok_s']:.0f}%." if w1 else "."),
+                  f"W2 compute roofline {roof['w2_output_tok_s']:.1f} output tok/s "
+                  f"({roof['w2_flops'] / 1e12:.2f} TFLOP of prefill, decode and attention)"
+                  + (f"; pagedllm reaches {100 * w2 / roof['w2_output_tok_s']:.0f}%." if w2 else ".")]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--engines", nargs="+", default=["pagedllm", "hf", "vllm", "llamacpp"])
+    ap.add_argument("--workloads", nargs="+", default=["w1", "w2", "w3"])
+    ap.add_argument("--w3-requests", type=int, default=64)
+    ap.add_argument("--w3-concurrency", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--vllm-venv", default="/work/peers/vllm")
+    ap.add_argument("--llamacpp-venv", default="/work/peers/llamacpp")
+    ap.add_argument("--install-peers", action="store_true", help="create the peers' environments first")
+    ap.add_argument("--timeout", type=int, default=3600, help="seconds per offline run")
+    ap.add_argument("--start-timeout", type=int, default=900, help="seconds for a server to come up")
+    ap.add_argument("--out-dir", default=str(HERE / "results"))
+    args = ap.parse_args()
+
+    from transformers import AutoTokenizer
+
+    from pagedllm.bench.metrics import machine_facts
+    from pagedllm.bench.roofline import measure
+    from pagedllm.models.loader import default_model_path, resolve_model
+    model_dir, gguf = str(resolve_model(None)), default_model_path()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    if args.install_peers:
+        for script, venv in (("vllm_cpu.py", args.vllm_venv), ("llama_cpp.py", args.llamacpp_venv)):
+            subprocess.run([sys.executable, str(PEERS / script), "--install", "--venv", venv], check=False)
+    table_engines = engines(args, model_dir, gguf)
+    chosen = {n: table_engines[n] for n in args.engines
+              if n in table_engines and Path(table_engines[n]["python"]).exists()}
+    skipped = sorted(set(args.engines) - set(chosen))
+    if skipped:
+        print(f"skipping (environment missing; see --install-peers): {', '.join(skipped)}", flush=True)
+    roof = measure(model_dir)
+    print(f"roofline: {json.dumps({k: round(v, 2) for k, v in roof.items()})}", flush=True)
+    tmp = Path(tempfile.mkdtemp(prefix="side_by_side-"))
+    paths = make_workloads(tokenizer, tmp, args.w3_requests)
+    results: dict[str, dict] = {n: {} for n in chosen}
+    for w in ("w1", "w2"):
+        if w in args.workloads:
+            for name, eng in chosen.items():
+                r = run_offline(name, eng, paths[w], tmp, args.timeout)
+                if r:
+                    results[name][w] = r
+    if "w3" in args.workloads:
+        for name, eng in chosen.items():
+            if eng["serve"] is None:
+                continue
+            runs = run_online(name, eng, paths["w3"], args.w3_concurrency, tokenizer, tmp, args.start_timeout)
+            for c, r in zip(args.w3_concurrency, runs or []):
+                results[name][f"w3c{c}"] = r
+    md = table(results, roof)
+    print("\n" + md)
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = out_dir / f"side_by_side-{datetime.date.today().isoformat()}"
+    stem.with_suffix(".json").write_text(json.dumps(
+        {"machine": machine_facts(), "args": vars(args), "roofline": roof, "skipped": skipped,
+         "results": results}, indent=2) + "\n")
+    stem.with_suffix(".md").write_text(md + "\n")
+    print(f"wrote {stem}.json and .md (logs in {tmp})")
+
+
+if __name__ == "__main__":
+    main()
