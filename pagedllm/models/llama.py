@@ -76,10 +76,10 @@ class RotaryEmbedding(nn.Module):
         return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
 
     @staticmethod
-    def apply(rope: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate ``q`` ``[T, H, D]`` and ``k`` ``[T, KVH, D]`` by the ``lookup`` result."""
+    def rotate(rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x`` ``[T, heads, D]`` (query and key heads alike) by the ``lookup`` result."""
         cos, sin = rope
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        return x * cos + _rotate_half(x) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -108,12 +108,12 @@ class LlamaAttention(nn.Module):
     def forward(self, rope, x, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         """``x`` ``[T, hidden]`` -> ``[T, hidden]`` (``rope``: the step's cos/sin); writes this layer's K/V into ``kv_cache``."""
         qkv = self.qkv_proj(x)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         t = x.shape[0]
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = RotaryEmbedding.apply(rope, q, k)
+        # q and k are adjacent in the fused output: rotate them as one [T, H + KVH, D] tensor
+        qk = qkv[:, :self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
+        qk = RotaryEmbedding.rotate(rope, qk)
+        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
+        v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
         o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(o.reshape(t, self.q_size))
 
