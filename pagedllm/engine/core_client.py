@@ -102,9 +102,14 @@ def run_engine_core(args: EngineArgs, model_dir: str, max_model_len: int, eos_to
         core = EngineCore(args, model_dir, max_model_len, eos)
         out.send(enc.encode(CoreReady(core.num_blocks, os.getpid())))
         out.send(enc.encode(CoreOutputs([], core.get_stats())))  # counters exist before the first request
+        next_parent_check = time.monotonic() + 1.0
         while True:
             busy = core.has_unfinished_requests()
             changed = False
+            if busy and time.monotonic() > next_parent_check:
+                next_parent_check = time.monotonic() + 1.0
+                if os.getppid() != parent_pid:
+                    return  # the front end died mid-work: nobody will read these outputs
             if not busy and not inp.poll(100):
                 if os.getppid() != parent_pid:
                     return  # the front end is gone: do not linger as an orphan

@@ -88,3 +88,34 @@ def test_a_dead_core_is_reported():
     finally:
         eng.shutdown()
     assert not eng.client.proc.is_alive()
+
+
+_ORPHAN_SCRIPT = """
+import os, sys
+from pagedllm import LLM, SamplingParams
+llm = LLM(num_kv_blocks=64, enable_multiprocessing=True)
+eng = llm.engine
+eng.add_request("r", "Hello", SamplingParams(max_tokens=1000, ignore_eos=True))
+for _ in range(3):
+    eng.step()
+print(eng.client.core_pid, flush=True)
+os._exit(1)  # the front end dies without shutting the core down
+"""
+
+
+def test_core_exits_when_the_front_end_dies_mid_work():
+    """A busy core whose front end died stops within seconds instead of generating for nobody."""
+    import os
+    import subprocess
+    import sys
+    p = subprocess.run([sys.executable, "-c", _ORPHAN_SCRIPT], capture_output=True, text=True, timeout=300)
+    pid = int(p.stdout.split()[-1])
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)
+    os.kill(pid, 9)
+    pytest.fail("the core process kept running after its front end died")
