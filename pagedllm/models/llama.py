@@ -168,6 +168,7 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = rotary
+        self.packed_head = None  # set by ``prepack``
 
     def kv_cache_spec(self) -> tuple[int, int, int]:
         """``(num_layers, num_kv_heads, head_dim)`` of the KV cache this model needs."""
@@ -193,8 +194,19 @@ class LlamaForCausalLM(nn.Module):
         for layer, kv in zip(self.layers, kv_caches):
             x = layer(rope, x, kv, meta)
         x = self.norm(x.index_select(0, logits_indices))
+        if self.packed_head is not None:
+            return self.packed_head(x).float()
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(x, w).float()
+
+    def prepack(self) -> int:
+        """Give every linear layer, the LM head included, a oneDNN-packed weight for small
+        batches (``pagedllm.models.cpu_linear``); returns how many layers got one."""
+        from pagedllm.models.cpu_linear import PackedLinear, prepack_linears
+        n = prepack_linears(self.layers)
+        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        self.packed_head = PackedLinear(w, None)
+        return n + 1
 
     def load_weights(self, weights) -> None:
         """Copy Hugging Face-named tensors into the fused modules.

@@ -110,6 +110,9 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
 
     model.load_weights(tensors())
     model.eval()
+    from pagedllm.models.cpu_linear import prepack_available
+    if prepack_available(device, dtype):
+        logger.info("oneDNN-packed weights for small batches: %d linear layers", model.prepack())
     logger.info("loaded %s (%s) in %.1f s", model_dir, config.architectures, time.perf_counter() - t0)
     return model, config
 
