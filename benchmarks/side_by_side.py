@@ -101,7 +101,7 @@ def run_offline(name: str, eng: dict, workload: Path, tmp: Path, timeout: int) -
 
 
 def run_online(name: str, eng: dict, workload: Path, concurrencies: list[int], tokenizer, tmp: Path,
-               start_timeout: int) -> list[dict] | None:
+               start_timeout: int, c1_requests: int | None = None) -> list[dict] | None:
     """Start the engine's server, drive it with the bench client at each concurrency, stop it."""
     from pagedllm.bench.datasets import json_requests
     from pagedllm.bench.serve import run_serve, served_model
@@ -126,8 +126,9 @@ def run_online(name: str, eng: dict, workload: Path, concurrencies: list[int], t
         asyncio.run(run_serve(url, model, reqs[:1], 1))  # warm-up
         runs = []
         for c in concurrencies:
-            print(f"[{name}] w3 concurrency {c}: {len(reqs)} requests ...", flush=True)
-            res = asyncio.run(run_serve(url, model, reqs, c))
+            use = reqs[:c1_requests] if c == 1 and c1_requests else reqs
+            print(f"[{name}] w3 concurrency {c}: {len(use)} requests ...", flush=True)
+            res = asyncio.run(run_serve(url, model, use, c))
             if res["failed"]:
                 print(f"[{name}] w3: {res['failed']} requests failed: {res.get('errors')}", flush=True)
             runs.append(res)
@@ -188,6 +189,8 @@ def main() -> None:
     ap.add_argument("--workloads", nargs="+", default=["w1", "w2", "w3"])
     ap.add_argument("--w3-requests", type=int, default=64)
     ap.add_argument("--w3-concurrency", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--w3-c1-requests", type=int, default=None,
+                    help="at concurrency 1, only the first N requests (one at a time takes long)")
     ap.add_argument("--vllm-venv", default="/work/peers/vllm")
     ap.add_argument("--llamacpp-venv", default="/work/peers/llamacpp")
     ap.add_argument("--install-peers", action="store_true", help="create the peers' environments first")
@@ -227,7 +230,8 @@ def main() -> None:
         for name, eng in chosen.items():
             if eng["serve"] is None:
                 continue
-            runs = run_online(name, eng, paths["w3"], args.w3_concurrency, tokenizer, tmp, args.start_timeout)
+            runs = run_online(name, eng, paths["w3"], args.w3_concurrency, tokenizer, tmp, args.start_timeout,
+                              args.w3_c1_requests)
             for c, r in zip(args.w3_concurrency, runs or []):
                 results[name][f"w3c{c}"] = r
     md = table(results, roof)

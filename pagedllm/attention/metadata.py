@@ -34,10 +34,10 @@ class AttentionMetadata:
         query_start_loc: ``[num_reqs + 1]`` int32 cumulative query lengths.
         seq_lens: ``[num_reqs]`` int32 context lengths after this step (tokens).
         decode_token_idx: ``[num_decodes]`` int64 rows of one-token requests.
-        decode_slots: ``[num_decodes, max_len]`` int64 cache slots of each decode's context,
-            padded with slot 0.
-        decode_mask: ``[num_decodes, 1, 1, max_len]`` bool, True where a slot is real;
-            ``None`` when every decode has ``max_len`` tokens (no padding, so SDPA runs unmasked).
+        decode_block_tables: ``[num_decodes, nblk]`` int64 block tables of the decodes, cut to
+            the longest one's ``nblk`` blocks (entries past a table's end are any valid block id).
+        decode_mask: ``[num_decodes, 1, 1, nblk * block_size]`` bool, True where a position is
+            inside its request's context; ``None`` when every decode fills all ``nblk`` blocks.
         prefills: requests with more than one query token.
         decode_seq_lens: ``[num_decodes]`` int64 context lengths of the decodes (for sliding windows).
     """
@@ -47,7 +47,7 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor
     seq_lens: torch.Tensor
     decode_token_idx: torch.Tensor
-    decode_slots: torch.Tensor
+    decode_block_tables: torch.Tensor
     decode_mask: torch.Tensor | None
     prefills: list[PrefillSeq]
     decode_seq_lens: torch.Tensor | None = None

@@ -140,6 +140,22 @@ def _check_modules(hf: nn.Module) -> None:
                              f"does not implement")
 
 
+def _num_kv_heads(cfg) -> int:
+    """KV heads of a config: ``num_key_value_heads`` only where the config class declares it.
+
+    A config class without grouped-query attention (GPT-NeoX, OPT, ...) keeps unknown
+    keyword arguments as plain attributes, so a stray ``num_key_value_heads`` there
+    does not describe the model.
+    """
+    import inspect
+    declared = "num_key_value_heads" in getattr(type(cfg), "attribute_map", {})
+    try:
+        declared = declared or "num_key_value_heads" in inspect.signature(type(cfg).__init__).parameters
+    except (TypeError, ValueError):
+        pass
+    return (getattr(cfg, "num_key_value_heads", None) if declared else None) or cfg.num_attention_heads
+
+
 class TransformersCausalLM(nn.Module):
     """A ``transformers`` causal LM behind pagedllm's model interface.
 
@@ -153,7 +169,7 @@ class TransformersCausalLM(nn.Module):
         cfg = _text_config(hf_model.config)
         self.num_layers = cfg.num_hidden_layers
         self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        self.num_kv_heads = _num_kv_heads(cfg)
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
     def kv_cache_spec(self) -> tuple[int, int, int]:

@@ -112,7 +112,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         layers, kvh, d = model.kv_cache_spec()
-        shape = (num_blocks, block_size, kvh, d)
+        shape = (kvh, num_blocks, block_size, d)  # head-major: see attention/torch_paged.py
         self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
                           for _ in range(layers)]
         self.input_batch = InputBatch(max_num_reqs, max_model_len, block_size)
@@ -176,10 +176,10 @@ class ModelRunner:
 
         dec = np.flatnonzero(n == 1)
         dec_len = end[dec]
-        width = int(dec_len.max()) if dec.size else 0
-        cols = np.arange(width, dtype=np.int64)
-        dec_slots = b.block_table[slots[dec][:, None], cols // bs] * bs + cols % bs      # [D, width]
-        dec_mask = cols[None, :] < dec_len[:, None]
+        nblk = -(-int(dec_len.max()) // bs) if dec.size else 0
+        width = nblk * bs
+        dec_tables = b.block_table[slots[dec], :nblk]                                      # [D, nblk]
+        dec_mask = np.arange(width, dtype=np.int64)[None, :] < dec_len[:, None]
         prefills = []
         for i in np.flatnonzero(n > 1).tolist():
             ar = np.arange(end[i], dtype=np.int64)
@@ -203,7 +203,7 @@ class ModelRunner:
             query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(dev),
             seq_lens=torch.from_numpy(end.astype(np.int32)).to(dev),
             decode_token_idx=torch.from_numpy(qsl[dec]).to(dev),
-            decode_slots=torch.from_numpy(dec_slots).to(dev),
+            decode_block_tables=torch.from_numpy(dec_tables).to(dev),
             decode_mask=None if dec_mask.all() else torch.from_numpy(dec_mask).to(dev).view(dec.size, 1, 1, width),
             prefills=prefills,
             decode_seq_lens=torch.from_numpy(dec_len).to(dev))

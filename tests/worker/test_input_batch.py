@@ -1,8 +1,8 @@
 """The persistent batch and the vectorized prepare, checked end to end through a fake model.
 
 The fake model writes each token's (token id, position) into its KV slot and
-reads every request's context back through the step's metadata (decode slots
-and prefill gather slots). It asserts the positions come back as 0..L-1 and
+reads every request's context back through the step's metadata (decode block
+tables and prefill gather slots). It asserts the positions come back as 0..L-1 and
 answers the token ``(31 * sum(context tokens) + L) % V``, so any wrong input id,
 slot mapping, block table or fed-forward token changes the output against a
 plain Python reference. Runs with async scheduling on and off, under chunked
@@ -40,12 +40,16 @@ class ContextModel(torch.nn.Module):
 
     def forward(self, input_ids, positions, kv_caches, meta, rows):
         k, _ = kv_caches[0]
-        flat = k.view(-1, 2)
+        flat = k.view(-1, 2)  # one KV head: the head-major cache is [1, blocks, block_size, 2]
         flat[meta.slot_mapping] = torch.stack([input_ids.float(), positions.float()], 1)
         answer = torch.zeros(input_ids.numel(), dtype=torch.int64)
+        bs = k.shape[2]
         for i, row in enumerate(meta.decode_token_idx.tolist()):
             n = int(meta.decode_seq_lens[i])
-            ctx = flat[meta.decode_slots[i, :n]]
+            slots = (meta.decode_block_tables[i].unsqueeze(1) * bs + torch.arange(bs)).flatten()[:n]
+            if meta.decode_mask is not None:
+                assert meta.decode_mask[i].flatten().tolist() == [j < n for j in range(meta.decode_mask.shape[-1])]
+            ctx = flat[slots]
             assert torch.equal(ctx[:, 1], torch.arange(n, dtype=torch.float32))
             answer[row] = (31 * int(ctx[:, 0].sum()) + n) % V
         for p in meta.prefills:
