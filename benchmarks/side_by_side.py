@@ -154,6 +154,12 @@ ROWS = [  # (label, workload, key, higher is better)
 ]
 
 
+def _incomplete(r: dict) -> bool:
+    """True when a run produced fewer output tokens than asked (128 per request): its speed is not comparable."""
+    n = r.get("completed", r.get("num_prompts"))
+    return bool(r) and n is not None and r.get("total_output_tokens", 128 * n) < 128 * n
+
+
 def table(results: dict[str, dict], roof: dict) -> str:
     """Markdown: one row per metric, a value and a pagedllm / peer ratio per peer, then the rooflines."""
     names = list(results)
@@ -164,16 +170,20 @@ def table(results: dict[str, dict], roof: dict) -> str:
         ours = results.get("pagedllm", {}).get(w, {}).get(key)
         cells = [f"{ours:.1f}" if ours is not None else "n/a"]
         for p in peers:
-            v = results[p].get(w, {}).get(key)
-            cells += [f"{v:.1f}" if v is not None else "n/a",
-                      f"{ours / v:.2f}x" if v and ours is not None else "n/a"]
+            r = results[p].get(w, {})
+            v = r.get(key)
+            short = _incomplete(r)
+            cells += [(f"{v:.1f}" + (" (incomplete)" if short else "")) if v is not None else "n/a",
+                      f"{ours / v:.2f}x" if v and ours is not None and not short else "n/a"]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     if roof:
         ours = results.get("pagedllm", {})
         w1 = ours.get("w1", {}).get("decode_tok_s")
         w2 = ours.get("w2", {}).get("output_throughput")
+        mv = roof.get("matvec_bandwidth_gbs")
         lines += ["", f"Measured: float32 matmul {roof['matmul_gflops']:.1f} GFLOP/s, read bandwidth "
-                      f"{roof['read_bandwidth_gbs']:.2f} GB/s.",
+                      f"{roof['read_bandwidth_gbs']:.2f} GB/s"
+                      + (f" (torch's float32 matrix-vector product: {mv:.2f} GB/s)." if mv else "."),
                   f"W1 bandwidth roofline {roof['w1_decode_tok_s']:.1f} decode tok/s "
                   f"({roof['decode_bytes'] / 1e6:.0f} MB read per token)"
                   + (f"; pagedllm reaches {100 * w1 / roof['w1_decode_tok_s']:.0f}%." if w1 else "."),

@@ -535,7 +535,8 @@ def build_server_app(model_path: Path, threads: int, host: str, port: int):
     from llama_cpp.server.settings import ModelSettings, ServerSettings
     from llama_cpp.server.types import CreateCompletionRequest
 
-    server_settings = ServerSettings(host=host, port=port)
+    # queue concurrent requests (the stock default lets a new request cut off the running one)
+    server_settings = ServerSettings(host=host, port=port, interrupt_requests=False)
     model_settings = [ModelSettings(model=str(model_path), model_alias=MODEL_ALIAS, n_ctx=N_CTX,
                                     n_threads=threads, n_threads_batch=threads, n_batch=N_BATCH,
                                     verbose=False)]
