@@ -54,6 +54,13 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
 _MATMUL_DECODE_MIN_BATCH = 32
 
 
+def _per_head(rows: torch.Tensor, kvh: int, rows_per_head: int) -> torch.Tensor:
+    """``[kvh * n]`` int64 indices of ``rows`` in every head of a head-major cache flattened to
+    ``[kvh * rows_per_head, ...]``: gathering along dim 0 copies whole rows and is about 2.5x
+    faster on CPU than ``index_select`` along dim 1."""
+    return (torch.arange(kvh, device=rows.device).unsqueeze(1) * rows_per_head + rows).view(-1)
+
+
 def _attend_matmul(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                    scale: float) -> torch.Tensor:
     """Softmax attention of ``q`` ``[N, H, G, D]`` over ``k``/``v`` ``[N, H, L, D]`` in matmuls;
@@ -94,9 +101,9 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         # KV heads act as the batch and the requests as heads
         b, nblk = meta.decode_block_tables.shape
         length = nblk * key_cache.shape[2]
-        flat = meta.decode_block_tables.view(-1)
-        k = key_cache.index_select(1, flat).view(kvh, b, length, d)      # [KVH, B, L, D]
-        v = value_cache.index_select(1, flat).view(kvh, b, length, d)
+        idx = _per_head(meta.decode_block_tables.view(-1), kvh, key_cache.shape[1])
+        k = key_cache.view(-1, key_cache.shape[2], d).index_select(0, idx).view(kvh, b, length, d)  # [KVH, B, L, D]
+        v = value_cache.view(-1, key_cache.shape[2], d).index_select(0, idx).view(kvh, b, length, d)
         mask = meta.decode_mask                                            # [B, 1, 1, L]
         if sliding_window is not None and length > sliding_window:
             # the decode token sits at position seq_len - 1: it sees keys j >= seq_len - window
@@ -118,8 +125,9 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         out.index_copy_(0, meta.decode_token_idx, o.reshape(b, num_heads, d))
     for p in meta.prefills:
         q = query[p.q_start:p.q_end].transpose(0, 1).unsqueeze(0)                 # [1, H, n, D]
-        k = k_flat.index_select(1, p.gather_slots).unsqueeze(0)                   # [1, KVH, S, D]
-        v = v_flat.index_select(1, p.gather_slots).unsqueeze(0)
+        idx = _per_head(p.gather_slots, kvh, k_flat.shape[1])
+        k = k_flat.view(-1, d).index_select(0, idx).view(1, kvh, -1, d)          # [1, KVH, S, D]
+        v = v_flat.view(-1, d).index_select(0, idx).view(1, kvh, -1, d)
         n, s = q.shape[2], k.shape[2]
         mask = None
         if p.num_computed != 0 or (sliding_window is not None and s > sliding_window):
