@@ -194,9 +194,11 @@ def table(results: dict[str, dict], roof: dict) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--engines", nargs="+", default=["pagedllm", "hf", "vllm", "llamacpp"])
-    ap.add_argument("--workloads", nargs="+", default=["w1", "w2", "w3"])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--engines", nargs="+", choices=["pagedllm", "hf", "vllm", "llamacpp"],
+                    default=["pagedllm", "hf", "vllm", "llamacpp"])
+    ap.add_argument("--workloads", nargs="+", choices=["w1", "w2", "w3"], default=["w1", "w2", "w3"])
     ap.add_argument("--w3-requests", type=int, default=64)
     ap.add_argument("--w3-concurrency", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--w3-c1-requests", type=int, default=None,

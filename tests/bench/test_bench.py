@@ -87,5 +87,5 @@ def test_bench_latency_short_run(tmp_path):
     r = doc["results"]
     assert len(r["latencies_s"]) == 3 and r["avg_latency_s"] == pytest.approx(sum(r["latencies_s"]) / 3)
     assert min(r["latencies_s"]) <= r["percentiles_s"]["50"] <= max(r["latencies_s"])
-    assert r["decode_tok_s"] == pytest.approx(10 / r["avg_latency_s"])
+    assert r["output_throughput"] == pytest.approx(10 / r["avg_latency_s"])
     assert "Avg latency:" in stdout
