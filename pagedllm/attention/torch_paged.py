@@ -6,6 +6,10 @@ transpose copy). Each step writes the new tokens' K/V through the slot mapping,
 then reads the contexts: all one-token (decode) requests together, gathering
 whole blocks through their block tables, and each multi-token (prefill) request
 through its slots, with one causal call each.
+
+On CPU in float32, when the C kernels are built (``pagedllm.kernels.cpu``), the
+K/V write and the decode attention run there instead: the decode kernel reads
+each context straight through its block table, with no gathered copy.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.kernels import cpu as cpu_kernels
 
 
 def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -88,13 +93,21 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     Returns:
         ``[num_tokens, num_heads, head_dim]`` attention output.
     """
-    write_kv(key_cache, value_cache, key, value, meta.slot_mapping)
+    fast = (cpu_kernels.usable(query) and key_cache.is_contiguous() and query.stride(2) == 1
+            and key.stride(2) == 1 and value.stride(2) == 1 and meta.decode_seq_lens is not None)
+    if fast:
+        cpu_kernels.write_kv(key_cache, value_cache, key, value, meta.slot_mapping)
+    else:
+        write_kv(key_cache, value_cache, key, value, meta.slot_mapping)
     num_heads, d = query.shape[1:]
     kvh = key.shape[1]
     k_flat = key_cache.view(kvh, -1, d)
     v_flat = value_cache.view(kvh, -1, d)
-    out = torch.empty_like(query)
-    if meta.decode_token_idx.numel():
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    if fast and meta.decode_token_idx.numel():
+        cpu_kernels.decode_attention(out, query, meta.decode_token_idx, meta.decode_block_tables,
+                                     meta.decode_seq_lens, key_cache, value_cache, scale, sliding_window, softcap)
+    elif meta.decode_token_idx.numel():
         # gather whole blocks (one contiguous block_size x D copy per table entry and head, 16x
         # fewer index entries than gathering slots); positions past a request's length are masked.
         # Decodes are laid out [KVH, B, ...]: the gathered K/V need no transpose, and for SDPA the

@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.kernels import cpu as cpu_kernels
+
 logger = logging.getLogger(__name__)
 
 MAX_ROWS = 64  # inputs with more rows than this use F.linear (MKL)
@@ -36,6 +38,8 @@ def prepack_available(device: torch.device, dtype: torch.dtype) -> bool:
 class PackedLinear(nn.Module):
     """``y = x W^T + b`` that runs inputs of at most ``MAX_ROWS`` rows through oneDNN.
 
+    A single row goes to ``pagedllm.kernels.cpu.gemv`` when the C kernels are built.
+
     Args:
         weight: ``[out, in]`` float32 (kept, and used for larger inputs).
         bias: ``[out]`` float32 or ``None``.
@@ -49,6 +53,8 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[rows, in]`` -> ``[rows, out]``."""
+        if x.dim() == 2 and x.shape[0] == 1 and cpu_kernels.usable(x) and x.is_contiguous():
+            return cpu_kernels.gemv(x, self.weight, self.bias)  # batch-1 decode: our streaming kernel
         if x.dim() == 2 and x.shape[0] <= MAX_ROWS:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

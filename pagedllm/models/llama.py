@@ -18,6 +18,7 @@ from torch import nn
 
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.torch_paged import paged_attention
+from pagedllm.kernels import cpu as cpu_kernels
 
 
 class RMSNorm(nn.Module):
@@ -28,8 +29,18 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` ``[..., hidden]`` -> same shape and dtype."""
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """``x`` ``[T, hidden]`` -> normalized ``[T, hidden]``, same dtype.
+
+        With ``residual`` ``[T, hidden]``: returns ``(norm(residual + x), residual + x)``; on the
+        CPU kernel path the sum is written into ``residual`` in place.
+        """
+        if x.dim() == 2 and cpu_kernels.usable(x) and x.is_contiguous():
+            out = cpu_kernels.rms_norm(x, self.weight, self.eps, residual)
+            return out if residual is None else (out, residual)
+        if residual is not None:
+            residual = residual + x
+            return self.forward(residual), residual
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -106,12 +117,21 @@ class LlamaAttention(nn.Module):
         self.scale = self.head_dim ** -0.5
 
     def forward(self, rope, x, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
-        """``x`` ``[T, hidden]`` -> ``[T, hidden]`` (``rope``: the step's cos/sin); writes this layer's K/V into ``kv_cache``."""
+        """``x`` ``[T, hidden]`` -> ``[T, hidden]``; writes this layer's K/V into ``kv_cache``.
+
+        ``rope`` is the step's ``(cos, sin)`` from ``RotaryEmbedding.lookup``, or on the CPU kernel
+        path the ``[T]`` int64 positions themselves (the kernel reads the tables).
+        """
         qkv = self.qkv_proj(x)
         t = x.shape[0]
         # q and k are adjacent in the fused output: rotate them as one [T, H + KVH, D] tensor
-        qk = qkv[:, :self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
-        qk = RotaryEmbedding.rotate(rope, qk)
+        if isinstance(rope, torch.Tensor):
+            cpu_kernels.rope_(qkv, self.num_heads + self.num_kv_heads, self.head_dim, rope, self.rotary.cos,
+                              self.rotary.sin)
+            qk = qkv[:, :self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
+        else:
+            qk = qkv[:, :self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
+            qk = RotaryEmbedding.rotate(rope, qk)
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
         o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
@@ -130,7 +150,10 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[T, hidden]`` -> ``[T, hidden]``."""
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if cpu_kernels.usable(gate_up) and gate_up.is_contiguous():
+            return self.down_proj(cpu_kernels.silu_mul(gate_up))
+        gate, up = gate_up.split(self.inter, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -144,10 +167,18 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
-    def forward(self, rope, x, kv_cache, meta) -> torch.Tensor:
-        """``[T, hidden]`` -> ``[T, hidden]``."""
-        x = x + self.self_attn(rope, self.input_layernorm(x), kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, rope, x, residual, kv_cache, meta) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(x, residual)`` ``[T, hidden]`` each -> the same pair for the next layer.
+
+        The hidden state is ``residual + x``; carrying the two apart lets each norm add them
+        in its own pass (the first layer gets ``residual=None`` and ``x`` the embeddings).
+        """
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h, residual = self.post_attention_layernorm(self.self_attn(rope, h, kv_cache, meta), residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -190,10 +221,12 @@ class LlamaForCausalLM(nn.Module):
             ``[R, vocab]`` float32 logits.
         """
         x = self.embed_tokens(input_ids)
-        rope = self.rotary.lookup(positions, x.dtype)
+        use_kernels = cpu_kernels.usable(x) and positions.dtype == torch.int64
+        rope = positions if use_kernels else self.rotary.lookup(positions, x.dtype)
+        residual = None
         for layer, kv in zip(self.layers, kv_caches):
-            x = layer(rope, x, kv, meta)
-        x = self.norm(x.index_select(0, logits_indices))
+            x, residual = layer(rope, x, residual, kv, meta)
+        x, _ = self.norm(x.index_select(0, logits_indices), residual.index_select(0, logits_indices))
         if self.packed_head is not None:
             return self.packed_head(x).float()
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

@@ -1,0 +1,1 @@
+"""Compute kernels the torch reference paths can hand work to (see ``cpu``)."""

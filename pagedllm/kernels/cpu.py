@@ -1,0 +1,189 @@
+"""Fused float32 CPU kernels (``cpu_kernels.c``), built at first use and called through ctypes.
+
+The C source is compiled once per machine with the system C compiler
+(``$CC``, else ``cc``) and ``-O3 -march=native -fopenmp`` into
+``<cache>/kernels/cpu_kernels-<hash>.so``; the hash covers the source, the
+flags, the compiler's version and the CPU's feature flags, so a shared home
+directory never loads a library built for another CPU. The library's OpenMP
+calls resolve to the ``libgomp.so.1`` torch has already loaded, so kernels and
+torch ops share one thread team.
+
+Without a compiler, or with ``PAGEDLLM_CPU_KERNELS=0``, ``available()`` is False
+and callers keep their torch code paths. Every op here requires float32 CPU
+tensors; the callers check ``usable(tensor)`` first.
+
+Results differ from the torch ops they replace by float rounding only
+(different summation order; ``exp`` through a polynomial with relative error
+below 2e-7).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("cpu_kernels.c")
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fPIC", "-shared"]
+_P, _L, _F, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_float, ctypes.c_int
+_SIGNATURES = {
+    "pl_rms_norm": [_P, _P, _P, _P, _L, _L, _F, _I],
+    "pl_rope": [_P, _L, _L, _P, _P, _P, _L, _L, _I],
+    "pl_write_kv": [_P, _L, _L, _P, _L, _L, _P, _P, _P, _L, _L, _L, _L],
+    "pl_silu_mul": [_P, _P, _L, _L, _I],
+    "pl_gemv": [_P, _P, _P, _P, _L, _L, _I],
+    "pl_decode_attention": [_P, _L, _L, _P, _P, _L, _P, _P, _P, _L, _L, _L, _L, _L, _L, _F, _L, _F, _P, _I],
+}
+_lib: ctypes.CDLL | None = None
+_tried = False
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+def build(cache_dir: Path | None = None) -> Path:
+    """Compile ``cpu_kernels.c`` unless a matching build is cached; return the ``.so`` path.
+
+    Raises:
+        RuntimeError: no C compiler, or compilation failed (the message holds its output).
+    """
+    from pagedllm.models.loader import cache_root
+    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if cc is None:
+        raise RuntimeError("no C compiler found (set CC)")
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+    src = _SOURCE.read_bytes()
+    key = hashlib.sha256(b"\0".join([src, " ".join(_FLAGS).encode(), version.encode(),
+                                     _cpu_flags().encode()])).hexdigest()[:16]
+    out_dir = (cache_dir or cache_root()) / "kernels"
+    out = out_dir / f"cpu_kernels-{key}.so"
+    if out.exists():
+        return out
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # build under a temporary name, then rename: concurrent first uses never load a partial file
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+    os.close(fd)
+    proc = subprocess.run([cc, *_FLAGS, str(_SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True)
+    if proc.returncode != 0:
+        os.unlink(tmp)
+        raise RuntimeError(f"compiling {_SOURCE.name} failed:\n{proc.stderr[-2000:]}")
+    os.replace(tmp, out)
+    return out
+
+
+def available() -> bool:
+    """True when the kernels are enabled (``PAGEDLLM_CPU_KERNELS`` is not ``0``) and built.
+
+    The first call builds and loads the library; a failure is logged once as a warning
+    and leaves the torch paths in use.
+    """
+    global _lib, _tried
+    if os.environ.get("PAGEDLLM_CPU_KERNELS", "1") == "0":
+        return False
+    if not _tried:
+        _tried = True
+        try:
+            lib = ctypes.CDLL(str(build()))
+            for name, args in _SIGNATURES.items():
+                fn = getattr(lib, name)
+                fn.argtypes, fn.restype = args, None
+            _lib = lib
+        except (OSError, RuntimeError) as e:
+            logger.warning("CPU kernels unavailable, using torch ops: %s", e)
+    return _lib is not None
+
+
+def usable(t: torch.Tensor) -> bool:
+    """True when ``t`` can go through these kernels: a float32 CPU tensor and the kernels available."""
+    return t.dtype == torch.float32 and t.device.type == "cpu" and available()
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> torch.Tensor:
+    """RMSNorm (Zhang & Sennrich 2019) of ``x`` ``[T, H]``, or, with ``residual`` ``[T, H]``,
+    of ``residual + x`` after adding ``x`` into ``residual`` in place. Returns a new ``[T, H]``.
+
+    All tensors contiguous float32; ``weight`` ``[H]``.
+    """
+    t, h = x.shape
+    out = torch.empty_like(x)
+    _lib.pl_rms_norm(x.data_ptr(), _ptr(residual), weight.data_ptr(), out.data_ptr(), t, h, eps,
+                     torch.get_num_threads())
+    return out
+
+
+def rope_(x: torch.Tensor, num_heads: int, head_dim: int, positions: torch.Tensor, cos: torch.Tensor,
+          sin: torch.Tensor) -> None:
+    """Rotate in place the first ``num_heads`` heads of every row of ``x`` ``[T, >= num_heads * head_dim]``
+    (rows may be strided, columns contiguous) by the rotary tables ``cos``/``sin``
+    ``[max_positions, head_dim]`` at ``positions`` ``[T]`` int64 (rotate-half convention)."""
+    _lib.pl_rope(x.data_ptr(), x.stride(0), num_heads, positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                 x.shape[0], head_dim, torch.get_num_threads())
+
+
+def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Copy ``key``/``value`` ``[T, KVH, D]`` (last dim contiguous) into caches
+    ``[KVH, num_blocks, block_size, D]`` at ``slot_mapping`` ``[T]`` int64 (negative = skip)."""
+    kvh, d = key.shape[1:]
+    _lib.pl_write_kv(key.data_ptr(), key.stride(0), key.stride(1), value.data_ptr(), value.stride(0),
+                     value.stride(1), slot_mapping.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
+                     key.shape[0], kvh, d, key_cache.shape[1] * key_cache.shape[2])
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU activation: ``silu(gate) * up`` for contiguous ``gate_up`` ``[T, 2I]``; returns ``[T, I]``."""
+    t, two_i = gate_up.shape
+    out = gate_up.new_empty(t, two_i // 2)
+    _lib.pl_silu_mul(gate_up.data_ptr(), out.data_ptr(), t, two_i // 2, torch.get_num_threads())
+    return out
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x W^T + b`` for one row: ``x`` ``[1, K]``, ``weight`` ``[N, K]``, ``bias`` ``[N]`` or ``None``,
+    all contiguous float32; returns ``[1, N]``. Reads the weight once (memory-bound)."""
+    n, k = weight.shape
+    y = x.new_empty(1, n)
+    _lib.pl_gemv(x.data_ptr(), weight.data_ptr(), _ptr(bias), y.data_ptr(), n, k, torch.get_num_threads())
+    return y
+
+
+def decode_attention(out: torch.Tensor, query: torch.Tensor, rows: torch.Tensor, block_tables: torch.Tensor,
+                     seq_lens: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, scale: float,
+                     sliding_window: int | None = None, softcap: float | None = None) -> None:
+    """Attention of one query token per decode over its paged context, read through its block table.
+
+    Args:
+        out: ``[T, H, D]`` contiguous; rows ``rows`` are written.
+        query: ``[T, H, D]``, last dim contiguous (rows and heads may be strided).
+        rows: ``[B]`` int64 decode rows.
+        block_tables: ``[B, nblk]`` int64, contiguous.
+        seq_lens: ``[B]`` int64 context lengths including the new token (already in the cache).
+        key_cache, value_cache: ``[KVH, num_blocks, block_size, D]`` contiguous.
+        sliding_window: keys ``j >= seq_len - sliding_window`` only, or ``None``.
+        softcap: Gemma 2 score capping ``softcap * tanh(s / softcap)``, or ``None``.
+    """
+    kvh, nb, bs, d = key_cache.shape
+    _lib.pl_decode_attention(query.data_ptr(), query.stride(0), query.stride(1), rows.data_ptr(),
+                             block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(),
+                             key_cache.data_ptr(), value_cache.data_ptr(), nb * bs, bs, rows.shape[0],
+                             query.shape[1], kvh, d, scale, sliding_window or 0, softcap or 0.0, out.data_ptr(),
+                             torch.get_num_threads())
