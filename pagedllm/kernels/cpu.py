@@ -88,14 +88,15 @@ def build(cache_dir: Path | None = None) -> Path:
 def available() -> bool:
     """True when the kernels are enabled (``PAGEDLLM_CPU_KERNELS`` is not ``0``) and built.
 
-    The first call builds and loads the library; a failure is logged once as a warning
-    and leaves the torch paths in use.
+    The first call reads the environment, builds and loads the library; a failure is
+    logged once as a warning and leaves the torch paths in use. Later calls only return
+    that answer (this is on the per-layer hot path).
     """
     global _lib, _tried
-    if os.environ.get("PAGEDLLM_CPU_KERNELS", "1") == "0":
-        return False
-    if not _tried:
-        _tried = True
+    if _tried:
+        return _lib is not None
+    _tried = True
+    if os.environ.get("PAGEDLLM_CPU_KERNELS", "1") != "0":
         try:
             lib = ctypes.CDLL(str(build()))
             for name, args in _SIGNATURES.items():
@@ -109,7 +110,7 @@ def available() -> bool:
 
 def usable(t: torch.Tensor) -> bool:
     """True when ``t`` can go through these kernels: a float32 CPU tensor and the kernels available."""
-    return t.dtype == torch.float32 and t.device.type == "cpu" and available()
+    return t.dtype == torch.float32 and t.is_cpu and (_lib is not None or (not _tried and available()))
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

@@ -1,13 +1,15 @@
-"""Small-batch linear layers through oneDNN with prepacked weights (CPU, float32).
+"""Linear layers through oneDNN with prepacked weights (CPU, float32).
 
-On these AVX2 cores the default float32 ``F.linear`` (MKL sgemm) is slow for the
-few-row products of decode steps: a 576 x 3072 weight times 1 to 64 rows ran
-1.2 to 2.9x faster through oneDNN's inner product with the weight reordered
-once into its blocked layout (``torch.ops.mkldnn._reorder_linear_weight``, the
-same prepacking PyTorch's inductor uses), while for prefill-sized inputs (a
-few hundred rows) MKL is as fast or faster. So each layer keeps its ordinary
-weight and a packed copy, and picks by the number of rows. The packed copy costs
-the weights' size again in memory. ``PAGEDLLM_CPU_PREPACK=0`` turns it off.
+On this machine (2 AMD EPYC cores with AVX-512) the default float32 ``F.linear``
+(MKL sgemm) is slow: oneDNN's inner product with the weight reordered once into
+its blocked layout (``torch.ops.mkldnn._reorder_linear_weight``, the same
+prepacking PyTorch's inductor uses) was 1.2 to 2.9x faster for the 1 to 64 rows
+of decode steps, and 1.3 to 1.8x faster for prefill-sized inputs (128 to 1024
+rows of SmolLM2's shapes: 180-196 GFLOP/s against MKL's 102-148). So every
+2-D input goes through the packed weight, except a single row, which goes to
+our own streaming matrix-vector kernel (``pagedllm.kernels.cpu.gemv``) when the
+C kernels are built. The packed copy costs the weights' size again in memory.
+``PAGEDLLM_CPU_PREPACK=0`` turns packing off.
 
 Results differ from ``F.linear`` by float rounding only (a different
 summation order), like any change of BLAS kernel.
@@ -26,7 +28,7 @@ from pagedllm.kernels import cpu as cpu_kernels
 
 logger = logging.getLogger(__name__)
 
-MAX_ROWS = 64  # inputs with more rows than this use F.linear (MKL)
+PACK_BATCH_HINT = 64  # the row count oneDNN picks its packed layout for; any row count may use it
 
 
 def prepack_available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -36,28 +38,32 @@ def prepack_available(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 class PackedLinear(nn.Module):
-    """``y = x W^T + b`` that runs inputs of at most ``MAX_ROWS`` rows through oneDNN.
+    """``y = x W^T + b`` that runs 2-D inputs through oneDNN's prepacked weight.
 
     A single row goes to ``pagedllm.kernels.cpu.gemv`` when the C kernels are built.
 
     Args:
-        weight: ``[out, in]`` float32 (kept, and used for larger inputs).
+        weight: ``[out, in]`` float32 (kept: the batch-1 kernel and other shapes use it).
         bias: ``[out]`` float32 or ``None``.
-    Shapes: ``x`` ``[rows, in]`` -> ``[rows, out]``.
+    Shapes: ``x`` ``[..., in]`` -> ``[..., out]``.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.weight, self.bias = weight, bias
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), MAX_ROWS)
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_BATCH_HINT)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``[rows, in]`` -> ``[rows, out]``."""
-        if x.dim() == 2 and x.shape[0] == 1 and cpu_kernels.usable(x) and x.is_contiguous():
+        """``[..., in]`` -> ``[..., out]`` (leading dimensions are flattened into rows)."""
+        if x.dim() != 2:
+            if x.numel() == 0:
+                return F.linear(x, self.weight, self.bias)
+            return self.forward(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)
+        if x.shape[0] == 1 and cpu_kernels.usable(x) and x.is_contiguous():
             return cpu_kernels.gemv(x, self.weight, self.bias)  # batch-1 decode: our streaming kernel
-        if x.dim() == 2 and x.shape[0] <= MAX_ROWS:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+        if x.shape[0] == 0:
+            return F.linear(x, self.weight, self.bias)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
 def prepack_linears(model: nn.Module) -> int:

@@ -204,6 +204,7 @@ def load_transformers_model(model_dir, config, dtype: torch.dtype, device: torch
 
     ``from_pretrained`` builds the model on the meta device and loads the
     safetensors weights into place, so there is no random init and no second copy.
+    On CPU in float32 its ``nn.Linear`` layers become ``PackedLinear`` (``cpu_linear``).
 
     Raises:
         ValueError: see ``check_supported`` and ``_check_modules``.
@@ -214,4 +215,8 @@ def load_transformers_model(model_dir, config, dtype: torch.dtype, device: torch
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation=ATTN_NAME)
     _check_modules(hf)
     hf = hf.to(device).eval()
+    from pagedllm.models.cpu_linear import prepack_available, prepack_linears
+    if prepack_available(device, dtype):
+        # the same oneDNN-packed linears (and batch-1 kernel) as the native models
+        prepack_linears(hf)
     return TransformersCausalLM(hf)
