@@ -36,12 +36,14 @@ install-test: install
 serve: install
 	$(BIN)/pagedllm serve --host $(HOST) --port $(PORT) $(ARGS)
 
-# the whole suite runs with async scheduling (the default); the engine-level tests run again
-# with it off (SYNC_PASS= skips that second pass)
-SYNC_PASS ?= tests/core tests/worker tests/engine
+# the whole suite runs with the defaults (async scheduling, C CPU kernels, oneDNN-packed linears);
+# the engine-level and model tests run again on the reference path: async scheduling off and
+# torch ops only, as on a device without our CPU kernels (REF_PASS= skips that second pass)
+REF_PASS ?= tests/core tests/worker tests/engine tests/models
 test: install-test
 	$(BIN)/python -m pytest -q $(ARGS)
-	$(if $(SYNC_PASS),PAGEDLLM_ASYNC_SCHEDULING=0 $(BIN)/python -m pytest -q $(SYNC_PASS))
+	$(if $(REF_PASS),PAGEDLLM_ASYNC_SCHEDULING=0 PAGEDLLM_CPU_KERNELS=0 PAGEDLLM_CPU_PREPACK=0 \
+		$(BIN)/python -m pytest -q $(REF_PASS))
 
 bench: install
 	$(BIN)/python benchmarks/throughput.py $(ARGS)
