@@ -33,7 +33,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("cpu_kernels.c")
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fPIC", "-shared"]
+_FLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-fPIC", "-shared"]
 _P, _L, _F, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_float, ctypes.c_int
 _SIGNATURES = {
     "pl_rms_norm": [_P, _P, _P, _P, _L, _L, _F, _I],
@@ -55,8 +55,11 @@ def _cpu_flags() -> str:
         return ""
 
 
-def build(cache_dir: Path | None = None) -> Path:
+def build(cache_dir: Path | None = None, arch: tuple[str, ...] = ("-march=native",)) -> Path:
     """Compile ``cpu_kernels.c`` unless a matching build is cached; return the ``.so`` path.
+
+    ``arch`` are the target flags (tests also build ``-mavx2 -mfma`` to check the AVX2 code
+    on an AVX-512 machine).
 
     Raises:
         RuntimeError: no C compiler, or compilation failed (the message holds its output).
@@ -67,7 +70,8 @@ def build(cache_dir: Path | None = None) -> Path:
         raise RuntimeError("no C compiler found (set CC)")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     src = _SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([src, " ".join(_FLAGS).encode(), version.encode(),
+    flags = [*_FLAGS, *arch]
+    key = hashlib.sha256(b"\0".join([src, " ".join(flags).encode(), version.encode(),
                                      _cpu_flags().encode()])).hexdigest()[:16]
     out_dir = (cache_dir or cache_root()) / "kernels"
     out = out_dir / f"cpu_kernels-{key}.so"
@@ -77,12 +81,25 @@ def build(cache_dir: Path | None = None) -> Path:
     # build under a temporary name, then rename: concurrent first uses never load a partial file
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
-    proc = subprocess.run([cc, *_FLAGS, str(_SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True)
+    proc = subprocess.run([cc, *flags, str(_SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True)
     if proc.returncode != 0:
         os.unlink(tmp)
         raise RuntimeError(f"compiling {_SOURCE.name} failed:\n{proc.stderr[-2000:]}")
     os.replace(tmp, out)
     return out
+
+
+def load(path: Path) -> ctypes.CDLL:
+    """Load a built library and declare its functions' C signatures.
+
+    Raises:
+        OSError: the file cannot be loaded.
+    """
+    lib = ctypes.CDLL(str(path))
+    for name, args in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, None
+    return lib
 
 
 def available() -> bool:
@@ -98,11 +115,7 @@ def available() -> bool:
     _tried = True
     if os.environ.get("PAGEDLLM_CPU_KERNELS", "1") != "0":
         try:
-            lib = ctypes.CDLL(str(build()))
-            for name, args in _SIGNATURES.items():
-                fn = getattr(lib, name)
-                fn.argtypes, fn.restype = args, None
-            _lib = lib
+            _lib = load(build())
         except (OSError, RuntimeError) as e:
             logger.warning("CPU kernels unavailable, using torch ops: %s", e)
     return _lib is not None

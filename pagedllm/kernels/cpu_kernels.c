@@ -16,14 +16,17 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* weight rows per matrix-vector task: one accumulator register each (32 vector registers with
+ * AVX-512, 16 with AVX2), and as many streams for the hardware prefetchers */
 #if defined(__AVX512F__)
 #define VEC_BYTES 64
+#define GEMV_ROWS 16
 #else
 #define VEC_BYTES 32
+#define GEMV_ROWS 8
 #endif
 #define VEC_LEN (VEC_BYTES / 4)
 typedef float vec __attribute__((vector_size(VEC_BYTES)));
-#define GEMV_ROWS 16 /* weight rows per task: 16 accumulators, 16 streams for the prefetchers */
 
 static inline vec load_vec(const float *p) {
     vec v;

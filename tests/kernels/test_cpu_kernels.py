@@ -11,6 +11,16 @@ from pagedllm.kernels import cpu
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="no C compiler")
 
 
+@pytest.fixture(autouse=True, params=["native", "avx2"])
+def kernels(request, monkeypatch, tmp_path_factory):
+    """Every test runs on the -march=native build and on an AVX2-only build (the machines users
+    have without AVX-512; this one has it, so both code paths of the C file get checked)."""
+    if request.param == "avx2":
+        path = cpu.build(tmp_path_factory.getbasetemp(), arch=("-mavx2", "-mfma"))
+        monkeypatch.setattr(cpu, "_lib", cpu.load(path))
+    return request.param
+
+
 def _ref_norm(x, w, eps):
     return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
