@@ -41,6 +41,7 @@ _SIGNATURES = {
     "pl_write_kv": [_P, _L, _L, _P, _L, _L, _P, _P, _P, _L, _L, _L, _L],
     "pl_silu_mul": [_P, _P, _L, _L, _I],
     "pl_gemv": [_P, _P, _P, _P, _L, _L, _I],
+    "pl_decode_stack": [_L, _P, _P, _P, _L, _L, _L, _L, _L, _F, _P, _P, _L, _L, _P, _L, _F, _I],
     "pl_decode_attention": [_P, _L, _L, _P, _P, _L, _P, _P, _P, _L, _L, _L, _L, _L, _L, _F, _L, _F, _P, _I],
 }
 _lib: ctypes.CDLL | None = None
@@ -98,7 +99,7 @@ def load(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     for name, args in _SIGNATURES.items():
         fn = getattr(lib, name)
-        fn.argtypes, fn.restype = args, None
+        fn.argtypes, fn.restype = args, (ctypes.c_int if name == "pl_decode_stack" else None)
     return lib
 
 
@@ -201,3 +202,53 @@ def decode_attention(out: torch.Tensor, query: torch.Tensor, rows: torch.Tensor,
                              key_cache.data_ptr(), value_cache.data_ptr(), nb * bs, bs, rows.shape[0],
                              query.shape[1], kvh, d, scale, sliding_window or 0, softcap or 0.0, out.data_ptr(),
                              torch.get_num_threads())
+
+
+# columns of pl_decode_stack's per-layer address table (the enum in cpu_kernels.c)
+STACK_COLUMNS = ("in_norm", "qkv_w", "qkv_b", "o_w", "o_b", "post_norm", "gate_up_w", "gate_up_b", "down_w",
+                 "down_b", "key_cache", "value_cache")
+
+
+def stack_table(rows: list[dict[str, torch.Tensor | None]]) -> torch.Tensor:
+    """The ``[num_layers, 12]`` int64 address table of ``decode_stack`` from one dict per layer
+    (keys ``STACK_COLUMNS``; a missing bias is ``None``). The tensors must stay alive and in place
+    while the table is used.
+
+    Raises:
+        ValueError: a tensor is not contiguous float32 on the CPU.
+    """
+    out = []
+    for row in rows:
+        for name in STACK_COLUMNS:
+            t = row[name]
+            if t is not None and not (t.dtype == torch.float32 and t.is_cpu and t.is_contiguous()):
+                raise ValueError(f"{name} must be a contiguous float32 CPU tensor")
+        out.append([0 if row[n] is None else row[n].data_ptr() for n in STACK_COLUMNS])
+    return torch.tensor(out, dtype=torch.int64)
+
+
+def decode_stack(table: torch.Tensor, x: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
+                 intermediate: int, eps: float, cos_row: torch.Tensor, sin_row: torch.Tensor, block_size: int,
+                 num_slots: int, block_table: torch.Tensor, seq_len: int, scale: float) -> torch.Tensor:
+    """One token of one sequence through every decoder layer of a Llama-family model in one C call
+    (batch-1 decode without a return to Python between operations).
+
+    Args:
+        table: ``stack_table`` of the layers, ``[num_layers, 12]`` int64.
+        x: ``[hidden]`` float32, the token's embedding; overwritten with the last layer's MLP output.
+        cos_row, sin_row: ``[head_dim]`` rotary tables at the token's position (``seq_len - 1``).
+        block_table: ``[>= ceil(seq_len / block_size)]`` int64 block ids of the sequence, contiguous.
+        seq_len: context length in tokens, including this token (its K/V are written here).
+    Returns:
+        The residual stream ``[hidden]``; the final hidden state is ``residual + x``.
+    Raises:
+        MemoryError: scratch memory could not be allocated.
+    """
+    residual = torch.empty_like(x)
+    rc = _lib.pl_decode_stack(table.shape[0], table.data_ptr(), x.data_ptr(), residual.data_ptr(), x.shape[-1],
+                              num_heads, num_kv_heads, head_dim, intermediate, eps, cos_row.data_ptr(),
+                              sin_row.data_ptr(), num_slots, block_size, block_table.data_ptr(), seq_len, scale,
+                              torch.get_num_threads())
+    if rc != 0:
+        raise MemoryError("pl_decode_stack: no scratch memory")
+    return residual

@@ -328,3 +328,70 @@ void pl_gemv(const float *x, const float *W, const float *b, float *y, long N, l
         gemv_rows(x, W, b, y, K, n0, N - n0 < GEMV_ROWS ? N - n0 : GEMV_ROWS);
     }
 }
+
+/* ---- batch-1 decode through a whole Llama-family decoder stack in one call ---------------- */
+
+/* columns of the per-layer address table handed to pl_decode_stack (0 = no bias) */
+enum { L_IN_NORM, L_QKV_W, L_QKV_B, L_O_W, L_O_B, L_POST_NORM, L_GU_W, L_GU_B, L_DOWN_W, L_DOWN_B, L_KC, L_VC,
+       L_COUNT };
+
+static inline const float *addr(const int64_t *row, int col) { return (const float *)(intptr_t)row[col]; }
+
+static void norm_row(const float *src, const float *w, float *out, long H, float eps) {
+    float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+    for (long h = 0; h < H; h++) ss += src[h] * src[h];
+    float inv = 1.0f / sqrtf(ss / (float)H + eps);
+#pragma omp simd
+    for (long h = 0; h < H; h++) out[h] = w[h] * (src[h] * inv);
+}
+
+static void add_row(float *acc, const float *x, long H) {
+#pragma omp simd
+    for (long h = 0; h < H; h++) acc[h] += x[h];
+}
+
+/* One token of one sequence through n_layers decoder layers (pre-norm, rotary, grouped-query
+ * attention over the paged cache, SwiGLU MLP), the same math as LlamaDecoderLayer with the
+ * kernels above, without returning to Python between operations.
+ * x [H]: in, the token's embedding; out, the last layer's MLP output. residual [H]: out, the
+ * residual stream, so the final hidden state is residual + x. layers: [n_layers, L_COUNT]
+ * addresses. cos_row, sin_row [D]: the rotary tables at the token's position, seq_len - 1.
+ * table: the sequence's block table; the token's K/V go to its slot at position seq_len - 1.
+ * Returns 0, or -1 when scratch memory could not be allocated (nothing written then). */
+int pl_decode_stack(long n_layers, const int64_t *layers, float *x, float *residual, long H, long NH, long KVH,
+                    long D, long I, float eps, const float *cos_row, const float *sin_row, long num_slots,
+                    long block_size, const int64_t *table, long seq_len, float scale, int nt) {
+    long G = NH / KVH, nqkv = (NH + 2 * KVH) * D, pos = seq_len - 1;
+    long slot = table[pos / block_size] * block_size + pos % block_size;
+    float *h = malloc(sizeof(float) * (H + nqkv + NH * D + 3 * I + KVH * G * seq_len));
+    if (!h) return -1;
+    float *qkv = h + H, *attn = qkv + nqkv, *gu = attn + NH * D, *act = gu + 2 * I, *scores = act + I;
+    for (long l = 0; l < n_layers; l++) {
+        const int64_t *p = layers + l * L_COUNT;
+        if (l == 0)
+            memcpy(residual, x, sizeof(float) * H);
+        else
+            add_row(residual, x, H);
+        norm_row(residual, addr(p, L_IN_NORM), h, H, eps);
+        pl_gemv(h, addr(p, L_QKV_W), addr(p, L_QKV_B), qkv, nqkv, H, nt);
+        pl_rope(qkv, nqkv, NH + KVH, &(int64_t){0}, cos_row, sin_row, 1, D, 1);
+        float *kc = (float *)addr(p, L_KC), *vc = (float *)addr(p, L_VC);
+        for (long g = 0; g < KVH; g++) {
+            memcpy(kc + (g * num_slots + slot) * D, qkv + (NH + g) * D, sizeof(float) * D);
+            memcpy(vc + (g * num_slots + slot) * D, qkv + (NH + KVH + g) * D, sizeof(float) * D);
+        }
+#pragma omp parallel for num_threads(nt) schedule(static) if (seq_len * NH * D >= PAR_MIN_WORK && KVH > 1)
+        for (long g = 0; g < KVH; g++)
+            decode_task(qkv + g * G * D, D, table, 0, seq_len, kc + g * num_slots * D, vc + g * num_slots * D,
+                        block_size, D, G, scale, 0.0f, scores + g * G * seq_len, attn + g * G * D, D);
+        pl_gemv(attn, addr(p, L_O_W), addr(p, L_O_B), x, H, NH * D, nt);
+        add_row(residual, x, H);
+        norm_row(residual, addr(p, L_POST_NORM), h, H, eps);
+        pl_gemv(h, addr(p, L_GU_W), addr(p, L_GU_B), gu, 2 * I, H, nt);
+        pl_silu_mul(gu, act, 1, I, 1);
+        pl_gemv(act, addr(p, L_DOWN_W), addr(p, L_DOWN_B), x, H, I, nt);
+    }
+    free(h);
+    return 0;
+}

@@ -200,6 +200,9 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = rotary
         self.packed_head = None  # set by ``prepack``
+        # batch-1 decode runs the whole stack in one C call when the CPU kernels are built
+        self.fused_decode = True
+        self._stack_table, self._stack_key = None, None
 
     def kv_cache_spec(self) -> tuple[int, int, int]:
         """``(num_layers, num_kv_heads, head_dim)`` of the KV cache this model needs."""
@@ -222,15 +225,39 @@ class LlamaForCausalLM(nn.Module):
         """
         x = self.embed_tokens(input_ids)
         use_kernels = cpu_kernels.usable(x) and positions.dtype == torch.int64
-        rope = positions if use_kernels else self.rotary.lookup(positions, x.dtype)
-        residual = None
-        for layer, kv in zip(self.layers, kv_caches):
-            x, residual = layer(rope, x, residual, kv, meta)
+        if use_kernels and self.fused_decode and x.shape[0] == 1 and meta.decode_token_idx.numel() == 1:
+            residual = self._decode_stack(x, int(positions[0]), kv_caches, meta)
+        else:
+            rope = positions if use_kernels else self.rotary.lookup(positions, x.dtype)
+            residual = None
+            for layer, kv in zip(self.layers, kv_caches):
+                x, residual = layer(rope, x, residual, kv, meta)
         x, _ = self.norm(x.index_select(0, logits_indices), residual.index_select(0, logits_indices))
         if self.packed_head is not None:
             return self.packed_head(x).float()
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(x, w).float()
+
+    def _decode_stack(self, x: torch.Tensor, position: int, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
+        """Batch-1 decode through all layers in one C call (``cpu_kernels.decode_stack``); ``x``
+        ``[1, hidden]`` becomes the last MLP output; returns the residual stream ``[1, hidden]``."""
+        key = (kv_caches[0][0].data_ptr(), self.layers[0].self_attn.qkv_proj.weight.data_ptr())
+        if self._stack_key != key:  # addresses change only if the cache or the weights are replaced
+            rows = []
+            for layer, (kc, vc) in zip(self.layers, kv_caches):
+                a, m = layer.self_attn, layer.mlp
+                rows.append({"in_norm": layer.input_layernorm.weight, "qkv_w": a.qkv_proj.weight,
+                             "qkv_b": a.qkv_proj.bias, "o_w": a.o_proj.weight, "o_b": a.o_proj.bias,
+                             "post_norm": layer.post_attention_layernorm.weight, "gate_up_w": m.gate_up_proj.weight,
+                             "gate_up_b": m.gate_up_proj.bias, "down_w": m.down_proj.weight,
+                             "down_b": m.down_proj.bias, "key_cache": kc, "value_cache": vc})
+            self._stack_table, self._stack_key = cpu_kernels.stack_table(rows), key
+        attn, kc = self.layers[0].self_attn, kv_caches[0][0]
+        return cpu_kernels.decode_stack(
+            self._stack_table, x, attn.num_heads, attn.num_kv_heads, attn.head_dim, self.layers[0].mlp.inter,
+            self.layers[0].input_layernorm.eps, self.rotary.cos[position], self.rotary.sin[position],
+            kc.shape[2], kc.shape[1] * kc.shape[2], meta.decode_block_tables[0], int(meta.decode_seq_lens[0]),
+            attn.scale)
 
     def prepack(self) -> int:
         """Give every linear layer, the LM head included, a oneDNN-packed weight for small
