@@ -35,7 +35,8 @@ class RMSNorm(nn.Module):
         With ``residual`` ``[T, hidden]``: returns ``(norm(residual + x), residual + x)``; on the
         CPU kernel path the sum is written into ``residual`` in place.
         """
-        if x.dim() == 2 and cpu_kernels.usable(x) and x.is_contiguous():
+        if (x.dim() == 2 and cpu_kernels.usable(x) and x.is_contiguous()
+                and (residual is None or residual.is_contiguous())):
             out = cpu_kernels.rms_norm(x, self.weight, self.eps, residual)
             return out if residual is None else (out, residual)
         if residual is not None:
@@ -260,8 +261,8 @@ class LlamaForCausalLM(nn.Module):
             attn.scale)
 
     def prepack(self) -> int:
-        """Give every linear layer, the LM head included, a oneDNN-packed weight for small
-        batches (``pagedllm.models.cpu_linear``); returns how many layers got one."""
+        """Give every linear layer, the LM head included, a oneDNN-packed weight
+        (``pagedllm.models.cpu_linear``); returns how many layers got one."""
         from pagedllm.models.cpu_linear import PackedLinear, prepack_linears
         n = prepack_linears(self.layers)
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

@@ -112,7 +112,11 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
     model.eval()
     from pagedllm.models.cpu_linear import prepack_available
     if prepack_available(device, dtype):
-        logger.info("oneDNN-packed weights for small batches: %d linear layers", model.prepack())
+        logger.info("oneDNN-packed weights: %d linear layers", model.prepack())
+    if device.type == "cpu" and dtype == torch.float32:
+        from pagedllm.kernels import cpu as cpu_kernels
+        # build (first time on this machine, about a second) or load now, not inside the first request
+        logger.info("CPU kernels: %s", "on" if cpu_kernels.available() else "off (torch ops)")
     logger.info("loaded %s (%s) in %.1f s", model_dir, config.architectures, time.perf_counter() - t0)
     return model, config
 

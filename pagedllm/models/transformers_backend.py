@@ -219,4 +219,7 @@ def load_transformers_model(model_dir, config, dtype: torch.dtype, device: torch
     if prepack_available(device, dtype):
         # the same oneDNN-packed linears (and batch-1 kernel) as the native models
         prepack_linears(hf)
+    if device.type == "cpu" and dtype == torch.float32:
+        from pagedllm.kernels import cpu as cpu_kernels
+        cpu_kernels.available()  # build or load the kernels now, not inside the first request
     return TransformersCausalLM(hf)

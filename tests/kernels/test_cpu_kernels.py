@@ -8,7 +8,8 @@ import torch.nn.functional as F
 
 from pagedllm.kernels import cpu
 
-pytestmark = pytest.mark.skipif(not cpu.available(), reason="no C compiler")
+pytestmark = pytest.mark.skipif(not cpu.available(),
+                                reason="CPU kernels off (PAGEDLLM_CPU_KERNELS=0) or no C compiler")
 
 
 @pytest.fixture(autouse=True, params=["native", "avx2"])

@@ -12,7 +12,8 @@ import torch
 from pagedllm import LLM, SamplingParams
 from pagedllm.kernels import cpu as cpu_kernels
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler")
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(),
+                                reason="CPU kernels off (PAGEDLLM_CPU_KERNELS=0) or no C compiler")
 
 PROMPT = [1, 504, 3458, 282, 4183, 314, 253, 1345, 30, 1073, 5400, 2399, 28, 339, 1488, 457, 7660, 284, 3200, 30]
 
