@@ -108,6 +108,9 @@ class EngineCore:
         self._in_flight = None  # (SchedulerOutput, StepHandle) issued but not yet applied
         self.stats = {"num_prompt_tokens": 0, "num_generation_tokens": 0, "num_steps": 0, "max_num_running": 0}
         self.timer = StepTimer()
+        from pagedllm.kernels import cpu as cpu_kernels
+        # whether steps use the C CPU kernels (reported in the stats: a served core logs in its own process)
+        self.cpu_kernels = device.type == "cpu" and dtype == torch.float32 and cpu_kernels.available()
 
     # ---- requests ----------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -172,7 +175,8 @@ class EngineCore:
         self._exec.shutdown(wait=True)
 
     def get_stats(self) -> dict:
-        """Counters: running/waiting requests, KV usage (fraction), preemptions, token totals, step timings.
+        """Counters: running/waiting requests, KV usage (fraction), preemptions, token totals, step timings,
+        and ``cpu_kernels`` (True when steps use the C CPU kernels).
 
         ``max_num_running`` is the most requests scheduled together in one step so far.
         """
@@ -186,4 +190,5 @@ class EngineCore:
                 "num_preemptions": self.scheduler.num_preemptions,
                 "prefix_cache_queries": kv.prefix_cache_queries,
                 "prefix_cache_hits": kv.prefix_cache_hits,
+                "cpu_kernels": self.cpu_kernels,
                 "step_timings": self.timer.summary()}

@@ -44,6 +44,9 @@ def test_same_tokens_as_in_process(mp_llm):
         assert a == b
     st = wait_idle(mp_llm.engine)
     assert st["num_free_blocks"] == st["num_blocks"] and st["num_running"] == 0
+    # the core process reports whether its steps use the C kernels, as the in-process engine does
+    from pagedllm.kernels import cpu as cpu_kernels
+    assert st["cpu_kernels"] is inproc.engine.get_stats()["cpu_kernels"] is cpu_kernels.available()
 
 
 def test_abort_frees_blocks_in_the_core(mp_llm):
