@@ -197,18 +197,22 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--engines", nargs="+", choices=["pagedllm", "hf", "vllm", "llamacpp"],
-                    default=["pagedllm", "hf", "vllm", "llamacpp"])
-    ap.add_argument("--workloads", nargs="+", choices=["w1", "w2", "w3"], default=["w1", "w2", "w3"])
-    ap.add_argument("--w3-requests", type=int, default=64)
-    ap.add_argument("--w3-concurrency", type=int, nargs="+", default=[1, 16])
+                    default=["pagedllm", "hf", "vllm", "llamacpp"],
+                    help="engines to run; a peer whose environment is missing is skipped")
+    ap.add_argument("--workloads", nargs="+", choices=["w1", "w2", "w3"], default=["w1", "w2", "w3"],
+                    help="W1 batch-1, W2 offline, W3 online (see benchmarks/README.md)")
+    ap.add_argument("--w3-requests", type=int, default=64, help="requests per W3 concurrency level")
+    ap.add_argument("--w3-concurrency", type=int, nargs="+", default=[1, 16], help="W3 concurrency levels")
     ap.add_argument("--w3-c1-requests", type=int, default=None,
-                    help="at concurrency 1, only the first N requests (one at a time takes long)")
-    ap.add_argument("--vllm-venv", default="/work/peers/vllm")
-    ap.add_argument("--llamacpp-venv", default="/work/peers/llamacpp")
+                    help="at concurrency 1, only the first N requests, since one at a time takes long "
+                         "(None: all --w3-requests)")
+    ap.add_argument("--vllm-venv", default="/work/peers/vllm", help="vLLM CPU peer's virtual environment")
+    ap.add_argument("--llamacpp-venv", default="/work/peers/llamacpp",
+                    help="llama-cpp-python peer's virtual environment")
     ap.add_argument("--install-peers", action="store_true", help="create the peers' environments first")
     ap.add_argument("--timeout", type=int, default=3600, help="seconds per offline run")
     ap.add_argument("--start-timeout", type=int, default=900, help="seconds for a server to come up")
-    ap.add_argument("--out-dir", default=str(HERE / "results"))
+    ap.add_argument("--out-dir", default=str(HERE / "results"), help="where the JSON and .md results go")
     args = ap.parse_args()
 
     from transformers import AutoTokenizer
