@@ -19,7 +19,8 @@ matrix-product rate and read bandwidth are measured and turned into the
 workloads' rooflines (``pagedllm.bench.roofline``).
 
 Prints one table of values and ratios (pagedllm / peer) and writes
-``results/side_by_side-<date>.json`` and ``.md`` with date, machine and versions.
+``results/side_by_side-<date>.json`` and ``.md`` with date, machine and versions (a subset
+run's name says which subset, e.g. ``side_by_side-<date>-pagedllm-w1``; see ``result_name``).
 
     python benchmarks/side_by_side.py                         # every available engine, W1-W3
     python benchmarks/side_by_side.py --engines pagedllm hf --workloads w1 w2
@@ -33,6 +34,7 @@ import asyncio
 import datetime
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -141,6 +143,8 @@ def run_online(name: str, eng: dict, workload: Path, concurrencies: list[int], t
             os.killpg(proc.pid, 9)
 
 
+ENGINES = ["pagedllm", "hf", "vllm", "llamacpp"]
+
 ROWS = [  # (label, workload, key, higher is better)
     ("W1 decode tok/s", "w1", "decode_tok_s", True),
     ("W1 TTFT ms", "w1", "mean_ttft_ms", False),
@@ -160,13 +164,16 @@ def _incomplete(r: dict) -> bool:
     return bool(r) and n is not None and r.get("total_output_tokens", 128 * n) < 128 * n
 
 
-def table(results: dict[str, dict], roof: dict) -> str:
-    """Markdown: one row per metric, a value and a pagedllm / peer ratio per peer, then the rooflines."""
+def table(results: dict[str, dict], roof: dict, workloads: list[str] | None = None) -> str:
+    """Markdown: one row per metric of the ``workloads`` run (default all), a value and a
+    pagedllm / peer ratio per peer, then the rooflines."""
     names = list(results)
     peers = [n for n in names if n != "pagedllm"]
-    head = "| metric | pagedllm | " + " | ".join(f"{p} | pagedllm / {p}" for p in peers) + " |"
+    head = "| metric | pagedllm |" + "".join(f" {p} | pagedllm / {p} |" for p in peers)
     lines = [head, "|" + "---|" * (2 + 2 * len(peers))]
     for label, w, key, _ in ROWS:
+        if workloads is not None and w[:2] not in workloads:
+            continue
         ours = results.get("pagedllm", {}).get(w, {}).get(key)
         cells = [f"{ours:.1f}" if ours is not None else "n/a"]
         for p in peers:
@@ -196,8 +203,7 @@ def table(results: dict[str, dict], roof: dict) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--engines", nargs="+", choices=["pagedllm", "hf", "vllm", "llamacpp"],
-                    default=["pagedllm", "hf", "vllm", "llamacpp"],
+    ap.add_argument("--engines", nargs="+", choices=ENGINES, default=ENGINES,
                     help="engines to run; a peer whose environment is missing is skipped")
     ap.add_argument("--workloads", nargs="+", choices=["w1", "w2", "w3"], default=["w1", "w2", "w3"],
                     help="W1 batch-1, W2 offline, W3 online (see benchmarks/README.md)")
@@ -218,6 +224,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from pagedllm.bench.metrics import machine_facts
+    from pagedllm.bench.report import json_safe
     from pagedllm.bench.roofline import measure
     from pagedllm.models.loader import default_model_path, resolve_model
     model_dir, gguf = str(resolve_model(None)), default_model_path()
@@ -250,16 +257,41 @@ def main() -> None:
                               args.w3_c1_requests)
             for c, r in zip(args.w3_concurrency, runs or []):
                 results[name][f"w3c{c}"] = r
-    md = table(results, roof)
+    md = table(results, roof, args.workloads)
     print("\n" + md)
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    stem = out_dir / f"side_by_side-{datetime.date.today().isoformat()}"
-    stem.with_suffix(".json").write_text(json.dumps(
+    stem = out_dir / result_name(args)
+    stem.with_suffix(".json").write_text(json.dumps(json_safe(
         {"machine": machine_facts(), "args": vars(args), "roofline": roof, "skipped": skipped,
-         "results": results}, indent=2) + "\n")
+         "results": results}), indent=2, allow_nan=False) + "\n")
     stem.with_suffix(".md").write_text(md + "\n")
-    print(f"wrote {stem}.json and .md (logs in {tmp})")
+    complete = all(w in results[n] for n in chosen for w in _expected(args, chosen[n]))
+    if complete:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"wrote {stem}.json and .md" + ("" if complete else f" (a run failed; its logs are in {tmp})"))
+
+
+def _expected(args, eng: dict) -> list[str]:
+    """The result keys an engine should have produced for ``args`` (W3 only where it has a server)."""
+    keys = [w for w in ("w1", "w2") if w in args.workloads]
+    if "w3" in args.workloads and eng["serve"] is not None:
+        keys += [f"w3c{c}" for c in args.w3_concurrency]
+    return keys
+
+
+def result_name(args, date: str | None = None) -> str:
+    """``side_by_side-<date>`` for the full default run; a subset run (other engines, workloads or
+    W3 sizes) gets its parts appended, e.g. ``side_by_side-<date>-pagedllm-w1``, so it never
+    overwrites the full run's files."""
+    name = f"side_by_side-{date or datetime.date.today().isoformat()}"
+    default = (sorted(args.engines) == sorted(ENGINES) and sorted(args.workloads) == ["w1", "w2", "w3"]
+               and args.w3_requests == 64 and sorted(args.w3_concurrency) == [1, 16])
+    if not default:
+        name += "-" + "-".join([*args.engines, *args.workloads])
+    if args.w3_c1_requests is not None and "w3" in args.workloads:
+        name += f"-c1x{args.w3_c1_requests}"
+    return name
 
 
 if __name__ == "__main__":

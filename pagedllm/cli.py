@@ -10,6 +10,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 
 
@@ -87,6 +88,9 @@ def _serve(a: argparse.Namespace) -> int:
                     reasoning_parser=a.reasoning_parser, tool_call_parser=a.tool_call_parser,
                     enable_auto_tool_choice=a.enable_auto_tool_choice)
     logging.getLogger(__name__).info("serving %s on http://%s:%d", engine.served_model_name, a.host, a.port)
+    # uvicorn shuts down gracefully on SIGTERM, then raises the signal again; with the default
+    # action that would kill us before the core process is stopped and its ipc sockets removed
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level)
     finally:

@@ -3,18 +3,32 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from pagedllm.bench.metrics import machine_facts
 
 
+def json_safe(obj):
+    """``obj`` with every non-finite float made valid JSON: ``inf`` -> ``"inf"`` (as vLLM writes an
+    unlimited request rate), ``-inf`` -> ``"-inf"``, NaN -> ``None``; dicts, lists and tuples recursively."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None if math.isnan(obj) else ("inf" if obj > 0 else "-inf")
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj
+
+
 def write_result(path: str | Path, kind: str, args, results) -> Path:
-    """Write ``{"kind", "machine", "args", "results"}`` as JSON (parents created); returns the path."""
+    """Write ``{"kind", "machine", "args", "results"}`` as strict JSON (parents created; see
+    ``json_safe``); returns the path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     args_d = {k: v for k, v in vars(args).items() if not callable(v)}
-    path.write_text(json.dumps({"kind": kind, "machine": machine_facts(), "args": args_d, "results": results},
-                               indent=2, default=str) + "\n")
+    doc = json_safe({"kind": kind, "machine": machine_facts(), "args": args_d, "results": results})
+    path.write_text(json.dumps(doc, indent=2, default=str, allow_nan=False) + "\n")
     return path
 
 

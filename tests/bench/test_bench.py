@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+import argparse
+import importlib.util
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from pagedllm.bench.datasets import json_requests, prefix_requests, random_requests
 from pagedllm.bench.metrics import RequestRecord, percentile, summarize
+from pagedllm.bench.report import write_result
 from pagedllm.bench.roofline import model_costs, rooflines
+from pagedllm.kernels import cpu as cpu_kernels
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_random_requests_are_exact_seeded_and_ordinary(smollm2_tokenizer):
@@ -79,6 +86,7 @@ def test_bench_throughput_short_run(tmp_path):
     assert r["output_throughput"] == pytest.approx(24 / r["elapsed_s"])
     assert r["total_token_throughput"] == pytest.approx(56 / r["elapsed_s"])
     assert "Throughput:" in stdout and doc["kind"] == "throughput" and doc["machine"]["cpu_count"] >= 1
+    assert r["cpu_kernels"] is cpu_kernels.available()  # runs with and without the kernels stay apart
 
 
 def test_bench_latency_short_run(tmp_path):
@@ -89,3 +97,42 @@ def test_bench_latency_short_run(tmp_path):
     assert min(r["latencies_s"]) <= r["percentiles_s"]["50"] <= max(r["latencies_s"])
     assert r["output_throughput"] == pytest.approx(10 / r["avg_latency_s"])
     assert "Avg latency:" in stdout
+    assert r["cpu_kernels"] is cpu_kernels.available()
+
+
+def test_result_json_is_strict(tmp_path):
+    """An unlimited request rate is written as "inf" (as vLLM does), never as the non-JSON Infinity."""
+    args = argparse.Namespace(request_rate=float("inf"), seed=0)
+    path = write_result(tmp_path / "r.json", "serve", args,
+                        [{"request_rate": float("inf"), "x": [float("nan"), -float("inf"), 1.5]}])
+    doc = json.loads(path.read_text(), parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}"))
+    assert doc["args"]["request_rate"] == "inf"
+    assert doc["results"] == [{"request_rate": "inf", "x": [None, "-inf", 1.5]}]
+
+
+def _side_by_side():
+    spec = importlib.util.spec_from_file_location("side_by_side", ROOT / "benchmarks" / "side_by_side.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_side_by_side_subset_runs_get_their_own_files_and_rows():
+    """A subset run never overwrites the full run's result files, and its table shows only what ran."""
+    sbs = _side_by_side()
+    full = argparse.Namespace(engines=list(sbs.ENGINES), workloads=["w1", "w2", "w3"], w3_requests=64,
+                              w3_concurrency=[1, 16], w3_c1_requests=None)
+    assert sbs.result_name(full, "2026-12-01") == "side_by_side-2026-12-01"
+    sub = argparse.Namespace(**{**vars(full), "engines": ["pagedllm"], "workloads": ["w1"]})
+    assert sbs.result_name(sub, "2026-12-01") == "side_by_side-2026-12-01-pagedllm-w1"
+    short = argparse.Namespace(**{**vars(full), "w3_c1_requests": 16})
+    assert sbs.result_name(short, "2026-12-01") == "side_by_side-2026-12-01-c1x16"
+
+    md = sbs.table({"pagedllm": {"w1": {"decode_tok_s": 60.0, "mean_ttft_ms": 70.0}}}, {}, ["w1"])
+    lines = md.splitlines()
+    assert lines[0] == "| metric | pagedllm |" and lines[1] == "|---|---|"
+    assert lines[2:] == ["| W1 decode tok/s | 60.0 |", "| W1 TTFT ms | 70.0 |"]
+    md = sbs.table({"pagedllm": {"w1": {"decode_tok_s": 60.0}}, "llamacpp": {"w1": {"decode_tok_s": 50.0}}},
+                   {}, ["w1"])
+    assert md.splitlines()[0].count("|") == md.splitlines()[1].count("|") == 5
+    assert "| W1 decode tok/s | 60.0 | 50.0 | 1.20x |" in md

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import signal
+import tempfile
 import time
 
 import httpx
@@ -45,11 +47,21 @@ def test_killed_core_ends_the_stream_with_an_error_and_fails_health(tmp_path, st
         assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
 
 
+def _ipc_sockets() -> set[str]:
+    return set(glob.glob(os.path.join(tempfile.gettempdir(), "pagedllm-*-in")))
+
+
 def test_stopping_the_server_ends_the_core(tmp_path, start_server):
-    """After the server stops (SIGTERM), its core process is gone: no orphan."""
+    """After the server stops (SIGTERM), its core process is gone, with no orphan, and its ipc
+    socket files are removed (uvicorn re-raises SIGTERM after its shutdown; the front end must
+    still stop the core)."""
+    before = _ipc_sockets()
     with start_server(tmp_path) as url:
         pid = httpx.get(f"{url}/stats").json()["core_pid"]
         assert _alive(pid)
+        ours = _ipc_sockets() - before
+        assert len(ours) == 1
+    assert not (ours & _ipc_sockets())
     deadline = time.monotonic() + 15
     while _alive(pid) and time.monotonic() < deadline:
         time.sleep(0.2)
