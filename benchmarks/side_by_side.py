@@ -7,7 +7,8 @@ seeded random token ids, the same ids for every engine):
 * W2 offline: 64 prompts x 128 tokens in, 128 out; output tok/s.
 * W3 online: 64 requests of 128 in / 128 out streamed through each engine's
   OpenAI-compatible server by ``pagedllm bench serve``'s client at concurrency
-  1 and 16; output tok/s, median TTFT and TPOT.
+  1 and 16; output tok/s, median TTFT and TPOT. Each level gets its own prompts,
+  so no engine's prefix cache holds them from the level before.
 
 Engines: pagedllm (``peers/pagedllm_run.py`` and ``pagedllm serve``), Hugging Face
 ``generate`` with static batching (``peers/hf_generate.py``; no server), vLLM CPU
@@ -74,10 +75,13 @@ def engines(args, model_dir: str, gguf: str) -> dict[str, dict]:
     }
 
 
-def make_workloads(tokenizer, out_dir: Path, w3_requests: int) -> dict[str, Path]:
-    """Write W1, W2 and W3 as ``{"name", "prompts": [[ids]], "output_len"}`` files."""
+def make_workloads(tokenizer, out_dir: Path, w3_requests: int, w3_levels: int = 2) -> dict[str, Path]:
+    """Write W1, W2 and W3 as ``{"name", "prompts": [[ids]], "output_len"}`` files.
+
+    W3 holds one warm-up prompt, then ``w3_requests`` distinct prompts per concurrency level
+    (``w3_levels``): a level must not find the previous level's prompts in a prefix cache."""
     from pagedllm.bench.datasets import random_requests
-    spec = {"w1": (1, 32, 1), "w2": (64, 128, 2), "w3": (w3_requests, 128, 3)}
+    spec = {"w1": (1, 32, 1), "w2": (64, 128, 2), "w3": (1 + w3_requests * w3_levels, 128, 3)}
     paths = {}
     for name, (n, inp, seed) in spec.items():
         reqs = random_requests(tokenizer, n, inp, 128, seed=seed)
@@ -125,10 +129,12 @@ def run_online(name: str, eng: dict, workload: Path, concurrencies: list[int], t
             time.sleep(1)
         model = served_model(url)
         reqs = json_requests(workload, tokenizer, None, 128)
-        asyncio.run(run_serve(url, model, reqs[:1], 1))  # warm-up
+        asyncio.run(run_serve(url, model, reqs[:1], 1))  # warm-up, on a prompt no level uses
+        n = (len(reqs) - 1) // len(concurrencies)
         runs = []
-        for c in concurrencies:
-            use = reqs[:c1_requests] if c == 1 and c1_requests else reqs
+        for i, c in enumerate(concurrencies):
+            use = reqs[1 + i * n:1 + (i + 1) * n]  # fresh prompts per level: no prefix-cache hits across levels
+            use = use[:c1_requests] if c == 1 and c1_requests else use
             print(f"[{name}] w3 concurrency {c}: {len(use)} requests ...", flush=True)
             res = asyncio.run(run_serve(url, model, use, c))
             if res["failed"]:
@@ -241,7 +247,7 @@ def main() -> None:
     roof = measure(model_dir)
     print(f"roofline: {json.dumps({k: round(v, 2) for k, v in roof.items()})}", flush=True)
     tmp = Path(tempfile.mkdtemp(prefix="side_by_side-"))
-    paths = make_workloads(tokenizer, tmp, args.w3_requests)
+    paths = make_workloads(tokenizer, tmp, args.w3_requests, len(args.w3_concurrency))
     results: dict[str, dict] = {n: {} for n in chosen}
     for w in ("w1", "w2"):
         if w in args.workloads:

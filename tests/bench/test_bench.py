@@ -136,3 +136,12 @@ def test_side_by_side_subset_runs_get_their_own_files_and_rows():
                    {}, ["w1"])
     assert md.splitlines()[0].count("|") == md.splitlines()[1].count("|") == 5
     assert "| W1 decode tok/s | 60.0 | 50.0 | 1.20x |" in md
+
+
+def test_side_by_side_w3_levels_get_distinct_prompts(smollm2_tokenizer, tmp_path):
+    """W3 writes a warm-up prompt plus its own prompts per concurrency level, all distinct, so a
+    prefix cache filled at one level gives no hits at the next."""
+    paths = _side_by_side().make_workloads(smollm2_tokenizer, tmp_path, 4, 2)
+    prompts = json.loads(paths["w3"].read_text())["prompts"]
+    assert len(prompts) == 1 + 4 * 2 and all(len(p) == 128 for p in prompts)
+    assert len({tuple(p[:16]) for p in prompts}) == len(prompts)  # even the first KV blocks differ
