@@ -249,18 +249,21 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="side_by_side-"))
     paths = make_workloads(tokenizer, tmp, args.w3_requests, len(args.w3_concurrency))
     results: dict[str, dict] = {n: {} for n in chosen}
+    failed = False  # keep the per-engine logs when any run failed
     for w in ("w1", "w2"):
         if w in args.workloads:
             for name, eng in chosen.items():
                 r = run_offline(name, eng, paths[w], tmp, args.timeout)
                 if r:
                     results[name][w] = r
+                failed |= not r
     if "w3" in args.workloads:
         for name, eng in chosen.items():
             if eng["serve"] is None:
                 continue
             runs = run_online(name, eng, paths["w3"], args.w3_concurrency, tokenizer, tmp, args.start_timeout,
                               args.w3_c1_requests)
+            failed |= runs is None
             for c, r in zip(args.w3_concurrency, runs or []):
                 results[name][f"w3c{c}"] = r
     md = table(results, roof, args.workloads)
@@ -272,18 +275,9 @@ def main() -> None:
         {"machine": machine_facts(), "args": vars(args), "roofline": roof, "skipped": skipped,
          "results": results}), indent=2, allow_nan=False) + "\n")
     stem.with_suffix(".md").write_text(md + "\n")
-    complete = all(w in results[n] for n in chosen for w in _expected(args, chosen[n]))
-    if complete:
+    if not failed:
         shutil.rmtree(tmp, ignore_errors=True)
-    print(f"wrote {stem}.json and .md" + ("" if complete else f" (a run failed; its logs are in {tmp})"))
-
-
-def _expected(args, eng: dict) -> list[str]:
-    """The result keys an engine should have produced for ``args`` (W3 only where it has a server)."""
-    keys = [w for w in ("w1", "w2") if w in args.workloads]
-    if "w3" in args.workloads and eng["serve"] is not None:
-        keys += [f"w3c{c}" for c in args.w3_concurrency]
-    return keys
+    print(f"wrote {stem}.json and .md" + (f" (a run failed; its logs are in {tmp})" if failed else ""))
 
 
 def result_name(args, date: str | None = None) -> str:
