@@ -150,13 +150,17 @@ def main(argv: list[str] | None = None) -> int:
     _bench_flags(sub)
     a = parser.parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from pagedllm.engine.core_client import EngineDeadError
     try:
         if a.command == "bench":
             return _bench(a)
         return _serve(a) if a.command == "serve" else _generate(a)
-    except (FileNotFoundError, ValueError) as e:
+    except (FileNotFoundError, ValueError) as e:  # ModelLoadError among them: one line naming the file
         print(f"pagedllm: error: {e}", file=sys.stderr)
         return 2
+    except EngineDeadError as e:  # the core process could not start
+        print(f"pagedllm: error: {e}", file=sys.stderr)
+        return 1
 
 
 def _bench_flags(sub) -> None:

@@ -73,9 +73,11 @@ class CoreReady(msgspec.Struct, tag="ready"):
 
 
 class CoreFailed(msgspec.Struct, tag="failed"):
-    """The core hit an exception and stops."""
+    """The core hit an exception and stops; ``load_error``: a model file could not be read
+    (``error`` is then the one-line message to show as it is)."""
 
     error: str
+    load_error: bool = False
 
 
 _DOWN = AddRequest | FinishRequests | Shutdown
@@ -129,9 +131,12 @@ def run_engine_core(args: EngineArgs, model_dir: str, max_model_len: int, eos_to
             elif changed:  # aborts freed blocks without a step: let the front end see it
                 out.send(enc.encode(CoreOutputs([], core.get_stats())))
     except Exception as e:  # report, then exit: the client turns this into EngineDeadError
-        logger.exception("engine core failed")
+        from pagedllm.models.loader import ModelLoadError
+        load_error = isinstance(e, ModelLoadError)
+        if not load_error:  # a broken file is the user's to fix, told once by the front end; a bug keeps its traceback
+            logger.exception("engine core failed")
         try:
-            out.send(enc.encode(CoreFailed(repr(e))), flags=zmq.NOBLOCK)
+            out.send(enc.encode(CoreFailed(str(e) if load_error else repr(e), load_error)), flags=zmq.NOBLOCK)
         except zmq.ZMQError:
             pass
     finally:
@@ -168,14 +173,17 @@ class MPEngineCoreClient:
         self.proc.start()
         self.stats: dict = {}
         deadline = time.monotonic() + startup_timeout_s
-        while True:
-            msg = self._recv(timeout_ms=500)
-            if isinstance(msg, CoreReady):
-                self.num_blocks, self.core_pid = msg.num_blocks, msg.pid
-                break
-            if time.monotonic() > deadline:
-                self.shutdown()
-                raise EngineDeadError(f"engine core not ready after {startup_timeout_s:.0f} s")
+        try:
+            while True:
+                msg = self._recv(timeout_ms=500)
+                if isinstance(msg, CoreReady):
+                    self.num_blocks, self.core_pid = msg.num_blocks, msg.pid
+                    break
+                if time.monotonic() > deadline:
+                    raise EngineDeadError(f"engine core not ready after {startup_timeout_s:.0f} s")
+        except BaseException:
+            self.shutdown()  # reap the process and remove the ipc socket files
+            raise
 
     def _recv(self, timeout_ms: int):
         """One message from the core, or ``None`` after ``timeout_ms``.
@@ -186,7 +194,7 @@ class MPEngineCoreClient:
         if self._output.poll(timeout_ms):
             msg = self._dec.decode(self._output.recv())
             if isinstance(msg, CoreFailed):
-                raise EngineDeadError(f"engine core failed: {msg.error}")
+                raise EngineDeadError(msg.error if msg.load_error else f"engine core failed: {msg.error}")
             return msg
         if not self.proc.is_alive():
             raise EngineDeadError(f"engine core process exited with code {self.proc.exitcode}")
@@ -223,6 +231,8 @@ class MPEngineCoreClient:
 
     def shutdown(self) -> None:
         """Stop the core process and reap it (SIGKILL after 5 s); safe to call twice."""
+        if self._ctx.closed:
+            return
         if self.proc.is_alive():
             try:
                 self._input.send(self._enc.encode(Shutdown()), flags=zmq.NOBLOCK)

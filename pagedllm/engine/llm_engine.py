@@ -26,6 +26,16 @@ class PromptTooLongError(SamplingParamError):
     """Prompt plus ``max_tokens`` exceeds the context limit (``param`` is ``max_tokens`` or ``prompt``)."""
 
 
+def _load_tokenizer(path):
+    """``AutoTokenizer`` of ``path``; a one-line ``ModelLoadError`` naming it when that fails."""
+    from transformers import AutoTokenizer
+    from pagedllm.models.loader import ModelLoadError, one_line
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # tokenizers and transformers raise many kinds on missing or corrupt files
+        raise ModelLoadError(path, f"cannot load the tokenizer ({one_line(e)})") from None
+
+
 class LLMEngine:
     """Builds every part from ``EngineArgs`` and runs steps.
 
@@ -33,18 +43,19 @@ class LLMEngine:
         args: engine arguments.
     Raises:
         ModelNotFoundError / FileNotFoundError: the model cannot be found.
+        ModelLoadError: a model file is truncated or corrupt (one line naming it).
+        EngineDeadError: the core process failed to start.
         ValueError: unsupported architecture or a KV pool too small for one block.
     """
 
     def __init__(self, args: EngineArgs) -> None:
-        from transformers import AutoConfig, AutoTokenizer
         from pagedllm.models.loader import default_served_model_name, resolve_model
-        from pagedllm.models.registry import read_generation_config, select_impl
+        from pagedllm.models.registry import read_generation_config, read_hf_config, select_impl
         self.args = args
         self.model_dir = Path(resolve_model(args.model))
         self.served_model_name = args.served_model_name or default_served_model_name(args.model)
-        self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or self.model_dir)
-        self.hf_config = AutoConfig.from_pretrained(self.model_dir)
+        self.hf_config = read_hf_config(self.model_dir)
+        self.tokenizer = _load_tokenizer(args.tokenizer or self.model_dir)
         select_impl(self.hf_config, args.model_impl)  # an unservable model fails here, before any loading
         self.generation_config = read_generation_config(self.model_dir)
         model_limit = getattr(self.hf_config, "max_position_embeddings", None) or args.max_model_len or 2048

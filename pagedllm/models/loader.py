@@ -48,6 +48,27 @@ class ModelNotFoundError(FileNotFoundError):
     """The requested model (package, file or directory) is not available locally."""
 
 
+class ModelLoadError(ValueError):
+    """A model file exists but cannot be read (truncated, corrupt, not the format it claims).
+
+    ``str(error)`` is one line, ``"<path>: <what is wrong>"``, fit to show a user as it is.
+
+    Args:
+        path: the file (or directory) at fault.
+        reason: what is wrong with it, one line.
+    """
+
+    def __init__(self, path: str | os.PathLike, reason: str) -> None:
+        super().__init__(f"{path}: {reason}")
+        self.path, self.reason = str(path), reason
+
+
+def one_line(exc: BaseException) -> str:
+    """The first line of ``str(exc)`` (its type name when empty), for one-line error messages."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
 def sha256_file(path: str | os.PathLike) -> str:
     """Return the lowercase hex SHA-256 of the file at ``path``.
 
@@ -333,6 +354,8 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike | None
     Raises ``ModelNotFoundError`` if the file does not exist, ``ValueError``
     if ``expected_sha256`` does not match, for an architecture neither
     converter reads (the message names it) or an unknown tensor name, and
+    ``ModelLoadError`` (one line naming the file) for a truncated, corrupt or
+    unconvertible file, and
     ``OSError`` on I/O failure (``FileExistsError`` if ``out_dir`` exists, is
     non-empty and is not a converted model). Returns the directory path.
     """
@@ -355,7 +378,12 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike | None
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.tmp-"))
     tmp.chmod(0o755)  # mkdtemp makes it 0700; a cache dir should read like any other
     try:
-        _write_model(gguf_path, tmp)
+        try:
+            _write_model(gguf_path, tmp)
+        except (MemoryError, ModelLoadError):
+            raise
+        except Exception as exc:  # gguf and numpy raise ValueError, KeyError, IndexError, ... on a bad file
+            raise ModelLoadError(gguf_path, f"cannot read this GGUF file, truncated or corrupt ({one_line(exc)})") from None
         try:
             os.replace(tmp, target)  # also replaces an empty directory
         except OSError as exc:

@@ -64,6 +64,40 @@ def select_impl(config, model_impl: str = "auto") -> str:
     return "transformers"
 
 
+def read_hf_config(model_dir: str | Path):
+    """``AutoConfig`` of ``model_dir``, with a one-line error naming ``config.json`` when it is broken.
+
+    Raises:
+        ModelLoadError: ``config.json`` is missing, not JSON, or not a config ``transformers`` knows.
+    """
+    from transformers import AutoConfig
+    from pagedllm.models.loader import ModelLoadError, one_line
+    path = Path(model_dir) / "config.json"
+    try:
+        json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ModelLoadError(path, f"not a readable JSON file ({one_line(e)})") from None
+    try:
+        return AutoConfig.from_pretrained(model_dir)
+    except Exception as e:  # transformers raises ValueError, KeyError, OSError on a config it cannot map
+        raise ModelLoadError(path, f"not a model config transformers can read ({one_line(e)})") from None
+
+
+def check_safetensors(files: list[Path]) -> None:
+    """Read every file's header, so that a truncated or corrupt file fails before any loading.
+
+    Raises:
+        ModelLoadError: naming the first unreadable file.
+    """
+    from pagedllm.models.loader import ModelLoadError, one_line
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt", device="cpu") as fh:
+                fh.keys()
+        except Exception as e:  # SafetensorError, OSError
+            raise ModelLoadError(f, f"not a readable safetensors file ({one_line(e)})") from None
+
+
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, model_impl: str = "auto"):
     """Build the model of ``model_dir`` (config.json + *.safetensors) without a random init.
 
@@ -78,16 +112,17 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
         ``(model, config)`` with the model in eval mode.
     Raises:
         FileNotFoundError: no ``*.safetensors`` in the directory.
+        ModelLoadError: a broken ``config.json`` or weights file (one line naming it).
         ValueError: no implementation can serve the architecture.
     """
-    from transformers import AutoConfig
     t0 = time.perf_counter()
     model_dir = Path(model_dir)
-    config = AutoConfig.from_pretrained(model_dir)
+    config = read_hf_config(model_dir)
     impl = select_impl(config, model_impl)
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors weights in {model_dir}")
+    check_safetensors(files)
     if impl == "transformers":
         from pagedllm.models.transformers_backend import load_transformers_model
         model = load_transformers_model(model_dir, config, dtype, device)
@@ -95,8 +130,6 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
                     time.perf_counter() - t0)
         return model, config
     cls = resolve_architecture(config)
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors weights in {model_dir}")
     with torch.device("meta"):
         model = cls(config)
     model = model.to_empty(device=device).to(dtype)
@@ -122,6 +155,19 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
 
 
 def read_generation_config(model_dir: str | Path) -> dict:
-    """The model directory's ``generation_config.json`` as a dict ({} when absent)."""
+    """The model directory's ``generation_config.json`` as a dict ({} when absent).
+
+    Raises:
+        ModelLoadError: the file exists but is not a JSON object.
+    """
+    from pagedllm.models.loader import ModelLoadError, one_line
     p = Path(model_dir) / "generation_config.json"
-    return json.loads(p.read_text()) if p.exists() else {}
+    if not p.exists():
+        return {}
+    try:
+        out = json.loads(p.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ModelLoadError(p, f"not a readable JSON file ({one_line(e)})") from None
+    if not isinstance(out, dict):
+        raise ModelLoadError(p, "not a JSON object")
+    return out
