@@ -13,6 +13,8 @@ import os
 import signal
 import sys
 
+from pagedllm.server import defaults as server_defaults
+
 
 def _json_str_list(text: str) -> list[str]:
     """Parse a ``--allowed-*`` value: a JSON list of strings such as ``'["http://a.example"]'``.
@@ -71,10 +73,16 @@ def _engine_args(a: argparse.Namespace):
 def _serve(a: argparse.Namespace) -> int:
     if a.enable_auto_tool_choice and not a.tool_call_parser:
         raise ValueError("--enable-auto-tool-choice requires --tool-call-parser (as in vLLM)")
-    import uvicorn
     from pagedllm.engine.async_llm import AsyncLLM
     from pagedllm.engine.llm_engine import LLMEngine
     from pagedllm.server.app import build_app
+    from pagedllm.server.lifecycle import run_server
+    if a.max_waiting_requests is not None and a.max_waiting_requests < 0:
+        raise ValueError(f"--max-waiting-requests must be >= 0, got {a.max_waiting_requests}")
+    if a.max_request_body_bytes < 1:
+        raise ValueError(f"--max-request-body-bytes must be >= 1, got {a.max_request_body_bytes}")
+    if a.shutdown_timeout < 0:
+        raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {a.shutdown_timeout}")
     engine = LLMEngine(_engine_args(a))
     template = None
     if a.chat_template:
@@ -86,16 +94,16 @@ def _serve(a: argparse.Namespace) -> int:
                     allowed_origins=a.allowed_origins, allowed_methods=a.allowed_methods,
                     allowed_headers=a.allowed_headers, allow_credentials=a.allow_credentials,
                     reasoning_parser=a.reasoning_parser, tool_call_parser=a.tool_call_parser,
-                    enable_auto_tool_choice=a.enable_auto_tool_choice)
+                    enable_auto_tool_choice=a.enable_auto_tool_choice,
+                    max_request_body_bytes=a.max_request_body_bytes, max_waiting_requests=a.max_waiting_requests)
     logging.getLogger(__name__).info("serving %s on http://%s:%d", engine.served_model_name, a.host, a.port)
-    # uvicorn shuts down gracefully on SIGTERM, then raises the signal again; with the default
-    # action that would kill us before the core process is stopped and its ipc sockets removed
+    # a SIGTERM outside the server's own handling (while stopping) must still let the finally
+    # below stop the core process and remove its ipc sockets
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
-        uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level)
+        return run_server(app, llm, a.host, a.port, a.log_level, a.shutdown_timeout)
     finally:
         llm.shutdown()
-    return 0
 
 
 def _generate(a: argparse.Namespace) -> int:
@@ -130,6 +138,14 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--allowed-headers", type=_json_str_list, default=["*"],
                    help='CORS allowed headers, a JSON list (default: ["*"])')
     s.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
+    s.add_argument("--max-waiting-requests", type=int, default=server_defaults.MAX_WAITING_REQUESTS,
+                   help="requests that may wait beyond the --max-num-seqs running ones; past that a request "
+                        f"gets 503 with Retry-After (default {server_defaults.MAX_WAITING_REQUESTS}; each choice of n counts)")
+    s.add_argument("--max-request-body-bytes", type=int, default=server_defaults.MAX_REQUEST_BODY_BYTES,
+                   help=f"larger request bodies get 413 (default {server_defaults.MAX_REQUEST_BODY_BYTES}, 4 MiB)")
+    s.add_argument("--shutdown-timeout", type=float, default=server_defaults.SHUTDOWN_TIMEOUT_S,
+                   help="seconds running requests may take to finish after SIGTERM before they are aborted "
+                        f"(default {server_defaults.SHUTDOWN_TIMEOUT_S:.0f}; a second SIGTERM stops at once)")
     s.add_argument("--enable-multiprocessing", action=argparse.BooleanOptionalAction, default=True,
                    help="run the engine core in its own process (--no-enable-multiprocessing: in process, "
                         "for debugging)")

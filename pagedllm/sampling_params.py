@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 
 MAX_LOGPROBS = 20  # vLLM's default --max-logprobs; OpenAI's top_logprobs limit
 MAX_N = 128        # a bound vLLM lacks: each sample is a request, and n=10**6 would exhaust memory
+SEED_MIN, SEED_MAX = -2**63, 2**64 - 1  # what torch.Generator.manual_seed and the msgpack wire take
 
 
 class SamplingParamError(ValueError):
@@ -112,6 +113,9 @@ class SamplingParams:
             bad("top_k", f"must be -1 (disable), 0 (disable) or a positive int32, got {self.top_k}")
         if math.isnan(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             bad("min_p", f"must be in [0, 1], got {self.min_p}")
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX - (self.n - 1):
+            bad("seed", f"must be in [{SEED_MIN}, {SEED_MAX - (self.n - 1)}] so that seed + n - 1 (the last "
+                        f"sample's seed) is at most {SEED_MAX}, got {self.seed}")
         if self.max_tokens is not None and self.max_tokens < 1:
             bad("max_tokens", f"must be at least 1, got {self.max_tokens}")
         if self.min_tokens < 0:

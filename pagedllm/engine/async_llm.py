@@ -23,6 +23,8 @@ from pagedllm.request import Request
 logger = logging.getLogger(__name__)
 
 
+class ServerShuttingDownError(RuntimeError):
+    """The server's shutdown deadline passed: the request was aborted before it finished."""
 
 
 class AsyncLLM:
@@ -67,6 +69,18 @@ class AsyncLLM:
             except Exception:  # metrics must never take the engine down
                 logger.exception("finished-request callback failed")
 
+    def abort_all(self, error: BaseException) -> int:
+        """Abort every request in flight; each one's consumer gets ``error`` raised (thread-safe).
+
+        Returns the number of requests aborted.
+        """
+        with self._lock:
+            rids = list(self._streams)
+        for rid in rids:
+            self._inbox.put(("abort", rid))
+            self._deliver(rid, error)
+        return len(rids)
+
     def shutdown(self) -> None:
         """Stop the engine thread (pending requests are aborted) and the core process, if any."""
         self._stop.set()
@@ -88,7 +102,12 @@ class AsyncLLM:
                         self._deliver(out.request_id, out)
                 self._stats = eng.get_stats()
         except BaseException as e:  # report to every waiter, never die silently
-            logger.exception("engine loop crashed")
+            if isinstance(e, EngineDeadError):  # the core process is gone: its own log has the cause
+                logger.error("engine core died: %s", e)
+            else:
+                logger.exception("engine loop crashed")
+            # nothing runs or waits any more: gauges must not keep the last step's values
+            self._stats = {**self._stats, "num_running": 0, "num_waiting": 0, "kv_cache_usage": 0.0}
             self.errored = e
             with self._lock:
                 rids = list(self._streams)

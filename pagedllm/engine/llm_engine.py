@@ -172,6 +172,10 @@ class LLMEngine:
         bad_bias = [t for t in (params.logit_bias or {}) if t >= vocab]
         if bad_bias:
             raise SamplingParamError("logit_bias", f"logit_bias: token ids must be in [0, {vocab}), got {bad_bias[0]}")
+        bad_stop = [t for t in params.stop_token_ids if not 0 <= t < vocab]
+        if bad_stop:
+            raise SamplingParamError("stop_token_ids", f"stop_token_ids: token ids must be in [0, {vocab}), "
+                                     f"got {bad_stop[0]}")
         limit = self.context_limit
         if len(ids) >= limit:
             asked = "" if params.max_tokens is None else f" and requested max_tokens={params.max_tokens}"
@@ -182,6 +186,10 @@ class LLMEngine:
             raise PromptTooLongError("max_tokens", f"This model's maximum context length is {limit} tokens. "
                                      f"However, you requested {len(ids) + max_tokens} tokens ({len(ids)} in the "
                                      f"prompt, {max_tokens} for max_tokens). Please reduce the length.")
+        if params.min_tokens > max_tokens:  # without max_tokens the bound is what the context leaves
+            raise SamplingParamError("min_tokens", f"min_tokens: must be <= max_tokens={max_tokens} (the "
+                                     f"context limit less the prompt when max_tokens is not set), got "
+                                     f"{params.min_tokens}")
         arrival = arrival_time if arrival_time is not None else time.time()
         return Request(request_id, ids, params, self.eos_token_ids, max_tokens, arrival, cache_salt)
 

@@ -9,7 +9,9 @@ debugging and tests, ``GET /stats`` with the engine counters of
 ``LLMEngine.get_stats`` as JSON (not part of the OpenAI API).
 
 A request whose client disconnects is aborted, streamed or not, so its KV
-blocks go back to the pool.
+blocks go back to the pool. ``server.guards`` bounds what one client can cost:
+body size (413), choices per request (400), requests in flight (503 with
+``Retry-After``); tokenizing and template rendering run off the event loop.
 """
 
 from __future__ import annotations
@@ -28,8 +30,11 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagedllm
-from pagedllm.engine.async_llm import AsyncLLM, EngineDeadError
+from pagedllm.engine.async_llm import AsyncLLM, EngineDeadError, ServerShuttingDownError
+from pagedllm.server import defaults
 from pagedllm.server.errors import APIError, validation_error
+from pagedllm.server.guards import (AdmissionControl, BodySizeLimitMiddleware, CatchAllMiddleware,
+                                    RejectionCounter)
 from pagedllm.server.metrics import ServerMetrics
 from pagedllm.server.protocol import ChatCompletionRequest, CompletionRequest, now
 from pagedllm.server.protocol_extra import (DetokenizeRequest, DetokenizeResponse, TokenizeChatRequest,
@@ -71,12 +76,22 @@ async def _unless_disconnected(request: Request, coro):
             task.cancel()
 
 
+# Paths that stay open with --api-key: each answers from state the server already has, with
+# work bounded whatever the request holds (the OpenAPI schema is built once and cached).
+# Everything else, /tokenize and /detokenize included (they run the tokenizer and the chat
+# template on client input), needs the key; a new route is guarded unless listed here.
+OPEN_PATHS = frozenset({"/health", "/version", "/metrics", "/stats", "/openapi.json", "/docs",
+                        "/docs/oauth2-redirect", "/redoc"})
+
+
 class _APIKeyMiddleware:
-    """ASGI middleware: requests to ``/v1`` and below need ``Authorization: Bearer <api_key>``.
+    """ASGI middleware: every path but ``OPEN_PATHS`` needs ``Authorization: Bearer <api_key>``.
 
     Anything else answers 401 with an OpenAI error body (code ``invalid_api_key``
-    for a wrong key, as OpenAI does). Paths outside ``/v1`` and ``OPTIONS``
-    requests (CORS preflights carry no credentials) pass untouched, as in vLLM.
+    for a wrong key, as OpenAI does). ``OPEN_PATHS`` and ``OPTIONS`` requests
+    (CORS preflights carry no credentials) pass untouched. vLLM guards only
+    ``/v1``; pagedllm guards by default, so that no open route can be made to
+    tokenize or render arbitrary input.
     Pure ASGI rather than ``BaseHTTPMiddleware``, which would get between
     the handlers and ``request.is_disconnected()``.
 
@@ -94,9 +109,9 @@ class _APIKeyMiddleware:
     def _guarded(scope) -> bool:
         path = scope.get("path", "")
         root = scope.get("root_path", "")
-        if root and path.startswith(root):  # a server mounted under a prefix guards its own /v1
+        if root and path.startswith(root):  # a server mounted under a prefix guards its own paths
             path = path[len(root):]
-        return path == "/v1" or path.startswith("/v1/")
+        return path not in OPEN_PATHS
 
     async def __call__(self, scope, receive, send) -> None:
         """Pass the request on, or answer 401 itself."""
@@ -136,29 +151,39 @@ def build_app(llm: AsyncLLM, model_name: str, chat_template: str | None = None, 
               api_key: str | None = None, allowed_origins: Sequence[str] = ("*",),
               allowed_methods: Sequence[str] = ("*",), allowed_headers: Sequence[str] = ("*",),
               allow_credentials: bool = False, reasoning_parser: str | None = None,
-              tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False) -> FastAPI:
+              tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False,
+              max_request_body_bytes: int = defaults.MAX_REQUEST_BODY_BYTES,
+              max_waiting_requests: int | None = defaults.MAX_WAITING_REQUESTS) -> FastAPI:
     """Create the FastAPI application around a running ``AsyncLLM``.
 
     Args:
         llm: the engine front door.
         model_name: the name clients must use in ``model`` (or omit).
         chat_template: optional Jinja chat template overriding the tokenizer's.
-        api_key: when set (non-empty), every path under ``/v1`` requires
-            ``Authorization: Bearer <api_key>`` and answers 401 with an OpenAI
-            error body otherwise. As in vLLM, ``/health``, ``/metrics``,
-            ``/version``, ``/tokenize``, ``/detokenize`` (and the debugging
-            ``/stats``) stay open: put the server behind a proxy to guard those.
+        api_key: when set (non-empty), every path except ``OPEN_PATHS`` (``/health``,
+            ``/version``, ``/metrics``, ``/stats``, the OpenAPI schema and its pages)
+            requires ``Authorization: Bearer <api_key>`` and answers 401 with an
+            OpenAI error body otherwise.
         allowed_origins, allowed_methods, allowed_headers, allow_credentials:
             the CORS policy (``CORSMiddleware`` options, vLLM's ``--allowed-*`` flags).
         reasoning_parser, tool_call_parser, enable_auto_tool_choice: how chat outputs are
             split into reasoning, content and tool calls (see ``OpenAIServing``).
+        max_request_body_bytes: larger bodies get 413 (``--max-request-body-bytes``).
+        max_waiting_requests: engine requests that may wait beyond ``max_num_seqs`` running
+            ones before requests get 503 (``--max-waiting-requests``; ``None``: no bound).
     """
     app = FastAPI(title="pagedllm", version=pagedllm.__version__)
+    rejections = RejectionCounter()
+    max_in_flight = None if max_waiting_requests is None else llm.engine.args.max_num_seqs + max_waiting_requests
     serving = OpenAIServing(llm, model_name, chat_template, reasoning_parser, tool_call_parser,
-                            enable_auto_tool_choice)
-    metrics = ServerMetrics(llm, model_name)
+                            enable_auto_tool_choice, AdmissionControl(max_in_flight, rejections))
+    metrics = ServerMetrics(llm, model_name, rejections)
     app.state.llm = llm
     app.state.metrics = metrics
+    # innermost first: the catch-all sees what the routes raise; the body limit runs before any
+    # handler reads a byte; the key check before that, so that an unknown client costs nothing
+    app.add_middleware(CatchAllMiddleware)
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_body_bytes, rejections=rejections)
     if api_key:
         app.add_middleware(_APIKeyMiddleware, api_key=api_key)
     # added last, so outermost: 401 answers carry CORS headers too (a browser client
@@ -180,15 +205,14 @@ def build_app(llm: AsyncLLM, model_name: str, chat_template: str | None = None, 
     async def _dead(_: Request, exc: EngineDeadError) -> JSONResponse:
         return APIError(503, str(exc), type="service_unavailable", code="engine_dead").response()
 
+    @app.exception_handler(ServerShuttingDownError)
+    async def _shutting_down(_: Request, exc: ServerShuttingDownError) -> JSONResponse:
+        return APIError(503, str(exc), type="service_unavailable", code="shutting_down").response()
+
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         # unknown paths (404) and wrong methods (405) get OpenAI's error body too
         return APIError(exc.status_code, str(exc.detail), type="invalid_request_error").response()
-
-    @app.exception_handler(Exception)
-    async def _crash(_: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error")
-        return APIError(500, f"internal error: {exc!r}", type="internal_error").response()
 
     @app.get("/health")
     async def health() -> Response:
@@ -224,20 +248,21 @@ def build_app(llm: AsyncLLM, model_name: str, chat_template: str | None = None, 
 
         Returns ``{"count", "max_model_len", "tokens", "token_strs"}`` (vLLM's shape;
         ``count`` and ``max_model_len`` in tokens, ``token_strs`` null unless
-        ``return_token_strs``). No length limit is applied. 400 for a bad body or a
-        template error, 404 for an unknown model, 503 once the engine has died.
+        ``return_token_strs``). A text too long to fit the context whatever its tokens is
+        refused before tokenizing. 400 for a bad body or a template error, 404 for an
+        unknown model, 503 once the engine has died.
         """
         serving.check_model(body.model)
         if isinstance(body, TokenizeChatRequest):
             chat_body = ChatCompletionRequest(messages=body.messages,
                                               add_generation_prompt=body.add_generation_prompt,
                                               chat_template_kwargs=body.chat_template_kwargs, tools=body.tools)
-            ids = serving.render_chat(chat_body)
+            ids = await serving.offload(serving.render_chat, chat_body)
             if body.add_special_tokens:
                 ids = special_prefix + ids + special_suffix
         else:
-            ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-        strs = tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+            ids = await serving.offload(serving.encode, body.prompt, "prompt", body.add_special_tokens)
+        strs = await serving.offload(tokenizer.convert_ids_to_tokens, ids) if body.return_token_strs else None
         return TokenizeResponse(count=len(ids), max_model_len=llm.engine.max_model_len, tokens=ids,
                                 token_strs=strs).model_dump()
 
@@ -254,7 +279,7 @@ def build_app(llm: AsyncLLM, model_name: str, chat_template: str | None = None, 
             if not 0 <= t < vocab:
                 raise APIError(400, f"tokens[{i}]: token id {t} is out of vocabulary (valid ids are 0 to "
                                f"{vocab - 1})", "tokens", code="invalid_value")
-        return DetokenizeResponse(prompt=tokenizer.decode(body.tokens)).model_dump()
+        return DetokenizeResponse(prompt=await serving.offload(tokenizer.decode, body.tokens)).model_dump()
 
     async def respond(request: Request, coro):
         result = await _unless_disconnected(request, coro)

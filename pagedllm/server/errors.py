@@ -5,7 +5,19 @@ Body shape follows the OpenAI API: ``{"error": {"message", "type", "param", "cod
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 from fastapi.responses import JSONResponse
+
+
+class ErrorJSONResponse(JSONResponse):
+    """A JSON response written with ASCII escapes, so that any text (a lone surrogate a client
+    sent and an error message repeats) encodes; clients decode the escapes to the same text."""
+
+    def render(self, content: Any) -> bytes:
+        """``content`` as compact, ASCII-only JSON bytes."""
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
 
 
 class APIError(Exception):
@@ -17,12 +29,15 @@ class APIError(Exception):
         param: the request field at fault, if any.
         type: OpenAI error type (``invalid_request_error``, ...).
         code: short machine-readable code.
+        headers: extra response headers (``Retry-After`` of a 503).
     """
 
     def __init__(self, status: int, message: str, param: str | None = None,
-                 type: str = "invalid_request_error", code: str | None = None) -> None:
+                 type: str = "invalid_request_error", code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
+        self.headers = headers
 
     def body(self) -> dict:
         """The JSON body."""
@@ -30,7 +45,7 @@ class APIError(Exception):
 
     def response(self) -> JSONResponse:
         """As a FastAPI response."""
-        return JSONResponse(self.body(), status_code=self.status)
+        return ErrorJSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "bytes"}
@@ -62,6 +77,10 @@ def validation_error(exc) -> APIError:
     errors = exc.errors()
     if not errors:
         return APIError(400, "invalid request", code="invalid_request")
+    for e in errors:  # found by the schemas' walk over the raw body, which knows the field's path
+        if e.get("type") == "lone_surrogate":
+            param = (e.get("ctx") or {}).get("param")
+            return APIError(400, f"{param}: {e.get('msg')}", param, code="invalid_value")
     if any(e.get("type") == "json_invalid" for e in errors):
         err = next(e for e in errors if e.get("type") == "json_invalid")
         return APIError(400, f"malformed JSON body: {err.get('msg')}", None, code="invalid_json")

@@ -17,6 +17,9 @@ Observed once per finished request (aborted requests are not observed):
   ``pagedllm:e2e_request_latency_seconds``;
 * counter ``pagedllm:request_success_total`` labelled ``finished_reason``.
 
+Counted by the front end: ``pagedllm:num_requests_rejected_total`` labelled ``reason``
+(``body_too_large`` for a 413, ``queue_full`` for a 503 of admission control).
+
 Every series carries a ``model_name`` label.
 """
 
@@ -74,6 +77,26 @@ class _EngineStatsCollector:
             yield c
 
 
+REJECTION_REASONS = ("body_too_large", "queue_full")
+
+
+class _RejectionCollector:
+    """``pagedllm:num_requests_rejected_total{reason}`` from a ``RejectionCounter`` at each scrape."""
+
+    def __init__(self, rejections, model_name: str) -> None:
+        self.rejections, self.model_name = rejections, model_name
+
+    def collect(self) -> Iterator[Metric]:
+        """One counter family, every known reason exported (0 until it happens)."""
+        counts = self.rejections.snapshot()
+        c = CounterMetricFamily("pagedllm:num_requests_rejected", "Requests refused by the server's limits "
+                                "(413 body too large, 503 queue full), by reason.",
+                                labels=["model_name", "reason"])
+        for reason in sorted(set(REJECTION_REASONS) | set(counts)):
+            c.add_metric([self.model_name, reason], float(counts.get(reason, 0)))
+        yield c
+
+
 class ServerMetrics:
     """The Prometheus metrics of one server, in a registry of their own.
 
@@ -84,12 +107,15 @@ class ServerMetrics:
         llm: the ``AsyncLLM`` (anything with ``get_stats()`` and
             ``add_finished_callback(fn)``); a callback is registered on it.
         model_name: value of the ``model_name`` label.
+        rejections: the server's ``RejectionCounter`` (``None``: no rejection metric).
     """
 
-    def __init__(self, llm, model_name: str) -> None:
+    def __init__(self, llm, model_name: str, rejections=None) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry()
         self.registry.register(_EngineStatsCollector(llm, model_name))
+        if rejections is not None:
+            self.registry.register(_RejectionCollector(rejections, model_name))
         labels = ["model_name"]
         self.ttft = Histogram("pagedllm:time_to_first_token_seconds",
                               "Time from arrival to the first output token, in seconds.",

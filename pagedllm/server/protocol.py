@@ -9,11 +9,35 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, Strict, model_validator
+from pydantic_core import PydanticCustomError
 
 from pagedllm.sampling_params import SamplingParamError, SamplingParams
+from pagedllm.server.guards import find_lone_surrogate
+
+# JSON types as OpenAI checks them: "10" is not an integer, "0.5" not a number, "true" not a boolean
+Int = Annotated[int, Strict()]
+Float = Annotated[float, Strict()]
+Bool = Annotated[bool, Strict()]
+
+
+class RequestBody(BaseModel):
+    """Base of every request body: refuses strings that hold a lone UTF-16 surrogate.
+
+    JSON can spell ``"\\ud800"``, which no tokenizer takes and UTF-8 cannot encode; the
+    walk over the raw body names the field (``messages[0].content``) in the 400.
+    """
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_lone_surrogates(cls, data: Any) -> Any:
+        path = find_lone_surrogate(data)
+        if path is not None:
+            raise PydanticCustomError("lone_surrogate", "strings must not contain lone UTF-16 surrogates "
+                                      "(U+D800 to U+DFFF)", {"param": path})
+        return data
 
 
 def random_id(prefix: str) -> str:
@@ -24,7 +48,7 @@ def random_id(prefix: str) -> str:
 class StreamOptions(BaseModel):
     """``stream_options`` of a streamed request."""
 
-    include_usage: bool | None = False
+    include_usage: Bool | None = False
 
 
 class ContentPart(BaseModel):
@@ -96,7 +120,7 @@ class NamedToolChoice(BaseModel):
     function: NamedToolChoiceFunction
 
 
-class _SamplingRequest(BaseModel):
+class _SamplingRequest(RequestBody):
     """Sampling fields shared by both endpoints.
 
     Ranges are checked by ``SamplingParams``; here only what must never reach the
@@ -106,25 +130,25 @@ class _SamplingRequest(BaseModel):
 
     model_config = ConfigDict(allow_inf_nan=False)
     model: str | None = None
-    temperature: float | None = Field(default=None)
-    top_p: float | None = None
-    top_k: int | None = Field(default=None, le=2**31 - 1)
-    min_p: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    n: int = Field(default=1, le=2**31 - 1)
-    stream: bool = False
+    temperature: Float | None = Field(default=None)
+    top_p: Float | None = None
+    top_k: Int | None = Field(default=None, le=2**31 - 1)
+    min_p: Float | None = None
+    presence_penalty: Float | None = None
+    frequency_penalty: Float | None = None
+    repetition_penalty: Float | None = None
+    logit_bias: dict[str, Float] | None = None
+    n: Int = Field(default=1, le=2**31 - 1)
+    stream: Bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    seed: int | None = Field(default=None, ge=-2**63, le=2**64 - 1)
-    ignore_eos: bool = False
-    min_tokens: int = 0
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
+    stop_token_ids: list[Int] | None = None  # checked against the vocabulary when the request is made
+    seed: Int | None = Field(default=None, ge=-2**63, le=2**64 - 1)
+    ignore_eos: Bool = False
+    min_tokens: Int = Field(default=0, ge=0)
+    include_stop_str_in_output: Bool = False
+    skip_special_tokens: Bool = True
+    spaces_between_special_tokens: Bool = True
     user: str | None = None
     cache_salt: str | None = Field(default=None, min_length=1, description=(
         "prefix-cache namespace: requests share cached KV blocks only when their salts are equal (vLLM's name)"))
@@ -163,15 +187,23 @@ class ChatCompletionRequest(_SamplingRequest):
     """``POST /v1/chat/completions`` body."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    add_generation_prompt: bool = True
+    max_tokens: Int | None = None
+    max_completion_tokens: Int | None = None
+    add_generation_prompt: Bool = True
     chat_template_kwargs: dict[str, Any] | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
+    logprobs: Bool = False
+    top_logprobs: Int | None = None
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: Bool = True
+
+    def rename_error(self, param: str | None, message: str) -> tuple[str | None, str]:
+        """An error's ``(param, message)`` in the request's own terms: ``max_completion_tokens``,
+        not its deprecated alias ``max_tokens``, when the request set the former."""
+        if self.max_completion_tokens is None:
+            return param, message
+        return ("max_completion_tokens" if param == "max_tokens" else param,
+                message.replace("max_tokens", "max_completion_tokens"))
 
     def to_sampling_params(self, defaults: dict) -> SamplingParams:
         """Sampling parameters; ``max_completion_tokens`` wins over the deprecated ``max_tokens``.
@@ -190,19 +222,17 @@ class ChatCompletionRequest(_SamplingRequest):
             return self._sampling_params(mt, (self.top_logprobs or 0) if self.logprobs else None, defaults)
         except SamplingParamError as e:
             if self.max_completion_tokens is not None and "max_tokens" in str(e):
-                # the request said max_completion_tokens: name that field, not its deprecated alias
-                raise SamplingParamError("max_completion_tokens" if e.param == "max_tokens" else e.param,
-                                         str(e).replace("max_tokens", "max_completion_tokens")) from None
+                raise SamplingParamError(*self.rename_error(e.param, str(e))) from None
             raise
 
 
 class CompletionRequest(_SamplingRequest):
     """``POST /v1/completions`` body."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    echo: bool = False
-    logprobs: int | None = None
+    prompt: str | list[str] | list[Int] | list[list[Int]]
+    max_tokens: Int | None = 16
+    echo: Bool = False
+    logprobs: Int | None = None
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt(s) as a list of strings or token-id lists."""

@@ -10,30 +10,30 @@ from typing import Annotated, Any, Union
 
 from pydantic import BaseModel, Discriminator, Field, Tag
 
-from pagedllm.server.protocol import ChatMessage, ToolDefinition
+from pagedllm.server.protocol import Bool, ChatMessage, Int, RequestBody, ToolDefinition
 
 
-class TokenizeCompletionRequest(BaseModel):
+class TokenizeCompletionRequest(RequestBody):
     """``POST /tokenize`` body for a plain text prompt."""
 
     model: str | None = None
     prompt: str
-    add_special_tokens: bool = Field(default=True, description=(
+    add_special_tokens: Bool = Field(default=True, description=(
         "add the tokenizer's special tokens (e.g. BOS), as a completion request does"))
-    return_token_strs: bool = Field(default=False, description="also return each token as a string")
+    return_token_strs: Bool = Field(default=False, description="also return each token as a string")
 
 
-class TokenizeChatRequest(BaseModel):
+class TokenizeChatRequest(RequestBody):
     """``POST /tokenize`` body for a conversation, rendered with the chat template first."""
 
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
-    add_generation_prompt: bool = True
+    add_generation_prompt: Bool = True
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[ToolDefinition] | None = None
-    add_special_tokens: bool = Field(default=False, description=(
+    add_special_tokens: Bool = Field(default=False, description=(
         "add the tokenizer's special tokens on top of the template's (off, as a chat request does)"))
-    return_token_strs: bool = Field(default=False, description="also return each token as a string")
+    return_token_strs: Bool = Field(default=False, description="also return each token as a string")
 
 
 def _tokenize_kind(v: Any) -> str:
@@ -62,11 +62,11 @@ class TokenizeResponse(BaseModel):
     token_strs: list[str] | None = None
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(RequestBody):
     """``POST /detokenize`` body."""
 
     model: str | None = None
-    tokens: list[int]
+    tokens: list[Int]
 
 
 class DetokenizeResponse(BaseModel):

@@ -9,7 +9,9 @@ Their delta outputs are merged into one stream or one response.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
+from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator
 
 from pagedllm.engine.async_llm import AsyncLLM, EngineDeadError
@@ -21,6 +23,7 @@ from pagedllm.parsers import DeltaMessage, StreamingParser, make_parser
 from pagedllm.request import Request
 from pagedllm.sampling_params import SamplingParamError, SamplingParams
 from pagedllm.server.errors import APIError
+from pagedllm.server.guards import AdmissionControl, RejectionCounter, check_choices
 from pagedllm.server.logprobs import chat_logprobs, completion_logprobs, tokens_length
 from pagedllm.server.protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice, now, random_id
 
@@ -135,6 +138,30 @@ class _Choice:
             self.prompt_logprobs = out.prompt_logprobs
 
 
+class _HeldStream:
+    """An SSE line iterator that holds its request's admission slots until it is closed.
+
+    The response always closes its body iterator, even one that never started (whose
+    ``finally`` would never run), so the slots cannot leak.
+    """
+
+    def __init__(self, gen: AsyncIterator[str], admission) -> None:
+        self._gen, self._admission = gen, admission
+
+    def __aiter__(self) -> "_HeldStream":
+        return self
+
+    async def __anext__(self) -> str:
+        return await self._gen.__anext__()
+
+    async def aclose(self) -> None:
+        """Close the stream (aborting its engine requests) and release the slots."""
+        try:
+            await self._gen.aclose()
+        finally:
+            self._admission.release()
+
+
 class OpenAIServing:
     """Builds requests from API bodies, runs them and formats responses.
 
@@ -145,12 +172,20 @@ class OpenAIServing:
         reasoning_parser: name in ``REASONING_PARSERS`` (``--reasoning-parser``), or ``None``.
         tool_call_parser: name in ``TOOL_PARSERS`` (``--tool-call-parser``), or ``None``.
         enable_auto_tool_choice: allow ``tool_choice: "auto"`` (``--enable-auto-tool-choice``).
+        admission: the bound on engine requests in flight (default: unbounded).
+
+    Tokenizing, chat-template rendering and detokenizing client input run on one worker
+    thread (``offload``), never on the event loop, so a large prompt delays no other
+    connection; a prompt text longer than ``max_prompt_chars`` is refused before tokenizing.
     """
 
     def __init__(self, llm: AsyncLLM, model_name: str, chat_template: str | None = None,
                  reasoning_parser: str | None = None, tool_call_parser: str | None = None,
-                 enable_auto_tool_choice: bool = False) -> None:
+                 enable_auto_tool_choice: bool = False, admission: AdmissionControl | None = None) -> None:
         self.llm = llm
+        self.admission = admission or AdmissionControl(None, RejectionCounter())
+        # one thread: a fast tokenizer is not safe to use from several threads at once
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="pagedllm-tokenize")
         self.model_name = model_name
         self.chat_template = chat_template
         self.reasoning_parser = reasoning_parser
@@ -158,6 +193,30 @@ class OpenAIServing:
         self.enable_auto_tool_choice = enable_auto_tool_choice
         self.tokenizer = llm.engine.tokenizer
         self.defaults = llm.engine.default_sampling_fields()
+        # no token decodes to more characters than its vocabulary string has (byte-level BPE: one
+        # character per byte; sentencepiece: one per character), so a longer text cannot fit
+        longest = max((len(t) for t in self.tokenizer.get_vocab()), default=1)
+        self.max_prompt_chars = llm.engine.context_limit * max(longest, 1)
+
+    async def offload(self, fn, *args, **kwargs):
+        """Run ``fn(*args, **kwargs)`` on the tokenizer thread and await its result (or exception)."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
+
+    def check_prompt_chars(self, text: str, param: str) -> None:
+        """Refuse, before tokenizing, a text too long to fit the context whatever its tokens.
+
+        Raises:
+            APIError: 400 with code ``context_length_exceeded`` naming ``param``.
+        """
+        if len(text) > self.max_prompt_chars:
+            raise APIError(400, f"{param}: {len(text)} characters cannot fit this model's maximum context "
+                           f"length of {self.llm.engine.context_limit} tokens (at most {self.max_prompt_chars} "
+                           f"characters)", param, code="context_length_exceeded")
+
+    def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a client text, after ``check_prompt_chars`` (call through ``offload``)."""
+        self.check_prompt_chars(text, param)
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def check_model(self, model: str | None) -> None:
         """Raises ``APIError`` 404 when the request names a model we do not serve, and
@@ -174,33 +233,36 @@ class OpenAIServing:
         except SamplingParamError as e:
             raise APIError(400, str(e), e.param, code="invalid_value") from None
 
-    def _make(self, rid: str, prompt, params, prompt_param: str = "prompt", cache_salt: str | None = None) -> Request:
+    def _make(self, rid: str, prompt, params, prompt_param: str, cache_salt: str | None, rename) -> Request:
         try:
             return self.llm.make_request(rid, prompt, params, cache_salt)
         except PromptTooLongError as e:  # OpenAI's code for this case
-            param = prompt_param if e.param == "prompt" else e.param
-            raise APIError(400, str(e), param, code="context_length_exceeded") from None
+            param, msg = rename(prompt_param if e.param == "prompt" else e.param, str(e))
+            raise APIError(400, msg, param, code="context_length_exceeded") from None
         except SamplingParamError as e:
-            param = prompt_param if e.param == "prompt" else e.param
-            raise APIError(400, str(e), param, code="invalid_value") from None
+            param, msg = rename(prompt_param if e.param == "prompt" else e.param, str(e))
+            raise APIError(400, msg, param, code="invalid_value") from None
 
-    def _fan_out(self, rid: str, prompts: list, params: SamplingParams, prompt_param: str,
-                 cache_salt: str | None) -> list[Request]:
-        """One request per (prompt, sample), all validated before any is submitted."""
+    def _fan_out(self, rid: str, prompts: list[list[int]], params: SamplingParams, prompt_param: str,
+                 cache_salt: str | None, rename=lambda param, msg: (param, msg)) -> list[Request]:
+        """One request per (prompt, sample), all validated before any is submitted.
+
+        ``rename(param, message)`` maps an error's field to the name the request used.
+        """
         reqs = []
         for i, p in enumerate(prompts):
             for j in range(params.n):
                 cid = rid if len(prompts) == 1 and params.n == 1 else f"{rid}-{i * params.n + j}"
-                reqs.append(self._make(cid, p, params.child(j), prompt_param, cache_salt))
+                reqs.append(self._make(cid, p, params.child(j), prompt_param, cache_salt, rename))
         return reqs
 
     def render_chat(self, body: ChatCompletionRequest, with_tools: bool = True) -> list[int]:
-        """Apply the chat template and tokenize (without adding special tokens twice).
+        """Apply the chat template and tokenize (without adding special tokens twice); call through ``offload``.
 
         Raises:
-            APIError: 400 when the template rejects the conversation.
+            APIError: 400 when the template rejects the conversation or the text cannot fit.
         """
-        return self.tokenizer.encode(self._render_text(body, with_tools), add_special_tokens=False)
+        return self.encode(self._render_text(body, with_tools), "messages", add_special_tokens=False)
 
     def _render_text(self, body: ChatCompletionRequest, with_tools: bool = True) -> str:
         raw = []
@@ -242,36 +304,52 @@ class OpenAIServing:
         return True
 
     # ---- chat -------------------------------------------------------------------
+    def _prepare_chat(self, rid: str, body: ChatCompletionRequest, params: SamplingParams):
+        """Render, tokenize and validate on the tokenizer thread: ``(text, requests)``."""
+        text = self._render_text(body)
+        ids = self.encode(text, "messages", add_special_tokens=False)
+        return text, self._fan_out(rid, [ids], params, "messages", body.cache_salt, body.rename_error)
+
     async def chat(self, body: ChatCompletionRequest):
-        """Run a chat completion; returns a dict, or an async iterator of SSE lines when streaming."""
+        """Run a chat completion; returns a dict, or an async iterator of SSE lines when streaming.
+
+        Raises:
+            APIError: 400 for invalid input, 404 for another model, 503 when overloaded.
+        """
         self.check_model(body.model)
         params = self._params(body)
         use_tools = self._tool_mode(body)
-        text = self._render_text(body)
+        check_choices(1, params.n)
         if use_tools and self.tool_call_parser in _NEEDS_SPECIAL_TOKENS:
             params.skip_special_tokens = False
-        kwargs = body.chat_template_kwargs or {}
-        parser_args = None
-        if use_tools or self.reasoning_parser:
-            # thinking is what the request asked for; "starts in reasoning" is what the prompt says
-            parser_args = dict(reasoning_parser=self.reasoning_parser,
-                               tool_parser=self.tool_call_parser if use_tools else None,
-                               thinking=bool(kwargs.get("enable_thinking", True)),
-                               starts_in_reasoning=text.rstrip().endswith("<think>"),
-                               tools=[t.model_dump() for t in body.tools or []])
-        rid = random_id("chatcmpl")
-        reqs = self._fan_out(rid, [self.tokenizer.encode(text, add_special_tokens=False)], params, "messages",
-                             body.cache_salt)
-        merged = merge_outputs([self.llm.generate(r) for r in reqs])
-        n_prompt = reqs[0].num_prompt_tokens
-        top = params.logprobs
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            parsers = [make_parser(**parser_args) if parser_args else None for _ in reqs]
-            return self._chat_stream(rid, merged, len(reqs), n_prompt, include_usage, top, parsers)
-        choices = [_Choice() for _ in reqs]
-        async for i, out in merged:
-            choices[i].add(out)
+        admission = self.admission.admit(params.n)
+        try:
+            rid = random_id("chatcmpl")
+            text, reqs = await self.offload(self._prepare_chat, rid, body, params)
+            kwargs = body.chat_template_kwargs or {}
+            parser_args = None
+            if use_tools or self.reasoning_parser:
+                # thinking is what the request asked for; "starts in reasoning" is what the prompt says
+                parser_args = dict(reasoning_parser=self.reasoning_parser,
+                                   tool_parser=self.tool_call_parser if use_tools else None,
+                                   thinking=bool(kwargs.get("enable_thinking", True)),
+                                   starts_in_reasoning=text.rstrip().endswith("<think>"),
+                                   tools=[t.model_dump() for t in body.tools or []])
+            merged = merge_outputs([self.llm.generate(r) for r in reqs])
+            n_prompt = reqs[0].num_prompt_tokens
+            top = params.logprobs
+            if body.stream:
+                include_usage = bool(body.stream_options and body.stream_options.include_usage)
+                parsers = [make_parser(**parser_args) if parser_args else None for _ in reqs]
+                stream = self._chat_stream(rid, merged, len(reqs), n_prompt, include_usage, top, parsers)
+                return _HeldStream(stream, admission)
+            choices = [_Choice() for _ in reqs]
+            async for i, out in merged:
+                choices[i].add(out)
+        except BaseException:
+            admission.release()
+            raise
+        admission.release()
         result = []
         for i, c in enumerate(choices):
             message, finish = {"role": "assistant", "content": c.text}, c.finish
@@ -326,26 +404,44 @@ class OpenAIServing:
         yield "data: [DONE]\n\n"
 
     # ---- completions ------------------------------------------------------------
+    def _prepare_completion(self, rid: str, body: CompletionRequest, prompts: list, params: SamplingParams):
+        """Tokenize and validate on the tokenizer thread: ``(requests, echo texts)`` (one echo per choice)."""
+        ids = [self.encode(p, "prompt") if isinstance(p, str) else p for p in prompts]
+        reqs = self._fan_out(rid, ids, params, "prompt", body.cache_salt)
+        echo = [(p if isinstance(p, str) else self.tokenizer.decode(p)) if body.echo else None
+                for p in prompts for _ in range(params.n)]
+        return reqs, echo
+
     async def completion(self, body: CompletionRequest):
-        """Run a (possibly multi-prompt, possibly ``n``-sample) completion; dict or SSE iterator."""
+        """Run a (possibly multi-prompt, possibly ``n``-sample) completion; dict or SSE iterator.
+
+        Raises:
+            APIError: 400 for invalid input, 404 for another model, 503 when overloaded.
+        """
         self.check_model(body.model)
         params = self._params(body)
-        rid = random_id("cmpl")
         prompts = body.prompts()
         if not prompts:
             raise APIError(400, "prompt: must not be empty", "prompt", code="invalid_value")
-        reqs = self._fan_out(rid, prompts, params, "prompt", body.cache_salt)
         n = params.n
-        echo = [(p if isinstance(p, str) else self.tokenizer.decode(p)) if body.echo else None
-                for p in prompts for _ in range(n)]
-        merged = merge_outputs([self.llm.generate(r) for r in reqs])
-        n_prompt = sum(r.num_prompt_tokens for r in reqs[::n])
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return self._completion_stream(rid, merged, echo, body, n_prompt, include_usage, reqs)
-        choices = [_Choice() for _ in reqs]
-        async for i, out in merged:
-            choices[i].add(out)
+        check_choices(len(prompts), n)
+        admission = self.admission.admit(len(prompts) * n)
+        try:
+            rid = random_id("cmpl")
+            reqs, echo = await self.offload(self._prepare_completion, rid, body, prompts, params)
+            merged = merge_outputs([self.llm.generate(r) for r in reqs])
+            n_prompt = sum(r.num_prompt_tokens for r in reqs[::n])
+            if body.stream:
+                include_usage = bool(body.stream_options and body.stream_options.include_usage)
+                stream = self._completion_stream(rid, merged, echo, body, n_prompt, include_usage, reqs)
+                return _HeldStream(stream, admission)
+            choices = [_Choice() for _ in reqs]
+            async for i, out in merged:
+                choices[i].add(out)
+        except BaseException:
+            admission.release()
+            raise
+        admission.release()
         result, n_tokens = [], 0
         for i, c in enumerate(choices):
             if body.echo_only:  # the one sampled token is not part of the answer

@@ -321,14 +321,60 @@ def test_api_key_wrong_via_sdk(secure_server):
 
 
 def test_open_paths_without_key(secure_server):
+    """Only paths of bounded work stay open (``OPEN_PATHS``); the tokenizer endpoints need the key."""
     url = secure_server.url
     assert httpx.get(url + "/health", timeout=10).status_code == 200
     assert httpx.get(url + "/version", timeout=10).json() == {"version": pagedllm.__version__}
     assert "pagedllm:num_requests_running" in httpx.get(url + "/metrics", timeout=10).text
-    t = tokenize(url, prompt="Hello world")
-    assert detokenize(url, t["tokens"]) == "Hello world"
-    # only /v1 itself and below are guarded, not paths that merely start with the letters
-    assert httpx.get(url + "/v1x", timeout=10).status_code == 404
+    assert "core_pid" in httpx.get(url + "/stats", timeout=10).json()
+    assert httpx.get(url + "/openapi.json", timeout=10).json()["info"]["title"] == "pagedllm"
+    for path, body in (("/tokenize", {"prompt": "Hello world"}), ("/detokenize", {"tokens": [1, 2]})):
+        r = httpx.post(url + path, json=body, timeout=10)
+        assert_openai_error(r, 401, None, None)
+    key = {"Authorization": f"Bearer {secure_server.api_key}"}
+    t = httpx.post(url + "/tokenize", json={"prompt": "Hello world"}, headers=key, timeout=10).json()
+    r = httpx.post(url + "/detokenize", json={"tokens": t["tokens"]}, headers=key, timeout=10)
+    assert r.json()["prompt"] == "Hello world"
+    # unknown paths are guarded too: no route is open by accident
+    assert httpx.get(url + "/v1x", timeout=10).status_code == 401
+    assert httpx.get(url + "/v1x", headers=key, timeout=10).status_code == 404
+
+
+def test_large_body_is_refused_while_health_answers(secure_server):
+    """A 10 MB body, with or without the key, gets its 413/401 while /health answers within 1 s."""
+    url = secure_server.url
+    big = b'{"prompt": "' + b"a" * 10_000_000 + b'"}'
+    results, latencies = {}, []
+
+    def send(name: str, headers: dict) -> None:
+        try:
+            r = httpx.post(url + "/tokenize", content=big, timeout=60,
+                           headers={"Content-Type": "application/json", **headers})
+            results[name] = (r.status_code, r.json()["error"]["code"])
+        except httpx.HTTPError as e:  # the server may close the connection after answering early
+            results[name] = (None, repr(e))
+
+    import threading
+    threads = [threading.Thread(target=send, args=("keyed", {"Authorization": f"Bearer {secure_server.api_key}"})),
+               threading.Thread(target=send, args=("anonymous", {}))]
+    for t in threads:
+        t.start()
+    while any(t.is_alive() for t in threads):
+        t0 = time.monotonic()
+        assert httpx.get(url + "/health", timeout=5).status_code == 200
+        latencies.append(time.monotonic() - t0)
+        time.sleep(0.05)
+    for t in threads:
+        t.join()
+    assert results["keyed"] in ((413, "request_too_large"),) or results["keyed"][0] is None, results
+    assert results["anonymous"] in ((401, None),) or results["anonymous"][0] is None, results
+    assert max(latencies, default=0) < 1.0, latencies
+    # the refusals are counted, and the server serves the next request as usual
+    metrics = httpx.get(url + "/metrics", timeout=10).text
+    assert 'pagedllm:num_requests_rejected_total{model_name="smollm2",reason="body_too_large"}' in metrics
+    r = httpx.post(url + "/tokenize", json={"prompt": "Hello"}, headers={"Authorization": "Bearer sk-test"},
+                   timeout=10)
+    assert r.status_code == 200
 
 
 # ---- CORS ---------------------------------------------------------------------------------
