@@ -178,6 +178,8 @@ class MPEngineCoreClient:
                 msg = self._recv(timeout_ms=500)
                 if isinstance(msg, CoreReady):
                     self.num_blocks, self.core_pid = msg.num_blocks, msg.pid
+                elif isinstance(msg, CoreOutputs):  # sent right after CoreReady: counters exist from the start
+                    self.stats = msg.stats
                     break
                 if time.monotonic() > deadline:
                     raise EngineDeadError(f"engine core not ready after {startup_timeout_s:.0f} s")

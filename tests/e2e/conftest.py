@@ -70,9 +70,9 @@ def max_model_len() -> int:
 
 
 @contextlib.contextmanager
-def _serve(log_dir: Path, extra_args: Sequence[str] = ()):
-    """Start ``pagedllm serve`` with the common test flags plus ``extra_args``; yield its
-    base URL (``http://127.0.0.1:PORT``) once ``/health`` answers 200; stop it on exit.
+def _serve_process(log_dir: Path, extra_args: Sequence[str] = ()):
+    """Start ``pagedllm serve`` with the common test flags plus ``extra_args``; yield
+    ``(base URL, Popen)`` once ``/health`` answers 200; stop it on exit (if it still runs).
 
     Fails the test if the server exits or is not healthy within ``STARTUP_TIMEOUT_S``.
     """
@@ -102,9 +102,16 @@ def _serve(log_dir: Path, extra_args: Sequence[str] = ()):
             if time.monotonic() > deadline:
                 pytest.fail(f"pagedllm serve not healthy after {STARTUP_TIMEOUT_S:.0f} s:\n{_tail(log)}")
             time.sleep(0.5)
-        yield url
+        yield url, proc
     finally:
         _stop(proc)
+
+
+@contextlib.contextmanager
+def _serve(log_dir: Path, extra_args: Sequence[str] = ()):
+    """As ``_serve_process``, yielding only the base URL (``http://127.0.0.1:PORT``)."""
+    with _serve_process(log_dir, extra_args) as (url, _):
+        yield url
 
 
 @pytest.fixture(scope="session")
@@ -130,3 +137,10 @@ def start_server():
     """The server context manager ``start_server(log_dir, extra_args)`` (yields the base URL),
     for modules that need a server of their own (tests cannot import conftest)."""
     return _serve
+
+
+@pytest.fixture(scope="session")
+def start_server_process():
+    """``start_server_process(log_dir, extra_args)`` yields ``(base URL, Popen)``, for tests that
+    signal the server or read its exit status."""
+    return _serve_process

@@ -25,9 +25,12 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_killed_core_ends_the_stream_with_an_error_and_fails_health(tmp_path, start_server):
-    """SIGKILL of the core mid-stream: the stream ends with an error event, /health answers 503."""
-    with start_server(tmp_path) as url:
+def test_killed_core_ends_the_stream_with_an_error_and_fails_health(tmp_path, start_server_process):
+    """SIGKILL of the core mid-stream: the stream ends with an error event, /health answers 503
+    with the gauges at 0, and then the server exits with status 1 (for a supervisor to restart
+    it), leaving no ipc socket files."""
+    before = _ipc_sockets()
+    with start_server_process(tmp_path) as (url, proc):
         pid = httpx.get(f"{url}/stats").json()["core_pid"]
         assert pid != os.getpid() and _alive(pid)
         body = {"prompt": "Tell me a long story.", "max_tokens": 2000, "ignore_eos": True, "stream": True}
@@ -45,6 +48,10 @@ def test_killed_core_ends_the_stream_with_an_error_and_fails_health(tmp_path, st
         assert httpx.get(f"{url}/health").status_code == 503
         r = httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
         assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+        stats = httpx.get(f"{url}/stats").json()
+        assert (stats["num_running"], stats["num_waiting"]) == (0, 0)
+        assert proc.wait(timeout=30) == 1
+    assert not (_ipc_sockets() - before)
 
 
 def _ipc_sockets() -> set[str]:
