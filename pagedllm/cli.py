@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
     s.add_argument("--max-waiting-requests", type=int, default=server_defaults.MAX_WAITING_REQUESTS,
                    help="requests that may wait beyond the --max-num-seqs running ones; past that a request "
-                        f"gets 503 with Retry-After (default {server_defaults.MAX_WAITING_REQUESTS}; each choice of n counts)")
+                        f"gets 429 with Retry-After (default {server_defaults.MAX_WAITING_REQUESTS}; each choice of n counts)")
     s.add_argument("--max-request-body-bytes", type=int, default=server_defaults.MAX_REQUEST_BODY_BYTES,
                    help=f"larger request bodies get 413 (default {server_defaults.MAX_REQUEST_BODY_BYTES}, 4 MiB)")
     s.add_argument("--shutdown-timeout", type=float, default=server_defaults.SHUTDOWN_TIMEOUT_S,

@@ -10,7 +10,7 @@ debugging and tests, ``GET /stats`` with the engine counters of
 
 A request whose client disconnects is aborted, streamed or not, so its KV
 blocks go back to the pool. ``server.guards`` bounds what one client can cost:
-body size (413), choices per request (400), requests in flight (503 with
+body size (413), choices per request (400), requests in flight (429 with
 ``Retry-After``); tokenizing and template rendering run off the event loop.
 """
 
@@ -170,7 +170,7 @@ def build_app(llm: AsyncLLM, model_name: str, chat_template: str | None = None, 
             split into reasoning, content and tool calls (see ``OpenAIServing``).
         max_request_body_bytes: larger bodies get 413 (``--max-request-body-bytes``).
         max_waiting_requests: engine requests that may wait beyond ``max_num_seqs`` running
-            ones before requests get 503 (``--max-waiting-requests``; ``None``: no bound).
+            ones before requests get 429 (``--max-waiting-requests``; ``None``: no bound).
     """
     app = FastAPI(title="pagedllm", version=pagedllm.__version__)
     rejections = RejectionCounter()

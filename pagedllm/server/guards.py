@@ -8,8 +8,10 @@
 * ``find_lone_surrogate``: JSON may carry ``"\\ud800"``, which no tokenizer or UTF-8 encoder takes;
   the request schemas refuse such strings with a 400 naming the field;
 * ``AdmissionControl``: a bound on the engine requests in flight (running plus waiting), past
-  which a request is refused with 503 and ``Retry-After`` (the status OpenAI's API gives for an
-  overloaded engine; its SDK retries it), and a bound on the choices one request may fan out to.
+  which a request is refused with 429 and ``Retry-After`` (OpenAI's API answers "The engine is
+  currently overloaded" with 429, and its SDK retries that after ``Retry-After``; a 429 also
+  tells a load balancer the server is alive, not failing), and a bound on the choices one
+  request may fan out to.
 
 All rejections are counted by reason for ``pagedllm:num_requests_rejected_total``.
 """
@@ -208,11 +210,11 @@ class AdmissionControl:
         """Reserve ``k`` slots; use as a context manager that releases them.
 
         Raises:
-            APIError: 503 with ``Retry-After`` when the slots are not free.
+            APIError: 429 with ``Retry-After`` when the slots are not free.
         """
         if self.max_in_flight is not None and self.in_flight + k > self.max_in_flight:
             self.rejections.inc("queue_full")
-            raise APIError(503, f"The server is overloaded: {self.in_flight} requests are in flight and "
+            raise APIError(429, f"The server is overloaded: {self.in_flight} requests are in flight and "
                            f"the limit is {self.max_in_flight} (--max-num-seqs plus --max-waiting-requests). "
                            f"Retry after {RETRY_AFTER_S} s.", type="server_overloaded", code="queue_full",
                            headers={"Retry-After": str(RETRY_AFTER_S)})

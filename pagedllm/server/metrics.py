@@ -18,7 +18,7 @@ Observed once per finished request (aborted requests are not observed):
 * counter ``pagedllm:request_success_total`` labelled ``finished_reason``.
 
 Counted by the front end: ``pagedllm:num_requests_rejected_total`` labelled ``reason``
-(``body_too_large`` for a 413, ``queue_full`` for a 503 of admission control).
+(``body_too_large`` for a 413, ``queue_full`` for a 429 of admission control).
 
 Every series carries a ``model_name`` label.
 """
@@ -90,7 +90,7 @@ class _RejectionCollector:
         """One counter family, every known reason exported (0 until it happens)."""
         counts = self.rejections.snapshot()
         c = CounterMetricFamily("pagedllm:num_requests_rejected", "Requests refused by the server's limits "
-                                "(413 body too large, 503 queue full), by reason.",
+                                "(413 body too large, 429 queue full), by reason.",
                                 labels=["model_name", "reason"])
         for reason in sorted(set(REJECTION_REASONS) | set(counts)):
             c.add_metric([self.model_name, reason], float(counts.get(reason, 0)))

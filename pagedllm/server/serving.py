@@ -314,7 +314,7 @@ class OpenAIServing:
         """Run a chat completion; returns a dict, or an async iterator of SSE lines when streaming.
 
         Raises:
-            APIError: 400 for invalid input, 404 for another model, 503 when overloaded.
+            APIError: 400 for invalid input, 404 for another model, 429 when overloaded, 503 when the engine is down.
         """
         self.check_model(body.model)
         params = self._params(body)
@@ -416,7 +416,7 @@ class OpenAIServing:
         """Run a (possibly multi-prompt, possibly ``n``-sample) completion; dict or SSE iterator.
 
         Raises:
-            APIError: 400 for invalid input, 404 for another model, 503 when overloaded.
+            APIError: 400 for invalid input, 404 for another model, 429 when overloaded, 503 when the engine is down.
         """
         self.check_model(body.model)
         params = self._params(body)

@@ -195,7 +195,7 @@ class _Stream:
             self.started.set()
 
 
-def test_requests_past_the_queue_limit_get_503_with_retry_after(small_server):
+def test_requests_past_the_queue_limit_get_429_with_retry_after(small_server):
     url, _ = small_server
     streams = [_Stream(url, LONG) for _ in range(3)]
     try:
@@ -209,11 +209,11 @@ def test_requests_past_the_queue_limit_get_503_with_retry_after(small_server):
             time.sleep(0.2)
         assert (stats["num_running"], stats["num_waiting"]) == (2, 1)
         r = httpx.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=30)
-        err = assert_error(r, 503, None, "queue_full")
+        err = assert_error(r, 429, None, "queue_full")
         assert err["type"] == "server_overloaded" and r.headers["retry-after"] == "1"
         r = httpx.post(url + "/v1/chat/completions", timeout=30,
                        json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
-        assert_error(r, 503, None, "queue_full")
+        assert_error(r, 429, None, "queue_full")
         metrics = httpx.get(url + "/metrics", timeout=10).text
         assert f'pagedllm:num_requests_rejected_total{{model_name="{MODEL_NAME}",reason="queue_full"}} 2.0' in metrics
     finally:

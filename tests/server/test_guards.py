@@ -64,7 +64,7 @@ def test_admission_control_counts_and_releases():
     a = control.admit(2)
     with pytest.raises(APIError) as e:
         control.admit(2)
-    assert e.value.status == 503 and e.value.headers == {"Retry-After": "1"} and e.value.code == "queue_full"
+    assert e.value.status == 429 and e.value.headers == {"Retry-After": "1"} and e.value.code == "queue_full"
     with control.admit(1):
         assert control.in_flight == 3
     a.release()

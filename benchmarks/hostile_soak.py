@@ -1,0 +1,311 @@
+"""Hostile-input soak: bad, huge and overloading requests against ``pagedllm serve``, while
+``/health`` and a small canary request are timed.
+
+What it does
+    Starts ``python -m pagedllm.cli serve --api-key KEY`` on a free port (the flags of
+    ``api_soak.py``: ``--num-kv-blocks``, ``--max-model-len``, ``--server-arg``), then runs
+    these phases one after another, each while a prober polls ``/health`` every 100 ms and a
+    canary sends a 4-token completion every second:
+
+    * ``big_bodies``: 10 MB bodies to ``/tokenize`` (without and with the key) and to
+      ``/v1/completions`` (expected 401 / 413), and 3 MB prompts, under the body limit but
+      far past what the context holds (expected 400 ``context_length_exceeded``);
+    * ``choice_bomb``: 100 prompts with ``n: 128`` and 129 prompts (expected 400);
+    * ``surrogates``: ``"\\ud800"`` in prompt, prompt lists, chat content, stop, model and
+      ``/tokenize`` (expected 400), on one keep-alive connection;
+    * ``integers``: ``stop_token_ids`` past 2**64, ``seed`` 2**64-1 with ``n: 2``, ``min_tokens``
+      1e30 and 2**40, ``"max_tokens": "10"`` (expected 400);
+    * ``burst``: ``--burst`` (500) concurrent 4-token completions (expected 200 or 429 with
+      ``Retry-After``, nothing else);
+    * ``disconnects``: 50 streams closed after their first token.
+
+    Afterwards the engine must be idle with every KV block free within 10 s.
+
+Reported per phase: answers by status, unexpected answers (a status the phase does not
+expect, a transport error, any 5xx), ``/health`` latency p50 / p99 / max and failures, canary
+latency p50 / max. The JSON goes to ``benchmarks/results/hostile_soak-<date>.json`` with the
+machine's CPU model and flags. Exit status 1 when any answer was unexpected, ``/health``
+failed or took over 1 s, or the pool check failed.
+
+Usage: python benchmarks/hostile_soak.py [--burst 500 --json-out PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from api_soak import start_server, stop_server  # noqa: E402
+
+from pagedllm.bench.metrics import machine_facts  # noqa: E402
+
+API_KEY = "sk-hostile"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
+
+
+@dataclass
+class Phase:
+    """The answers of one phase and the probes taken while it ran."""
+
+    name: str
+    statuses: dict = field(default_factory=dict)
+    unexpected: list = field(default_factory=list)
+    health_s: list = field(default_factory=list)
+    health_failures: int = 0
+    canary_s: list = field(default_factory=list)
+    canary_failures: int = 0
+
+    def record(self, what: str, status: int | None, expected: set[int], detail: str = "") -> None:
+        """Count one answer; keep it as unexpected when its status is not one of ``expected``."""
+        self.statuses[str(status)] = self.statuses.get(str(status), 0) + 1
+        if status not in expected or (status is not None and status >= 500):
+            self.unexpected.append(f"{what}: {status} {detail[:200]}")
+
+
+def _pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+async def _probe(url: str, phase: Phase, stop: asyncio.Event) -> None:
+    async with httpx.AsyncClient(timeout=5) as http:
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            try:
+                ok = (await http.get(url + "/health")).status_code == 200
+            except httpx.HTTPError:
+                ok = False
+            phase.health_s.append(time.perf_counter() - t0)
+            phase.health_failures += not ok
+            await asyncio.sleep(0.1)
+
+
+async def _canary(url: str, phase: Phase, stop: asyncio.Event) -> None:
+    async with httpx.AsyncClient(timeout=60, headers=AUTH) as http:
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            try:
+                r = await http.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 4, "temperature": 0})
+                ok = r.status_code in (200, 429)
+            except httpx.HTTPError:
+                ok = False
+            phase.canary_s.append(time.perf_counter() - t0)
+            phase.canary_failures += not ok
+            await asyncio.sleep(1.0)
+
+
+async def _post(http: httpx.AsyncClient, phase: Phase, what: str, path: str, expected: set[int], **kw) -> None:
+    try:
+        r = await http.post(path, **kw)
+        phase.record(what, r.status_code, expected, r.text)
+    except httpx.HTTPError as e:
+        phase.record(what, None, expected, repr(e))
+
+
+async def big_bodies(url: str, phase: Phase) -> None:
+    """10 MB bodies (401 without the key, 413 with it) and 3 MB prompts (400)."""
+    big = b'{"prompt": "' + b"a" * 10_000_000 + b'"}'
+    mid = {"prompt": "a" * 3_000_000}
+    async with httpx.AsyncClient(base_url=url, timeout=120) as http:
+        jobs = []
+        for _ in range(3):
+            jobs.append(_post(http, phase, "10MB /tokenize, no key", "/tokenize", {401}, content=big,
+                              headers={"Content-Type": "application/json"}))
+            jobs.append(_post(http, phase, "10MB /tokenize", "/tokenize", {413}, content=big,
+                              headers={"Content-Type": "application/json", **AUTH}))
+            jobs.append(_post(http, phase, "10MB completions", "/v1/completions", {413}, content=big,
+                              headers={"Content-Type": "application/json", **AUTH}))
+            jobs.append(_post(http, phase, "3MB prompt", "/v1/completions", {400}, json=mid, headers=AUTH))
+            jobs.append(_post(http, phase, "3MB chat", "/v1/chat/completions", {400}, headers=AUTH,
+                              json={"messages": [{"role": "user", "content": mid["prompt"]}]}))
+        await asyncio.gather(*jobs)
+
+
+async def choice_bomb(url: str, phase: Phase) -> None:
+    """Requests that would fan out to thousands of engine requests (400)."""
+    async with httpx.AsyncClient(base_url=url, timeout=60, headers=AUTH) as http:
+        await asyncio.gather(*[
+            _post(http, phase, "100 prompts x n=128", "/v1/completions", {400},
+                  json={"prompt": ["Hi"] * 100, "n": 128, "max_tokens": 4}),
+            _post(http, phase, "129 prompts", "/v1/completions", {400}, json={"prompt": ["Hi"] * 129}),
+            _post(http, phase, "n=129", "/v1/completions", {400}, json={"prompt": "Hi", "n": 129})])
+
+
+SURROGATE_BODIES = [
+    ("/v1/completions", '{"prompt": "a\\ud800", "max_tokens": 1}'),
+    ("/v1/completions", '{"prompt": ["ok", "\\udfff"], "max_tokens": 1}'),
+    ("/v1/completions", '{"prompt": "hi", "stop": ["\\ud800"], "max_tokens": 1}'),
+    ("/v1/completions", '{"prompt": "hi", "model": "\\ud800"}'),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "x\\ud800"}]}'),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udc00"}]}]}'),
+    ("/tokenize", '{"prompt": "\\ud800"}'),
+    ("/tokenize", '{"messages": [{"role": "user", "content": "\\ud800"}]}'),
+]
+
+
+async def surrogates(url: str, phase: Phase) -> None:
+    """Lone surrogates in every string field (400), all on one keep-alive connection."""
+    limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
+    async with httpx.AsyncClient(base_url=url, timeout=60, headers={**AUTH, "Content-Type": "application/json"},
+                                 limits=limits) as http:
+        for _ in range(3):
+            for path, body in SURROGATE_BODIES:
+                await _post(http, phase, f"surrogate {path}", path, {400}, content=body.encode())
+            await _post(http, phase, "valid after surrogates", "/v1/completions", {200},
+                        content=b'{"prompt": "Hi", "max_tokens": 1}')
+
+
+INTEGER_FIELDS = [{"stop_token_ids": [2**64]}, {"seed": 2**64 - 1, "n": 2}, {"min_tokens": 1e30, "max_tokens": None},
+                  {"min_tokens": 2**40, "max_tokens": None}, {"max_tokens": "10"}, {"logprobs": 10**30}]
+
+
+async def integers(url: str, phase: Phase) -> None:
+    """Integers past what the core can carry, and numbers as strings (400)."""
+    async with httpx.AsyncClient(base_url=url, timeout=60, headers=AUTH) as http:
+        await asyncio.gather(*[_post(http, phase, f"integers {f}", "/v1/completions", {400},
+                                     json={"prompt": "Hi", "max_tokens": 2, **f}) for f in INTEGER_FIELDS])
+
+
+async def burst(url: str, phase: Phase, n: int) -> None:
+    """``n`` concurrent small completions: each is served (200) or refused with 429 + Retry-After."""
+    limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
+    async with httpx.AsyncClient(base_url=url, timeout=600, headers=AUTH, limits=limits) as http:
+        async def one(i: int) -> None:
+            try:
+                r = await http.post("/v1/completions", json={"prompt": f"Story {i}:", "max_tokens": 4})
+                ok = r.status_code == 200 or (r.status_code == 429 and r.headers.get("retry-after"))
+                phase.record("burst", r.status_code, {200, 429} if ok else {200}, r.text)
+            except httpx.HTTPError as e:
+                phase.record("burst", None, {200, 429}, repr(e))
+        await asyncio.gather(*[one(i) for i in range(n)])
+
+
+async def disconnects(url: str, phase: Phase) -> None:
+    """50 streams that hang up after their first token."""
+    async with httpx.AsyncClient(base_url=url, timeout=120, headers=AUTH) as http:
+        async def one(i: int) -> None:
+            try:
+                async with http.stream("POST", "/v1/completions", json={
+                        "prompt": f"Tale {i}", "max_tokens": 500, "ignore_eos": True, "stream": True}) as r:
+                    phase.record("disconnect storm", r.status_code, {200, 429})
+                    async for _ in r.aiter_lines():
+                        break
+            except httpx.HTTPError as e:
+                phase.record("disconnect storm", None, {200, 429}, repr(e))
+        await asyncio.gather(*[one(i) for i in range(50)])
+
+
+async def run_phase(url: str, name: str, body) -> Phase:
+    phase = Phase(name)
+    stop = asyncio.Event()
+    probes = [asyncio.create_task(_probe(url, phase, stop)), asyncio.create_task(_canary(url, phase, stop))]
+    t0 = time.perf_counter()
+    await body(phase)
+    stop.set()
+    await asyncio.gather(*probes)
+    print(f"{name:<12} {time.perf_counter() - t0:6.1f} s  statuses {phase.statuses}  unexpected "
+          f"{len(phase.unexpected)}  /health max {max(phase.health_s, default=0) * 1000:.0f} ms", flush=True)
+    return phase
+
+
+async def pool_check(url: str, timeout_s: float = 10.0) -> dict:
+    """Wait until no request runs or waits and every KV block is free."""
+    deadline = time.perf_counter() + timeout_s
+    async with httpx.AsyncClient(timeout=10) as http:
+        while True:
+            s = (await http.get(url + "/stats")).json()
+            idle = s["num_running"] == 0 and s["num_waiting"] == 0 and s["num_free_blocks"] == s["num_blocks"]
+            if idle or time.perf_counter() > deadline:
+                return {"idle": idle, "num_free_blocks": s["num_free_blocks"], "num_blocks": s["num_blocks"]}
+            await asyncio.sleep(0.2)
+
+
+async def soak(url: str, args) -> dict:
+    phases = []
+    for name, fn in (("big_bodies", big_bodies), ("choice_bomb", choice_bomb), ("surrogates", surrogates),
+                     ("integers", integers), ("burst", lambda u, p: burst(u, p, args.burst)),
+                     ("disconnects", disconnects)):
+        phases.append(await run_phase(url, name, lambda p, fn=fn: fn(url, p)))
+    pool = await pool_check(url)
+    async with httpx.AsyncClient(timeout=10) as http:
+        metrics = (await http.get(url + "/metrics")).text
+    rejected = {line.split('reason="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
+                for line in metrics.splitlines() if line.startswith("pagedllm:num_requests_rejected_total{")}
+    return {"phases": phases, "pool": pool, "rejected": rejected}
+
+
+def _cpu_flags() -> list[str]:
+    try:
+        flags = next(ln.split(":", 1)[1].split() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                     if ln.startswith("flags"))
+    except (OSError, StopIteration):
+        return []
+    return [f for f in CPU_FLAGS if f in flags]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--burst", type=int, default=500, help="concurrent requests of the burst phase")
+    p.add_argument("--num-kv-blocks", type=int, default=512)
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--server-arg", action="append", default=[], help="extra flag for pagedllm serve (repeatable)")
+    p.add_argument("--startup-timeout", type=float, default=180.0)
+    p.add_argument("--json-out", default=None)
+    args = p.parse_args()
+    args.model_name = "smollm2"
+    args.server_arg = ["--api-key", API_KEY, *args.server_arg]
+    try:
+        proc, url, log = start_server(args)
+    except RuntimeError as e:
+        print(e, file=sys.stderr)
+        return 2
+    try:
+        res = asyncio.run(soak(url, args))
+    finally:
+        stop_server(proc)
+    phases = res["phases"]
+    health = [x for ph in phases for x in ph.health_s]
+    report = {
+        "machine": {**machine_facts(), "cpu_flags": _cpu_flags()},
+        "server_args": args.server_arg[2:], "burst": args.burst,
+        "phases": [{"name": ph.name, "statuses": ph.statuses, "unexpected": ph.unexpected,
+                    "health_p50_ms": _ms(_pct(ph.health_s, 0.5)), "health_p99_ms": _ms(_pct(ph.health_s, 0.99)),
+                    "health_max_ms": _ms(max(ph.health_s, default=None)), "health_failures": ph.health_failures,
+                    "canary_p50_s": _pct(ph.canary_s, 0.5), "canary_max_s": max(ph.canary_s, default=None),
+                    "canary_failures": ph.canary_failures} for ph in phases],
+        "num_5xx": sum(n for ph in phases for s, n in ph.statuses.items() if s.isdigit() and int(s) >= 500),
+        "num_unexpected": sum(len(ph.unexpected) for ph in phases),
+        "health_max_ms": _ms(max(health, default=None)), "health_p99_ms": _ms(_pct(health, 0.99)),
+        "rejected_metric": res["rejected"], "pool": res["pool"],
+    }
+    ok = (report["num_unexpected"] == 0 and report["num_5xx"] == 0 and res["pool"]["idle"]
+          and not any(ph.health_failures for ph in phases) and (report["health_max_ms"] or 0) < 1000)
+    report["passed"] = ok
+    out = Path(args.json_out or Path(__file__).resolve().parent / "results" /
+               f"hostile_soak-{datetime.date.today().isoformat()}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"5xx: {report['num_5xx']}  unexpected: {report['num_unexpected']}  /health p99 "
+          f"{report['health_p99_ms']} ms, max {report['health_max_ms']} ms  pool idle: {res['pool']['idle']}  "
+          f"rejections: {res['rejected']}\nresult: {out}")
+    return 0 if ok else 1
+
+
+def _ms(x: float | None) -> float | None:
+    return None if x is None else round(x * 1000, 1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
