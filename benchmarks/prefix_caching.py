@@ -46,7 +46,7 @@ def run(llm: LLM, prompts, params) -> dict:
     outs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - t0
     s1 = llm.engine.get_stats()
-    ttft = [o.metrics["first_token"] - o.metrics["arrival"] for o in outs]
+    ttft = [o.metrics.first_token_time - o.metrics.arrival_time for o in outs]
     queries = s1["prefix_cache_queries"] - s0["prefix_cache_queries"]
     hits = s1["prefix_cache_hits"] - s0["prefix_cache_hits"]
     return {"mean_ttft_s": statistics.mean(ttft), "median_ttft_s": statistics.median(ttft), "wall_s": wall,

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+from pagedllm.stats import RequestMetrics
 
 
 @dataclass
@@ -63,9 +65,8 @@ class RequestOutput:
         prompt_logprobs: with ``SamplingParams.prompt_logprobs``, one entry per prompt
             token, ``None`` for the first (it has no context); else ``None``.
         finished: True when every output has finished.
-        metrics: timings in seconds since the epoch (``arrival``, ``first_token``, and
-            ``finished`` once finished) and token counts (``num_prompt_tokens``,
-            ``num_generation_tokens`` so far).
+        metrics: a ``RequestMetrics``: arrival, first-token and (once finished) finish
+            times in seconds since the epoch, and the prompt and output token counts.
     """
 
     request_id: str
@@ -73,5 +74,5 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool = False
-    metrics: dict[str, float] = field(default_factory=dict)
+    metrics: RequestMetrics | None = None
     prompt_logprobs: list[PositionLogprobs | None] | None = None

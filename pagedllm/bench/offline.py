@@ -81,7 +81,7 @@ def throughput_main(args) -> dict:
     try:
         requests = load_requests(args, llm.get_tokenizer())
         res = run_throughput(llm, requests)
-        res["cpu_kernels"] = llm.engine.get_stats().get("cpu_kernels")
+        res["cpu_kernels"] = llm.engine.get_stats().cpu_kernels
     finally:
         llm.engine.shutdown()
     print(f"Throughput: {res['requests_per_s']:.2f} requests/s, {res['total_token_throughput']:.2f} total tokens/s, "
@@ -96,7 +96,7 @@ def latency_main(args) -> dict:
     try:
         batch = random_requests(llm.get_tokenizer(), args.batch_size, args.input_len, args.output_len, args.seed)
         res = run_latency(llm, batch, args.num_iters, args.num_iters_warmup)
-        res["cpu_kernels"] = llm.engine.get_stats().get("cpu_kernels")
+        res["cpu_kernels"] = llm.engine.get_stats().cpu_kernels
     finally:
         llm.engine.shutdown()
     print(f"Avg latency: {res['avg_latency_s']:.4f} seconds")

@@ -15,10 +15,13 @@ import queue
 import threading
 from typing import AsyncIterator
 
+import msgspec
+
 from pagedllm.engine.core_client import EngineDeadError  # re-exported: the server imports it from here
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.outputs import RequestOutput
 from pagedllm.request import Request
+from pagedllm.stats import SchedulerStats
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +44,7 @@ class AsyncLLM:
         self._lock = threading.Lock()
         self.errored: BaseException | None = None
         self._stop = threading.Event()
-        self._stats: dict = engine.get_stats()
+        self._stats: SchedulerStats = engine.get_stats()
         self._finished_callbacks: list = []
         self._thread = threading.Thread(target=self._loop, name="pagedllm-engine", daemon=True)
         self._thread.start()
@@ -51,14 +54,14 @@ class AsyncLLM:
         """True while the engine thread (and the core process, if any) runs without error."""
         return self.errored is None and self._thread.is_alive() and self.engine.is_alive()
 
-    def get_stats(self) -> dict:
+    def get_stats(self) -> SchedulerStats:
         """Engine counters as of the last step (see ``LLMEngine.get_stats``)."""
-        return dict(self._stats)
+        return self._stats
 
     def add_finished_callback(self, fn) -> None:
         """Call ``fn(output)`` in the engine thread for every request that finishes
-        (not for aborts). ``output.metrics`` then holds ``arrival``, ``first_token``,
-        ``finished`` (seconds since the epoch) and ``num_generation_tokens``.
+        (not for aborts). ``output.metrics`` is then a ``RequestMetrics`` with its
+        finish time set.
         Exceptions from ``fn`` are logged and ignored."""
         self._finished_callbacks.append(fn)
 
@@ -107,7 +110,7 @@ class AsyncLLM:
             else:
                 logger.exception("engine loop crashed")
             # nothing runs or waits any more: gauges must not keep the last step's values
-            self._stats = {**self._stats, "num_running": 0, "num_waiting": 0, "kv_cache_usage": 0.0}
+            self._stats = msgspec.structs.replace(self._stats, num_running=0, num_waiting=0, kv_cache_usage=0.0)
             self.errored = e
             with self._lock:
                 rids = list(self._streams)

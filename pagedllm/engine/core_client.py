@@ -28,6 +28,7 @@ from pagedllm.config import EngineArgs
 from pagedllm.core.scheduler_output import EngineCoreOutput
 from pagedllm.request import Request, RequestStatus
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.stats import SchedulerStats
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +63,7 @@ class CoreOutputs(msgspec.Struct, tag="outputs"):
     """One step's results (possibly none) and the core's counters after it."""
 
     outputs: list[EngineCoreOutput]
-    stats: dict
+    stats: SchedulerStats
 
 
 class CoreReady(msgspec.Struct, tag="ready"):
@@ -171,7 +172,7 @@ class MPEngineCoreClient:
             target=run_engine_core, name="pagedllm-engine-core", daemon=True,
             args=(args, str(model_dir), max_model_len, set(eos_token_ids), in_addr, out_addr, os.getpid()))
         self.proc.start()
-        self.stats: dict = {}
+        self.stats = SchedulerStats()
         deadline = time.monotonic() + startup_timeout_s
         try:
             while True:

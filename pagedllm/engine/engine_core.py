@@ -14,7 +14,7 @@ runner feeds each sampled token into the next step itself.
 Each step's phases are timed (seconds, ``time.perf_counter``): scheduling,
 input preparation, model execution (forward and sampling), result handling,
 and the idle gap between the end of one execution and the start of the next
-(what the device waits for). ``get_stats()["step_timings"]`` reports totals,
+(what the device waits for). ``get_stats().step_timings`` reports totals,
 means per step and the idle fraction ``idle / (idle + execute)``.
 """
 
@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 
@@ -31,25 +32,35 @@ from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.scheduler_output import EngineCoreOutput
 from pagedllm.request import Request, RequestStatus
+from pagedllm.stats import SchedulerStats, StepTimings
 from pagedllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
-PHASES = ("schedule", "prepare", "execute", "sample", "update", "idle")
+@dataclass(slots=True)
+class PhaseTotals:
+    """Seconds spent in each step phase so far (slots: a misspelt phase raises ``AttributeError``)."""
+
+    schedule: float = 0.0
+    prepare: float = 0.0
+    execute: float = 0.0
+    sample: float = 0.0
+    update: float = 0.0
+    idle: float = 0.0
 
 
 class StepTimer:
-    """Accumulates per-phase step times (seconds)."""
+    """Accumulates per-phase step times (seconds, ``time.perf_counter``) in ``totals``."""
 
     def __init__(self) -> None:
-        self.totals = dict.fromkeys(PHASES, 0.0)
+        self.totals = PhaseTotals()
         self.steps = 0
         self._last_exec_end: float | None = None
 
     def exec_started(self, now: float) -> None:
         """The device starts a step: the time since the previous one ended was idle."""
         if self._last_exec_end is not None:
-            self.totals["idle"] += now - self._last_exec_end
+            self.totals.idle += now - self._last_exec_end
 
     def exec_ended(self, now: float) -> None:
         """The device finished a step."""
@@ -59,14 +70,16 @@ class StepTimer:
         """No work is queued: waiting for requests is not an idle gap between steps."""
         self._last_exec_end = None
 
-    def summary(self) -> dict:
+    def summary(self) -> StepTimings:
         """Totals and per-step means (seconds) and ``idle_fraction`` of device time."""
-        busy = self.totals["execute"] + self.totals["sample"]
-        out = {f"{k}_s": v for k, v in self.totals.items()}
-        out.update({f"mean_{k}_s": v / self.steps for k, v in self.totals.items()} if self.steps else {})
-        out["steps"] = self.steps
-        out["idle_fraction"] = self.totals["idle"] / (self.totals["idle"] + busy) if busy else 0.0
-        return out
+        t, n = self.totals, self.steps
+        busy = t.execute + t.sample
+        per = (lambda v: v / n) if n else (lambda v: 0.0)
+        return StepTimings(schedule_s=t.schedule, prepare_s=t.prepare, execute_s=t.execute, sample_s=t.sample,
+                           update_s=t.update, idle_s=t.idle, mean_schedule_s=per(t.schedule),
+                           mean_prepare_s=per(t.prepare), mean_execute_s=per(t.execute),
+                           mean_sample_s=per(t.sample), mean_update_s=per(t.update), mean_idle_s=per(t.idle),
+                           steps=n, idle_fraction=t.idle / (t.idle + busy) if busy else 0.0)
 
 
 class EngineCore:
@@ -106,7 +119,7 @@ class EngineCore:
             max_num_reqs=args.max_num_seqs, max_model_len=max_model_len, executor=self._exec).result()
         self.async_scheduling = args.async_scheduling
         self._in_flight = None  # (SchedulerOutput, StepHandle) issued but not yet applied
-        self.stats = {"num_prompt_tokens": 0, "num_generation_tokens": 0, "num_steps": 0, "max_num_running": 0}
+        self.num_prompt_tokens = self.num_generation_tokens = self.num_steps = self.max_num_running = 0
         self.timer = StepTimer()
         from pagedllm.kernels import cpu as cpu_kernels
         # whether steps use the C CPU kernels (reported in the stats: a served core logs in its own process)
@@ -122,7 +135,7 @@ class EngineCore:
         if req.request_id in self.scheduler.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         self.scheduler.add_request(req)
-        self.stats["num_prompt_tokens"] += req.num_prompt_tokens
+        self.num_prompt_tokens += req.num_prompt_tokens
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
         """End requests (abort, or a stop string found by the front end); their blocks are freed now."""
@@ -142,7 +155,7 @@ class EngineCore:
         """
         t0 = time.perf_counter()
         so = self.scheduler.schedule()
-        self.timer.totals["schedule"] += time.perf_counter() - t0
+        self.timer.totals.schedule += time.perf_counter() - t0
         if so.is_empty and self._in_flight is None:
             self.timer.pause()
         handle = self.runner.execute(so, self.timer, non_blocking=self.async_scheduling)
@@ -158,11 +171,11 @@ class EngineCore:
         runner_out = handle.result()
         t2 = time.perf_counter()
         core_outputs = self.scheduler.update_from_output(so, runner_out)
-        self.timer.totals["update"] += time.perf_counter() - t2
+        self.timer.totals.update += time.perf_counter() - t2
         self.timer.steps += 1
-        self.stats["num_steps"] += 1
-        self.stats["max_num_running"] = max(self.stats["max_num_running"], len(so.num_scheduled_tokens))
-        self.stats["num_generation_tokens"] += sum(len(o.new_token_ids) for o in core_outputs)
+        self.num_steps += 1
+        self.max_num_running = max(self.max_num_running, len(so.num_scheduled_tokens))
+        self.num_generation_tokens += sum(len(o.new_token_ids) for o in core_outputs)
         if not self.has_unfinished_requests():
             self.timer.pause()
         return core_outputs
@@ -174,21 +187,15 @@ class EngineCore:
             self._in_flight = None
         self._exec.shutdown(wait=True)
 
-    def get_stats(self) -> dict:
-        """Counters: running/waiting requests, KV usage (fraction), preemptions, token totals, step timings,
-        and ``cpu_kernels`` (True when steps use the C CPU kernels).
-
-        ``max_num_running`` is the most requests scheduled together in one step so far.
-        """
+    def get_stats(self) -> SchedulerStats:
+        """The counters now (see ``SchedulerStats``); ``max_num_running`` is the most requests
+        scheduled together in one step so far."""
         kv = self.kv_cache_manager
-        return {**self.stats,
-                "num_running": len(self.scheduler.running),
-                "num_waiting": len(self.scheduler.waiting),
-                "kv_cache_usage": kv.usage(),
-                "num_free_blocks": kv.num_free_blocks,
-                "num_blocks": self.num_blocks,
-                "num_preemptions": self.scheduler.num_preemptions,
-                "prefix_cache_queries": kv.prefix_cache_queries,
-                "prefix_cache_hits": kv.prefix_cache_hits,
-                "cpu_kernels": self.cpu_kernels,
-                "step_timings": self.timer.summary()}
+        return SchedulerStats(num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+                              kv_cache_usage=kv.usage(), num_free_blocks=kv.num_free_blocks,
+                              num_blocks=self.num_blocks, num_preemptions=self.scheduler.num_preemptions,
+                              prefix_cache_queries=kv.prefix_cache_queries, prefix_cache_hits=kv.prefix_cache_hits,
+                              num_prompt_tokens=self.num_prompt_tokens,
+                              num_generation_tokens=self.num_generation_tokens, num_steps=self.num_steps,
+                              max_num_running=self.max_num_running, cpu_kernels=self.cpu_kernels,
+                              step_timings=self.timer.summary())

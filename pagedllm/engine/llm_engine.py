@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 import time
+
+import msgspec
 from pathlib import Path
 
 from pagedllm.config import EngineArgs
@@ -18,6 +20,7 @@ from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.outputs import RequestOutput
 from pagedllm.request import Request, RequestStatus
 from pagedllm.sampling_params import SamplingParamError, SamplingParams
+from pagedllm.stats import SchedulerStats
 
 logger = logging.getLogger(__name__)
 
@@ -100,9 +103,9 @@ class LLMEngine:
         return self.core.runner
 
     @property
-    def stats(self) -> dict:
-        """The core's token and step counters."""
-        return self.core.stats if self.core is not None else self.get_stats()
+    def stats(self) -> SchedulerStats:
+        """The core's counters (same as ``get_stats()``)."""
+        return self.get_stats()
 
     def _eos_ids(self) -> set[int]:
         ids = self.generation_config.get("eos_token_id", self.hf_config.eos_token_id)
@@ -244,9 +247,9 @@ class LLMEngine:
             self._finish(stopped, RequestStatus.FINISHED_STOPPED)
         return outputs
 
-    def get_stats(self) -> dict:
+    def get_stats(self) -> SchedulerStats:
         """The core's counters (see ``EngineCore.get_stats``); with a core process, as of its
-        last message, plus ``core_pid``."""
+        last message, with ``core_pid`` set."""
         if self.core is not None:
             return self.core.get_stats()
-        return {**self.client.stats, "core_pid": self.client.core_pid}
+        return msgspec.structs.replace(self.client.stats, core_pid=self.client.core_pid)

@@ -12,6 +12,7 @@ from pagedllm.core.scheduler_output import EngineCoreOutput
 from pagedllm.engine.detokenizer import IncrementalDetokenizer, token_texts
 from pagedllm.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.stats import RequestMetrics
 from pagedllm.worker.sampler import TokenLogprobs
 
 
@@ -152,10 +153,9 @@ class OutputProcessor:
                 text, toks = st.detok.output_text[:st.detok.sent_offset], list(st.token_ids)
                 lps = None if lps is None else list(lps)
             comp = CompletionOutput(0, text, toks, finish_reason, stop_reason, lps)
-            metrics = {"arrival": st.arrival, "first_token": st.first_token_time or now,
-                       "num_prompt_tokens": len(st.prompt_token_ids), "num_generation_tokens": len(st.token_ids)}
+            metrics = RequestMetrics(st.arrival, st.first_token_time or now, now if finished else None,
+                                     len(st.prompt_token_ids), len(st.token_ids))
             if finished:
-                metrics["finished"] = now
                 del self.states[eo.request_id]
             # prompt logprobs go out once, with the first output that carries tokens
             plp = None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 from typing import Sequence
 
+import msgspec
 from tqdm import tqdm
 
 from pagedllm.config import EngineArgs
@@ -133,7 +134,7 @@ def merge_samples(request_id: str, children: list[RequestOutput]) -> RequestOutp
         comp = child.outputs[0]
         comp.index = i
         outputs.append(comp)
-    metrics = dict(first.metrics)
-    metrics["num_generation_tokens"] = sum(c.metrics.get("num_generation_tokens", 0) for c in children)
+    metrics = msgspec.structs.replace(first.metrics, num_generation_tokens=sum(
+        c.metrics.num_generation_tokens for c in children))
     return RequestOutput(request_id, first.prompt, first.prompt_token_ids, outputs,
                          all(c.finished for c in children), metrics, first.prompt_logprobs)

@@ -36,10 +36,12 @@ from pagedllm.server.errors import APIError, validation_error
 from pagedllm.server.guards import (AdmissionControl, BodySizeLimitMiddleware, CatchAllMiddleware,
                                     RejectionCounter)
 from pagedllm.server.metrics import ServerMetrics
-from pagedllm.server.protocol import ChatCompletionRequest, CompletionRequest, now
-from pagedllm.server.protocol_extra import (DetokenizeRequest, DetokenizeResponse, TokenizeChatRequest,
-                                            TokenizeRequest, TokenizeResponse)
-from pagedllm.server.serving import OpenAIServing
+from pagedllm.server.base import ServingContext
+from pagedllm.server.chat import OpenAIServingChat
+from pagedllm.server.completions import OpenAIServingCompletion
+from pagedllm.server.protocol import ChatCompletionRequest, CompletionRequest
+from pagedllm.server.protocol_extra import DetokenizeRequest, TokenizeRequest
+from pagedllm.server.tokenize import OpenAIServingTokenization
 
 logger = logging.getLogger(__name__)
 
@@ -133,20 +135,6 @@ class _APIKeyMiddleware:
         await resp(scope, receive, send)
 
 
-def _special_affixes(tokenizer) -> tuple[list[int], list[int]]:
-    """The ids ``encode(..., add_special_tokens=True)`` puts before and after a text's own ids.
-
-    Found by encoding a probe both ways, because the rendered chat comes back as
-    ids and this tokenizer backend has no ``build_inputs_with_special_tokens``.
-    """
-    bare = tokenizer.encode("a", add_special_tokens=False)
-    full = tokenizer.encode("a", add_special_tokens=True)
-    for i in range(len(full) - len(bare) + 1):
-        if full[i:i + len(bare)] == bare:
-            return full[:i], full[i + len(bare):]
-    return [], []  # a post-processor that rewrites the text ids: add nothing rather than guess
-
-
 def build_app(llm: AsyncLLM, model_name: str, chat_template: str | None = None, *,
               api_key: str | None = None, allowed_origins: Sequence[str] = ("*",),
               allowed_methods: Sequence[str] = ("*",), allowed_headers: Sequence[str] = ("*",),
@@ -175,8 +163,10 @@ def build_app(llm: AsyncLLM, model_name: str, chat_template: str | None = None, 
     app = FastAPI(title="pagedllm", version=pagedllm.__version__)
     rejections = RejectionCounter()
     max_in_flight = None if max_waiting_requests is None else llm.engine.args.max_num_seqs + max_waiting_requests
-    serving = OpenAIServing(llm, model_name, chat_template, reasoning_parser, tool_call_parser,
-                            enable_auto_tool_choice, AdmissionControl(max_in_flight, rejections))
+    ctx = ServingContext(llm, model_name, AdmissionControl(max_in_flight, rejections))
+    chat_serving = OpenAIServingChat(ctx, chat_template, reasoning_parser, tool_call_parser, enable_auto_tool_choice)
+    completion_serving = OpenAIServingCompletion(ctx)
+    tokenization = OpenAIServingTokenization(ctx, chat_serving)
     metrics = ServerMetrics(llm, model_name, rejections)
     app.state.llm = llm
     app.state.metrics = metrics
@@ -190,8 +180,6 @@ def build_app(llm: AsyncLLM, model_name: str, chat_template: str | None = None, 
     # can then read the error), and preflights are answered before the key check
     app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=list(allowed_methods),
                        allow_headers=list(allowed_headers), allow_credentials=allow_credentials)
-    tokenizer = serving.tokenizer
-    special_prefix, special_suffix = _special_affixes(tokenizer)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -222,14 +210,12 @@ def build_app(llm: AsyncLLM, model_name: str, chat_template: str | None = None, 
     @app.get("/v1/models")
     async def models() -> dict:
         """The served model, in the OpenAI ``/v1/models`` list shape (``max_model_len`` in tokens)."""
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": now(),
-                                            "owned_by": "pagedllm", "root": str(llm.engine.model_dir),
-                                            "max_model_len": llm.engine.max_model_len}]}
+        return ctx.model_list()
 
     @app.get("/stats")
     async def stats() -> dict:
         """Debugging aid: the engine counters as of the last step (see ``LLMEngine.get_stats``)."""
-        return llm.get_stats()
+        return llm.get_stats().to_dict()
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
@@ -244,42 +230,14 @@ def build_app(llm: AsyncLLM, model_name: str, chat_template: str | None = None, 
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:
-        """Token ids of a prompt, or of a conversation rendered as ``/v1/chat/completions`` renders it.
-
-        Returns ``{"count", "max_model_len", "tokens", "token_strs"}`` (vLLM's shape;
-        ``count`` and ``max_model_len`` in tokens, ``token_strs`` null unless
-        ``return_token_strs``). A text too long to fit the context whatever its tokens is
-        refused before tokenizing. 400 for a bad body or a template error, 404 for an
-        unknown model, 503 once the engine has died.
-        """
-        serving.check_model(body.model)
-        if isinstance(body, TokenizeChatRequest):
-            chat_body = ChatCompletionRequest(messages=body.messages,
-                                              add_generation_prompt=body.add_generation_prompt,
-                                              chat_template_kwargs=body.chat_template_kwargs, tools=body.tools)
-            ids = await serving.offload(serving.render_chat, chat_body)
-            if body.add_special_tokens:
-                ids = special_prefix + ids + special_suffix
-        else:
-            ids = await serving.offload(serving.encode, body.prompt, "prompt", body.add_special_tokens)
-        strs = await serving.offload(tokenizer.convert_ids_to_tokens, ids) if body.return_token_strs else None
-        return TokenizeResponse(count=len(ids), max_model_len=llm.engine.max_model_len, tokens=ids,
-                                token_strs=strs).model_dump()
+        """Token ids of a prompt, or of a conversation rendered as ``/v1/chat/completions`` renders it
+        (vLLM's shape; see ``OpenAIServingTokenization.tokenize``)."""
+        return await tokenization.tokenize(body)
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict:
-        """``{"prompt": text}`` of token ids, special tokens included (vLLM's shape).
-
-        400 with param ``tokens`` for an id outside the tokenizer's vocabulary,
-        404 for an unknown model, 503 once the engine has died.
-        """
-        serving.check_model(body.model)
-        vocab = len(tokenizer)
-        for i, t in enumerate(body.tokens):
-            if not 0 <= t < vocab:
-                raise APIError(400, f"tokens[{i}]: token id {t} is out of vocabulary (valid ids are 0 to "
-                               f"{vocab - 1})", "tokens", code="invalid_value")
-        return DetokenizeResponse(prompt=await serving.offload(tokenizer.decode, body.tokens)).model_dump()
+        """``{"prompt": text}`` of token ids, special tokens included (vLLM's shape)."""
+        return await tokenization.detokenize(body)
 
     async def respond(request: Request, coro):
         result = await _unless_disconnected(request, coro)
@@ -293,11 +251,11 @@ def build_app(llm: AsyncLLM, model_name: str, chat_template: str | None = None, 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
         """OpenAI Chat Completions; SSE when ``stream`` is true. 400/404/503 as OpenAI error bodies."""
-        return await respond(request, serving.chat(body))
+        return await respond(request, chat_serving.chat(body))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         """OpenAI (legacy) Completions; SSE when ``stream`` is true. 400/404/503 as OpenAI error bodies."""
-        return await respond(request, serving.completion(body))
+        return await respond(request, completion_serving.completion(body))
 
     return app

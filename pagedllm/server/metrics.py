@@ -41,7 +41,7 @@ TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                240.0, 480.0, 960.0, 1920.0, 7680.0)
 
-# (metric name, get_stats key, help text)
+# (metric name, SchedulerStats field, help text); a field renamed there fails here, loudly
 _GAUGES = (
     ("pagedllm:num_requests_running", "num_running", "Number of requests scheduled in the engine."),
     ("pagedllm:num_requests_waiting", "num_waiting", "Number of requests waiting to be scheduled."),
@@ -65,15 +65,15 @@ class _EngineStatsCollector:
         self.model_name = model_name
 
     def collect(self) -> Iterator[Metric]:
-        """Yield one family per engine stat (missing keys read as 0)."""
+        """Yield one family per engine stat (``AttributeError`` for a field ``SchedulerStats`` lacks)."""
         stats = self.llm.get_stats()
         for name, key, doc in _GAUGES:
             g = GaugeMetricFamily(name, doc, labels=["model_name"])
-            g.add_metric([self.model_name], float(stats.get(key, 0)))
+            g.add_metric([self.model_name], float(getattr(stats, key)))
             yield g
         for name, key, doc in _COUNTERS:
             c = CounterMetricFamily(name, doc, labels=["model_name"])
-            c.add_metric([self.model_name], float(stats.get(key, 0)))
+            c.add_metric([self.model_name], float(getattr(stats, key)))
             yield c
 
 
@@ -136,19 +136,18 @@ class ServerMetrics:
     def observe_finished(self, out: RequestOutput) -> None:
         """Record one finished request (called in the engine thread; prometheus-client is thread-safe).
 
-        Uses ``out.metrics``: ``arrival``, ``first_token``, ``finished`` (seconds
-        since the epoch) and ``num_generation_tokens``. Requests without a
-        ``finished`` time are ignored; negative intervals (clock steps) are clamped to 0.
+        Uses ``out.metrics`` (a ``RequestMetrics``: arrival, first-token and finish times
+        in seconds since the epoch, and the output token count). Requests without a
+        finish time are ignored; negative intervals (clock steps) are clamped to 0.
         """
         m = out.metrics
-        finished = m.get("finished")
+        finished = m.finished_time
         if finished is None:
             return
-        arrival = m["arrival"]
-        first = m.get("first_token", finished)
-        self.ttft.observe(max(0.0, first - arrival))
-        self.e2e.observe(max(0.0, finished - arrival))
-        n = int(m.get("num_generation_tokens", 0))
+        first = m.first_token_time if m.first_token_time is not None else finished
+        self.ttft.observe(max(0.0, first - m.arrival_time))
+        self.e2e.observe(max(0.0, finished - m.arrival_time))
+        n = m.num_generation_tokens
         if n > 1:  # one token has no inter-token interval
             self.tpot.observe(max(0.0, finished - first) / (n - 1))
         reason = (out.outputs[0].finish_reason if out.outputs else None) or "unknown"

@@ -233,7 +233,7 @@ class ModelRunner:
         step, prev = self._prepare(so), self._last
         self._last = step
         if timer is not None:
-            timer.totals["prepare"] += time.perf_counter() - t0
+            timer.totals.prepare += time.perf_counter() - t0
         if self._executor is None:
             return StepHandle(self, step, self._run(step, prev, timer))
         handle = StepHandle(self, step, future=self._executor.submit(self._run, step, prev, timer))
@@ -270,8 +270,8 @@ class ModelRunner:
         t3 = time.perf_counter()
         if timer is not None:
             timer.exec_ended(t3)
-            timer.totals["execute"] += t2 - t1
-            timer.totals["sample"] += t3 - t2
+            timer.totals.execute += t2 - t1
+            timer.totals.sample += t3 - t2
         return out
 
     def _scripted(self, output_lens: list[int], tokens: list[int]) -> list[int]:

@@ -22,6 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 import pagedllm
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.server.metrics import ServerMetrics
+from pagedllm.stats import RequestMetrics, SchedulerStats
 
 MODEL_NAME = "smollm2"  # --served-model-name in conftest.py
 BLOCK_SIZE = 16         # pagedllm serve's default --block-size (conftest does not set it)
@@ -160,17 +161,15 @@ class _FakeLLM:
     def __init__(self, stats: dict) -> None:
         self.stats, self.callbacks = stats, []
 
-    def get_stats(self) -> dict:
-        return dict(self.stats)
+    def get_stats(self) -> SchedulerStats:
+        return SchedulerStats(**self.stats)
 
     def add_finished_callback(self, fn) -> None:
         self.callbacks.append(fn)
 
 
 def _finished(arrival: float, first: float, finished: float | None, n: int, reason: str) -> RequestOutput:
-    metrics = {"arrival": arrival, "first_token": first, "num_prompt_tokens": 7, "num_generation_tokens": n}
-    if finished is not None:
-        metrics["finished"] = finished
+    metrics = RequestMetrics(arrival, first, finished, num_prompt_tokens=7, num_generation_tokens=n)
     return RequestOutput("r", None, [1] * 7, [CompletionOutput(0, "", [], reason)], finished is not None, metrics)
 
 

@@ -198,7 +198,7 @@ def test_error_body_encodes_any_text():
 
 
 def test_admission_release_when_a_stream_never_starts():
-    from pagedllm.server.serving import _HeldStream
+    from pagedllm.server.base import HeldStream as _HeldStream
     control = AdmissionControl(4, RejectionCounter())
 
     async def lines():

@@ -1,0 +1,231 @@
+"""``POST /v1/chat/completions``: render the conversation, run its choices, split reasoning and
+tool calls out of the text with the one ``StreamingParser``, and answer or stream.
+
+Follows the OpenAI Chat Completions reference and vLLM's server (``tool_choice`` rules,
+``reasoning_content``, ``chat_template_kwargs``).
+"""
+
+from __future__ import annotations
+
+from typing import AsyncIterator
+
+from pagedllm.entrypoints.chat_utils import prepare_messages
+from pagedllm.parsers import DeltaMessage, StreamingParser, make_parser
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.server.base import Choice, OpenAIServingBase, Prepared, ServingContext, error_event, sse
+from pagedllm.server.errors import APIError
+from pagedllm.server.guards import check_choices
+from pagedllm.server.logprobs import chat_logprobs
+from pagedllm.server.protocol import (ChatChunkChoice, ChatCompletionChoice, ChatCompletionChunk,
+                                      ChatCompletionRequest, ChatCompletionResponse, ChatResponseMessage,
+                                      DeltaMessageOut, NamedToolChoice, UsageInfo, now, random_id)
+
+# tool-call formats whose markers are special tokens: the text must keep them
+_NEEDS_SPECIAL_TOKENS = {"mistral", "llama3_json"}
+
+
+def response_message(p: StreamingParser) -> ChatResponseMessage:
+    """The chat ``message`` of a finished parser: ``content`` null when empty with tool calls;
+    ``reasoning_content`` whenever the parser splits reasoning."""
+    m = p.message
+    fields: dict = {"content": m.content}  # null when there is none (OpenAI, vLLM)
+    if p.reasoning is not None:
+        fields["reasoning_content"] = m.reasoning_content
+    if m.tool_calls:
+        fields["tool_calls"] = [c.to_dict() for c in m.tool_calls]
+    return ChatResponseMessage(**fields)
+
+
+def finish_reason(p: StreamingParser, finish: str | None) -> str | None:
+    """``tool_calls`` when a message that stopped normally ends in tool calls (OpenAI's rule)."""
+    return "tool_calls" if finish == "stop" and p.message.tool_calls else finish
+
+
+def merge_deltas(a: DeltaMessage, b: DeltaMessage) -> DeltaMessage:
+    """Two consecutive parser deltas as one (argument pieces of the same call joined)."""
+    calls = list(a.tool_calls)
+    for tc in b.tool_calls:
+        if calls and calls[-1].index == tc.index and tc.id is None:
+            calls[-1] = type(tc)(tc.index, calls[-1].id, calls[-1].name, calls[-1].arguments + tc.arguments)
+        else:
+            calls.append(tc)
+    return DeltaMessage(a.reasoning_content + b.reasoning_content, a.content + b.content, calls)
+
+
+def delta_out(d: DeltaMessage) -> DeltaMessageOut:
+    """The chat chunk ``delta`` of a parser delta: only the fields that changed."""
+    fields: dict = {}
+    if d.reasoning_content:
+        fields["reasoning_content"] = d.reasoning_content
+    if d.content:
+        fields["content"] = d.content
+    if d.tool_calls:
+        fields["tool_calls"] = [tc.to_dict() for tc in d.tool_calls]
+    return DeltaMessageOut(**fields)
+
+
+class OpenAIServingChat(OpenAIServingBase):
+    """Builds chat requests, runs them and formats the answers.
+
+    Args:
+        ctx: the shared ``ServingContext``.
+        chat_template: a Jinja template overriding the tokenizer's, or ``None``.
+        reasoning_parser: name in ``REASONING_PARSERS`` (``--reasoning-parser``), or ``None``.
+        tool_call_parser: name in ``TOOL_PARSERS`` (``--tool-call-parser``), or ``None``.
+        enable_auto_tool_choice: allow ``tool_choice: "auto"`` (``--enable-auto-tool-choice``).
+    """
+
+    def __init__(self, ctx: ServingContext, chat_template: str | None = None, reasoning_parser: str | None = None,
+                 tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False) -> None:
+        super().__init__(ctx)
+        self.chat_template = chat_template
+        self.reasoning_parser = reasoning_parser
+        self.tool_call_parser = tool_call_parser
+        self.enable_auto_tool_choice = enable_auto_tool_choice
+
+    def render_chat(self, body: ChatCompletionRequest, with_tools: bool = True) -> list[int]:
+        """Apply the chat template and tokenize (without adding special tokens twice); call through ``offload``.
+
+        Raises:
+            APIError: 400 when the template rejects the conversation or the text cannot fit.
+        """
+        return self.ctx.encode(self.render_text(body, with_tools), "messages", add_special_tokens=False)
+
+    def render_text(self, body: ChatCompletionRequest, with_tools: bool = True) -> str:
+        """The conversation rendered by the chat template, as text.
+
+        Raises:
+            APIError: 400 for messages the template or ``prepare_messages`` rejects.
+        """
+        raw = []
+        for m in body.messages:
+            d = m.model_dump(exclude_none=True)
+            d["content"] = m.text()
+            raw.append(d)
+        try:
+            msgs = prepare_messages(raw)
+        except ValueError as e:
+            raise APIError(400, str(e), "messages", code="invalid_value") from None
+        tools = [t.model_dump(exclude_none=True) for t in body.tools] if with_tools and body.tools else None
+        try:
+            return self.tokenizer.apply_chat_template(msgs, tools=tools, tokenize=False,
+                                                      chat_template=self.chat_template,
+                                                      add_generation_prompt=body.add_generation_prompt,
+                                                      **(body.chat_template_kwargs or {}))
+        except Exception as e:  # jinja raise_exception(...) or a template bug: the request's fault
+            raise APIError(400, f"chat template failed: {e}", "messages", code="invalid_value") from None
+
+    def _tool_mode(self, body: ChatCompletionRequest) -> bool:
+        """Whether to parse tool calls, following ``tool_choice`` (vLLM's rules).
+
+        Raises:
+            APIError: 400 for ``required`` or a named function (they need structured output,
+                which pagedllm does not have yet), and for ``auto`` on a server started
+                without ``--enable-auto-tool-choice --tool-call-parser``.
+        """
+        choice = body.tool_choice if body.tool_choice is not None else ("auto" if body.tools else "none")
+        if choice == "required" or isinstance(choice, NamedToolChoice):
+            raise APIError(400, "tool_choice: 'required' and named functions need structured output, which "
+                           "pagedllm does not support yet; use 'auto' or 'none'", "tool_choice",
+                           code="unsupported_value")
+        if choice == "none" or not body.tools:
+            return False
+        if not (self.enable_auto_tool_choice and self.tool_call_parser):
+            raise APIError(400, '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
+                           "to be set on the server", "tool_choice", code="unsupported_value")
+        return True
+
+    def _parser_args(self, body: ChatCompletionRequest, text: str, use_tools: bool) -> dict | None:
+        if not (use_tools or self.reasoning_parser):
+            return None
+        kwargs = body.chat_template_kwargs or {}
+        # thinking is what the request asked for; "starts in reasoning" is what the prompt says
+        return dict(reasoning_parser=self.reasoning_parser, tool_parser=self.tool_call_parser if use_tools else None,
+                    thinking=bool(kwargs.get("enable_thinking", True)),
+                    starts_in_reasoning=text.rstrip().endswith("<think>"),
+                    tools=[t.model_dump() for t in body.tools or []])
+
+    async def chat(self, body: ChatCompletionRequest):
+        """Run a chat completion; returns the response dict, or an async iterator of SSE lines.
+
+        Raises:
+            APIError: 400 for invalid input, 404 for another model, 429 when overloaded.
+            EngineDeadError: the engine is down (answered 503).
+        """
+        self.ctx.check_model(body.model)
+        params = self.params(body)
+        use_tools = self._tool_mode(body)
+        check_choices(1, params.n)
+        if use_tools and self.tool_call_parser in _NEEDS_SPECIAL_TOKENS:
+            params.skip_special_tokens = False
+        rid = random_id("chatcmpl")
+
+        def prepare() -> Prepared:  # on the tokenizer thread
+            text = self.render_text(body)
+            ids = self.ctx.encode(text, "messages", add_special_tokens=False)
+            reqs = self.fan_out(rid, [ids], params, "messages", body.cache_salt, body.rename_error)
+            return Prepared(reqs, self._parser_args(body, text, use_tools))
+
+        def stream_of(prep: Prepared, merged) -> AsyncIterator[str]:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            parsers = [make_parser(**prep.extra) if prep.extra else None for _ in prep.requests]
+            return self._chat_stream(rid, merged, prep.requests[0].num_prompt_tokens, include_usage,
+                                     params.logprobs, parsers)
+
+        def respond(prep: Prepared, choices: list[Choice]) -> dict:
+            return self._response(rid, prep, choices, params.logprobs).model_dump()
+
+        return await self.run(params.n, body.stream, prepare, stream_of, respond)
+
+    def _response(self, rid: str, prep: Prepared, choices: list[Choice], top: int | None) -> ChatCompletionResponse:
+        out = []
+        for i, c in enumerate(choices):
+            message, finish = ChatResponseMessage(content=c.text), c.finish
+            if prep.extra:
+                p = make_parser(**prep.extra)
+                p.feed(c.text)
+                p.finish()
+                message, finish = response_message(p), finish_reason(p, c.finish)
+            out.append(ChatCompletionChoice(index=i, message=message, finish_reason=finish,
+                                            logprobs=None if top is None else chat_logprobs(c.logprobs, top)))
+        usage = UsageInfo.of(prep.requests[0].num_prompt_tokens, sum(c.num_tokens for c in choices))
+        return ChatCompletionResponse(id=rid, created=now(), model=self.model_name, choices=out, usage=usage)
+
+    async def _chat_stream(self, rid: str, merged, n_prompt: int, include_usage: bool, top: int | None,
+                           parsers: list[StreamingParser | None]) -> AsyncIterator[str]:
+        created = now()
+
+        def chunk(i: int, delta: DeltaMessageOut, finish: str | None = None, logprobs=None) -> ChatCompletionChunk:
+            return ChatCompletionChunk(id=rid, created=created, model=self.model_name, choices=[
+                ChatChunkChoice(index=i, delta=delta, logprobs=logprobs, finish_reason=finish)])
+
+        n_tokens = 0
+        try:
+            for i in range(len(parsers)):
+                yield sse(chunk(i, DeltaMessageOut(role="assistant", content="")))
+            async for i, out in merged:
+                c = out.outputs[0]
+                n_tokens += len(c.token_ids)
+                lps = None if top is None or not c.logprobs else chat_logprobs(c.logprobs, top)
+                finish = c.finish_reason
+                p = parsers[i]
+                if p is None:
+                    delta = DeltaMessageOut(content=c.text) if c.text else DeltaMessageOut()
+                else:
+                    d = p.feed(c.text, c.token_ids)
+                    if finish is not None:
+                        d = merge_deltas(d, p.finish())
+                        finish = finish_reason(p, finish)
+                    delta = delta_out(d)
+                if delta.model_fields_set or lps or finish is not None:
+                    if lps and not delta.model_fields_set:
+                        delta = DeltaMessageOut(content="")  # logprobs of tokens whose text is still held back
+                    yield sse(chunk(i, delta, finish, lps))
+            if include_usage:
+                yield sse(ChatCompletionChunk(id=rid, created=created, model=self.model_name, choices=[],
+                                              usage=UsageInfo.of(n_prompt, n_tokens)))
+        except Exception as e:
+            yield error_event(e)
+        finally:
+            await merged.aclose()
+        yield "data: [DONE]\n\n"

@@ -1,0 +1,102 @@
+"""Typed telemetry that crosses rooms: step timings, engine counters, per-request timings.
+
+They are msgspec structs, so that the core process sends them as they are and a renamed
+or missing field fails loudly (``AttributeError``, ``KeyError``) instead of reading as a
+silent zero. ``SchedulerStats`` and ``StepTimings`` also answer ``stats["name"]`` for code
+that reads them as mappings, and ``to_dict()`` gives the JSON of ``GET /stats``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+
+
+class _Indexable(msgspec.Struct):
+    """``struct["field"]`` for a declared field, ``KeyError`` for anything else."""
+
+    def __getitem__(self, key: str) -> Any:
+        if key not in self.__struct_fields__:
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def to_dict(self) -> dict:
+        """Plain JSON-ready builtins (nested structs as dicts)."""
+        return msgspec.to_builtins(self)
+
+
+class StepTimings(_Indexable):
+    """Seconds spent in each phase of the engine's steps, in total and per step.
+
+    ``idle_s`` is the time the device waited between the end of one execution and the
+    start of the next; ``idle_fraction`` is ``idle / (idle + execute + sample)``.
+    All times are seconds of ``time.perf_counter``.
+    """
+
+    schedule_s: float = 0.0
+    prepare_s: float = 0.0
+    execute_s: float = 0.0
+    sample_s: float = 0.0
+    update_s: float = 0.0
+    idle_s: float = 0.0
+    mean_schedule_s: float = 0.0
+    mean_prepare_s: float = 0.0
+    mean_execute_s: float = 0.0
+    mean_sample_s: float = 0.0
+    mean_update_s: float = 0.0
+    mean_idle_s: float = 0.0
+    steps: int = 0
+    idle_fraction: float = 0.0
+
+
+class SchedulerStats(_Indexable):
+    """The engine core's counters after a step (``EngineCore.get_stats``, ``GET /stats``).
+
+    Attributes:
+        num_running, num_waiting: requests scheduled / queued now.
+        kv_cache_usage: fraction of KV blocks in use, in [0, 1].
+        num_free_blocks, num_blocks: KV pool counters, in blocks.
+        num_preemptions: preemptions so far.
+        prefix_cache_queries, prefix_cache_hits: prefix-cache lookups and hits, in tokens.
+        num_prompt_tokens, num_generation_tokens: token totals so far.
+        num_steps: steps applied so far; max_num_running: most requests in one step.
+        cpu_kernels: whether steps use the C CPU kernels.
+        step_timings: the per-phase times.
+        core_pid: the core process's pid (``None`` in process).
+    """
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_free_blocks: int = 0
+    num_blocks: int = 0
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    num_steps: int = 0
+    max_num_running: int = 0
+    cpu_kernels: bool = False
+    step_timings: StepTimings = msgspec.field(default_factory=StepTimings)
+    core_pid: int | None = None
+
+
+class RequestMetrics(msgspec.Struct):
+    """Timings and token counts of one request (``RequestOutput.metrics``, after vLLM's).
+
+    Attributes:
+        arrival_time: when the request arrived (seconds since the epoch).
+        first_token_time: when its first output token was known (same clock), ``None`` before.
+        finished_time: when it finished (same clock), ``None`` while it runs.
+        num_prompt_tokens: prompt length in tokens.
+        num_generation_tokens: output tokens so far.
+    """
+
+    arrival_time: float
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
