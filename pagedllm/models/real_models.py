@@ -195,6 +195,6 @@ def resolve_named(spec: SplitGGUF) -> Path:
     """
     find_parts(spec)
     converted = cache_root() / "gguf" / spec.sha256
-    if loader._is_converted(converted):
+    if loader.is_converted(converted):
         return converted
     return loader.convert_gguf(join_gguf(spec), expected_sha256=spec.sha256)

