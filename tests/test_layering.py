@@ -161,6 +161,7 @@ def upward_core_imports(edges: list[Edge]) -> list[Edge]:
 
 @pytest.fixture(scope="module")
 def graph() -> tuple[set[str], list[Edge]]:
+    """This checkout's modules and import edges, parsed once for the module."""
     return import_graph()
 
 
