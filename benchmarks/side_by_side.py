@@ -232,7 +232,8 @@ def main() -> None:
     from pagedllm.bench.metrics import machine_facts
     from pagedllm.bench.report import json_safe
     from pagedllm.bench.roofline import measure
-    from pagedllm.models.loader import default_model_path, resolve_model
+    from pagedllm.models.loader import default_model_path
+    from pagedllm.models.resolve import resolve_model
     model_dir, gguf = str(resolve_model(None)), default_model_path()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     if args.install_peers:

@@ -165,7 +165,7 @@ def main() -> None:
     facts = machine_facts()
     print("machine: " + ", ".join(f"{k}={v}" for k, v in facts.items()), flush=True)
     from transformers import AutoTokenizer
-    from pagedllm.models.loader import resolve_model
+    from pagedllm.models.resolve import resolve_model
     prompts = make_prompts(AutoTokenizer.from_pretrained(str(resolve_model(None))),
                            args.num_prompts, args.input_len, args.seed)
 

@@ -1,7 +1,8 @@
 """Command line: ``pagedllm serve [MODEL]``, ``generate``, ``chat`` and ``bench throughput|latency|serve``.
 
 Flag names follow vLLM's (``--max-num-seqs``, ``--max-num-batched-tokens``,
-``--block-size``, ``--served-model-name``, ...).
+``--block-size``, ``--served-model-name``, ...). The engine flags shared by
+the subcommands are in ``cli_args.py``.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import os
 import signal
 import sys
 
+from pagedllm.cli_args import add_engine_flags, engine_args_from_cli
 from pagedllm.server import defaults as server_defaults
 
 
@@ -31,45 +33,6 @@ def _json_str_list(text: str) -> list[str]:
     return value
 
 
-def _engine_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", nargs="?", default=None,
-                   help="Hugging Face directory, .gguf file or a named model (qwen2.5-coder-0.5b-instruct, gemma-3-270m); default: embedded SmolLM2-135M-Instruct")
-    p.add_argument("--model", dest="model_flag", default=None, help="same as the positional MODEL")
-    p.add_argument("--dtype", default="float32", help="float32 (default), bfloat16 or float16")
-    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
-    p.add_argument("--kv-cache-memory", default="1GiB", help="KV cache pool size, e.g. 2GiB or 512MiB")
-    p.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache pool size in blocks (overrides memory)")
-    p.add_argument("--max-num-seqs", type=int, default=128, help="most requests per step")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
-    p.add_argument("--max-model-len", type=int, default=None, help="context limit (prompt + output) in tokens")
-    p.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false",
-                   help="admit prompts only whole")
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                   help="reuse cached KV blocks of shared prefixes (--no-enable-prefix-caching turns it off)")
-    p.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling")
-    p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
-    p.add_argument("--model-impl", choices=["auto", "native", "transformers"], default="auto",
-                   help="native implementation, the Transformers backend, or auto (native when one exists)")
-    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                   help="schedule step N+1 while step N runs (default: on; PAGEDLLM_ASYNC_SCHEDULING=0 "
-                        "turns it off)")
-    p.add_argument("--log-level", default="info")
-
-
-def _engine_args(a: argparse.Namespace):
-    from pagedllm.config import EngineArgs
-    return EngineArgs(model=a.model_flag or a.model, dtype=a.dtype, device=a.device, block_size=a.block_size,
-                      kv_cache_memory=a.kv_cache_memory, num_kv_blocks=a.num_kv_blocks,
-                      max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
-                      max_model_len=a.max_model_len, enable_chunked_prefill=a.enable_chunked_prefill,
-                      enable_prefix_caching=a.enable_prefix_caching,
-                      seed=a.seed, served_model_name=getattr(a, "served_model_name", None),
-                      num_threads=a.num_threads, model_impl=a.model_impl,
-                      enable_multiprocessing=getattr(a, "enable_multiprocessing", None),
-                      async_scheduling=a.async_scheduling)
-
-
 def _serve(a: argparse.Namespace) -> int:
     if a.enable_auto_tool_choice and not a.tool_call_parser:
         raise ValueError("--enable-auto-tool-choice requires --tool-call-parser (as in vLLM)")
@@ -83,7 +46,7 @@ def _serve(a: argparse.Namespace) -> int:
         raise ValueError(f"--max-request-body-bytes must be >= 1, got {a.max_request_body_bytes}")
     if a.shutdown_timeout < 0:
         raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {a.shutdown_timeout}")
-    engine = LLMEngine(_engine_args(a))
+    engine = LLMEngine(engine_args_from_cli(a))
     template = None
     if a.chat_template:
         from pathlib import Path
@@ -108,7 +71,7 @@ def _serve(a: argparse.Namespace) -> int:
 
 def _generate(a: argparse.Namespace) -> int:
     from pagedllm import LLM, SamplingParams
-    llm = LLM(**vars(_engine_args(a)))
+    llm = LLM(**vars(engine_args_from_cli(a)))
     sp = SamplingParams(temperature=a.temperature, max_tokens=a.max_tokens, seed=a.sampling_seed)
     if a.command == "chat":
         out = llm.chat([{"role": "user", "content": a.prompt}], sp, use_tqdm=False)
@@ -123,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pagedllm", description="Paged-KV-cache LLM inference and serving")
     sub = parser.add_subparsers(dest="command", required=True)
     s = sub.add_parser("serve", help="start the OpenAI-compatible server")
-    _engine_flags(s)
+    add_engine_flags(s)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--served-model-name", default=None, help="model name the API reports and accepts")
@@ -158,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
                    help='parse tool calls for requests with tools and tool_choice "auto"')
     for name in ("generate", "chat"):
         g = sub.add_parser(name, help=f"{name} once from the command line and print the text")
-        _engine_flags(g)
+        add_engine_flags(g)
         g.add_argument("--prompt", required=True)
         g.add_argument("--temperature", type=float, default=0.0)
         g.add_argument("--max-tokens", type=int, default=64)
@@ -185,11 +148,11 @@ def _bench_flags(sub) -> None:
                                      "OpenAI-compatible server)")
     bsub = b.add_subparsers(dest="bench_command", required=True)
     t = bsub.add_parser("throughput", help="offline LLM.generate over a dataset")
-    _engine_flags(t)
+    add_engine_flags(t)
     add_dataset_args(t, with_seed=False)
     t.add_argument("--output-json", default=None, help="write the result here")
     lat = bsub.add_parser("latency", help="one batch end to end, repeated")
-    _engine_flags(lat)
+    add_engine_flags(lat)
     lat.add_argument("--batch-size", type=int, default=1)
     lat.add_argument("--input-len", type=int, default=32)
     lat.add_argument("--output-len", type=int, default=128)

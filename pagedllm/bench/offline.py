@@ -70,8 +70,8 @@ def run_latency(llm, batch: list[SampleRequest], num_iters: int, num_iters_warmu
 def make_llm(args):
     """An ``LLM`` from the engine flags of ``pagedllm bench throughput|latency``."""
     from pagedllm import LLM
-    from pagedllm.cli import _engine_args
-    ea = _engine_args(args)
+    from pagedllm.cli_args import engine_args_from_cli
+    ea = engine_args_from_cli(args)
     return LLM(**{k: v for k, v in vars(ea).items() if k != "extra"})
 
 

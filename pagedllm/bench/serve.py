@@ -124,7 +124,7 @@ def serve_main(args) -> list[dict]:
 
     from pagedllm.bench.datasets import load_requests
     from pagedllm.bench.metrics import print_table
-    from pagedllm.models.loader import resolve_model
+    from pagedllm.models.resolve import resolve_model
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or resolve_model(None))
     model = args.model or served_model(args.base_url)
     requests = load_requests(args, tokenizer)

@@ -1,6 +1,9 @@
 """Messages from the scheduler to the model runner, and back.
 
 They carry diffs: a new request's data once, then only new block ids and counts.
+``TokenLogprobs`` lives here, beside ``ModelRunnerOutput`` that carries it, so that
+the core, the worker and the engine share one message type without the core
+importing the worker.
 """
 
 from __future__ import annotations
@@ -8,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.worker.sampler import TokenLogprobs
 
 
 @dataclass
@@ -69,6 +71,21 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         """True when no tokens are scheduled."""
         return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class TokenLogprobs:
+    """Logprobs of one sampled (or prompt) token.
+
+    Attributes:
+        token_ids: the token itself first, then the top-k tokens by logprob.
+        logprobs: float log-probabilities matching ``token_ids``.
+        rank: 1-based rank of the token itself among the vocabulary (1 = most likely).
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    rank: int
 
 
 @dataclass

@@ -52,7 +52,7 @@ class LLMEngine:
     """
 
     def __init__(self, args: EngineArgs) -> None:
-        from pagedllm.models.loader import default_served_model_name, resolve_model
+        from pagedllm.models.resolve import default_served_model_name, resolve_model
         from pagedllm.models.registry import read_generation_config, read_hf_config, select_impl
         self.args = args
         self.model_dir = Path(resolve_model(args.model))

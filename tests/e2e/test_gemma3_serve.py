@@ -15,7 +15,8 @@ import pytest
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.models import real_models
-from pagedllm.models.loader import ModelNotFoundError, resolve_model
+from pagedllm.models.loader import ModelNotFoundError
+from pagedllm.models.resolve import resolve_model
 
 ALIAS = "gemma-3-270m"
 PROMPTS = ["The capital of France is", "Once upon a time, in a small village by the sea,"]

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from pagedllm.models.loader import default_model_path, resolve_model
+from pagedllm.models.loader import default_model_path
+from pagedllm.models.resolve import resolve_model
 
 
 def _sockets() -> set[str]:

@@ -29,14 +29,13 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.cache import sha256_file
 from pagedllm.models import real_models
 from pagedllm.models.loader import (
     ModelNotFoundError,
     convert_gguf,
-    default_served_model_name,
-    resolve_model,
-    sha256_file,
 )
+from pagedllm.models.resolve import default_served_model_name, resolve_model
 
 SPEC = real_models.GEMMA3_270M
 ALIAS = "gemma-3-270m"

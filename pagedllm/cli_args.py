@@ -1,0 +1,69 @@
+"""The engine's command-line flags and their conversion into ``EngineArgs``.
+
+``pagedllm serve``, ``generate``, ``chat`` and ``bench throughput|latency``
+all take these flags. They live here, apart from ``cli.py``, so that the
+benchmark commands (``bench/offline.py``) build their engine from them
+without importing the command line, and the command line without importing
+the benchmarks' internals.
+
+Flag names follow vLLM's (``--max-num-seqs``, ``--max-num-batched-tokens``,
+``--block-size``, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from pagedllm.config import EngineArgs
+
+
+def add_engine_flags(p: argparse.ArgumentParser) -> None:
+    """Add the engine flags (model, cache, scheduler, device, ``--log-level``) to parser ``p``.
+
+    Returns nothing; raises ``argparse.ArgumentError`` only if ``p`` already has one of them.
+    """
+    p.add_argument("model", nargs="?", default=None,
+                   help="Hugging Face directory, .gguf file or a named model (qwen2.5-coder-0.5b-instruct, gemma-3-270m); default: embedded SmolLM2-135M-Instruct")
+    p.add_argument("--model", dest="model_flag", default=None, help="same as the positional MODEL")
+    p.add_argument("--dtype", default="float32", help="float32 (default), bfloat16 or float16")
+    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    p.add_argument("--kv-cache-memory", default="1GiB", help="KV cache pool size, e.g. 2GiB or 512MiB")
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache pool size in blocks (overrides memory)")
+    p.add_argument("--max-num-seqs", type=int, default=128, help="most requests per step")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
+    p.add_argument("--max-model-len", type=int, default=None, help="context limit (prompt + output) in tokens")
+    p.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false",
+                   help="admit prompts only whole")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse cached KV blocks of shared prefixes (--no-enable-prefix-caching turns it off)")
+    p.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling")
+    p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
+    p.add_argument("--model-impl", choices=["auto", "native", "transformers"], default="auto",
+                   help="native implementation, the Transformers backend, or auto (native when one exists)")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="schedule step N+1 while step N runs (default: on; PAGEDLLM_ASYNC_SCHEDULING=0 "
+                        "turns it off)")
+    p.add_argument("--log-level", default="info")
+
+
+def engine_args_from_cli(a: argparse.Namespace) -> EngineArgs:
+    """Return the ``EngineArgs`` that parsed engine flags (``add_engine_flags``) ask for.
+
+    ``--model`` wins over the positional MODEL. ``served_model_name`` and
+    ``enable_multiprocessing`` exist only on ``pagedllm serve``; other
+    subcommands get ``None`` for them (the ``EngineArgs`` defaults).
+
+    Raises:
+        AttributeError: ``a`` lacks one of the engine flags (not parsed with ``add_engine_flags``).
+        ValueError: what ``EngineArgs`` validation rejects.
+    """
+    return EngineArgs(model=a.model_flag or a.model, dtype=a.dtype, device=a.device, block_size=a.block_size,
+                      kv_cache_memory=a.kv_cache_memory, num_kv_blocks=a.num_kv_blocks,
+                      max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
+                      max_model_len=a.max_model_len, enable_chunked_prefill=a.enable_chunked_prefill,
+                      enable_prefix_caching=a.enable_prefix_caching,
+                      seed=a.seed, served_model_name=getattr(a, "served_model_name", None),
+                      num_threads=a.num_threads, model_impl=a.model_impl,
+                      enable_multiprocessing=getattr(a, "enable_multiprocessing", None),
+                      async_scheduling=a.async_scheduling)
