@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     _bench_flags(sub)
     a = parser.parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from pagedllm.engine.core_client import EngineDeadError
+    from pagedllm.engine.messages import EngineDeadError
     try:
         if a.command == "bench":
             return _bench(a)

@@ -52,7 +52,7 @@ def run_latency(llm, batch: list[SampleRequest], num_iters: int, num_iters_warmu
 
     def once() -> float:
         if llm.engine.core is not None:  # in process: the cache can be dropped directly
-            llm.engine.kv_cache_manager.reset_prefix_cache()
+            llm.engine.reset_prefix_cache()
         t0 = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
         return time.perf_counter() - t0

@@ -20,7 +20,7 @@ import msgspec
 from pagedllm.engine.core_client import EngineDeadError  # re-exported: the server imports it from here
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.outputs import RequestOutput
-from pagedllm.request import Request
+from pagedllm.engine.messages import EngineCoreRequest
 from pagedllm.stats import SchedulerStats
 
 logger = logging.getLogger(__name__)
@@ -48,6 +48,36 @@ class AsyncLLM:
         self._finished_callbacks: list = []
         self._thread = threading.Thread(target=self._loop, name="pagedllm-engine", daemon=True)
         self._thread.start()
+
+    # what the front end needs to know of the model and the engine, without reaching into it
+    @property
+    def tokenizer(self):
+        """The model's ``transformers`` tokenizer."""
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        """The context limit in tokens (prompt + output)."""
+        return self.engine.max_model_len
+
+    @property
+    def context_limit(self) -> int:
+        """Most tokens one request may reach (``max_model_len`` capped by the KV pool)."""
+        return self.engine.context_limit
+
+    @property
+    def model_dir(self) -> str:
+        """The served model's directory."""
+        return str(self.engine.model_dir)
+
+    @property
+    def max_num_seqs(self) -> int:
+        """Most requests the engine runs in one step."""
+        return self.engine.args.max_num_seqs
+
+    def default_sampling_fields(self) -> dict:
+        """The model's ``generation_config.json`` sampling defaults (``LLMEngine.default_sampling_fields``)."""
+        return self.engine.default_sampling_fields()
 
     @property
     def is_healthy(self) -> bool:
@@ -145,11 +175,11 @@ class AsyncLLM:
             loop.call_soon_threadsafe(q.put_nowait, item)
 
     # ---- asyncio side ---------------------------------------------------------------
-    def make_request(self, request_id: str, prompt, params, cache_salt: str | None = None) -> Request:
-        """Validate and build a request (raises ``SamplingParamError`` / ``PromptTooLongError``)."""
+    def make_request(self, request_id: str, prompt, params, cache_salt: str | None = None) -> EngineCoreRequest:
+        """Validate and build a request (raises ``SamplingParamError`` / ``PromptTooLongError``); any thread."""
         return self.engine.make_request(request_id, prompt, params, cache_salt=cache_salt)
 
-    async def generate(self, request: Request, prompt_text: str | None = None) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request: EngineCoreRequest, prompt_text: str | None = None) -> AsyncIterator[RequestOutput]:
         """Submit a request and yield its delta outputs until it finishes.
 
         If the consumer stops early (client disconnect, cancellation) the

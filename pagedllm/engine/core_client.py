@@ -20,69 +20,111 @@ import os
 import tempfile
 import time
 import uuid
+from typing import Protocol
 
 import msgspec
 import zmq
 
 from pagedllm.config import EngineArgs
 from pagedllm.core.scheduler_output import EngineCoreOutput
-from pagedllm.request import Request, RequestStatus
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.engine.engine_core import EngineCore
+from pagedllm.engine.messages import (FROM_CORE, TO_CORE, CoreFailed, CoreOutputs, CoreReady, EngineCoreRequest,
+                                      EngineDeadError, FinishRequests, Shutdown, UtilityCall, UtilityResult)
+from pagedllm.request import RequestStatus
 from pagedllm.stats import SchedulerStats
 
 logger = logging.getLogger(__name__)
 
 
-class EngineDeadError(RuntimeError):
-    """The engine core (loop or process) has died; no request can be served."""
+class EngineCoreClient(Protocol):
+    """How the front end talks to an engine core, in process or in another process.
 
-
-class AddRequest(msgspec.Struct, tag="add"):
-    """A validated request for the core."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling_params: SamplingParams
-    max_tokens: int
-    arrival_time: float
-    cache_salt: str | None = None
-
-
-class FinishRequests(msgspec.Struct, tag="finish"):
-    """End requests: ``status`` is a ``RequestStatus`` value (abort, or stopped by a stop string)."""
-
-    request_ids: list[str]
-    status: int
-
-
-class Shutdown(msgspec.Struct, tag="shutdown"):
-    """Stop the core loop."""
-
-
-class CoreOutputs(msgspec.Struct, tag="outputs"):
-    """One step's results (possibly none) and the core's counters after it."""
-
-    outputs: list[EngineCoreOutput]
-    stats: SchedulerStats
-
-
-class CoreReady(msgspec.Struct, tag="ready"):
-    """Sent once the model is loaded: the KV pool size in blocks, and the core's pid."""
+    Every implementation has the same meaning: requests are ``EngineCoreRequest`` messages,
+    outputs come back as ``EngineCoreOutput`` lists, counters as ``SchedulerStats``.
+    """
 
     num_blocks: int
-    pid: int
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Queue a request in the core."""
+
+    def abort_requests(self, request_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
+        """End requests in the core (abort, or stopped by a stop string found in the front end)."""
+
+    def get_output(self, timeout_ms: int = 100) -> list[EngineCoreOutput]:
+        """The outputs the core has produced since the last call (in process: one step)."""
+
+    def settle(self) -> None:
+        """The front end has no live request: let the core finish a step still in flight."""
+
+    def get_stats(self) -> SchedulerStats:
+        """The core's counters as of its last step."""
+
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached block no request holds; returns how many were dropped."""
+
+    def call_utility(self, name: str, *args):
+        """Run ``EngineCore.<name>(*args)`` (one of ``EngineCore.UTILITIES``) and return its result."""
+
+    def is_alive(self) -> bool:
+        """False once the core has died."""
+
+    def shutdown(self) -> None:
+        """Stop the core (safe to call twice)."""
 
 
-class CoreFailed(msgspec.Struct, tag="failed"):
-    """The core hit an exception and stops; ``load_error``: a model file could not be read
-    (``error`` is then the one-line message to show as it is)."""
+class InprocClient:
+    """An ``EngineCoreClient`` over an ``EngineCore`` in this process: ``get_output`` runs one step.
 
-    error: str
-    load_error: bool = False
+    Args:
+        core: the engine core.
+    """
 
+    def __init__(self, core: EngineCore) -> None:
+        self.core = core
+        self.num_blocks = core.num_blocks
 
-_DOWN = AddRequest | FinishRequests | Shutdown
-_UP = CoreOutputs | CoreReady | CoreFailed
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Queue a request in the core."""
+        self.core.add_request(request)
+
+    def abort_requests(self, request_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
+        """End requests now: their blocks go back to the pool before the next step."""
+        if request_ids:
+            self.core.finish_requests(request_ids, status)
+
+    def get_output(self, timeout_ms: int = 100) -> list[EngineCoreOutput]:
+        """One core step's outputs (none when the core has no work)."""
+        return self.core.step() if self.core.has_unfinished_requests() else []
+
+    def settle(self) -> None:
+        """Apply the steps still in flight (async scheduling), so the core is idle."""
+        while self.core.has_unfinished_requests():
+            self.core.step()
+
+    def get_stats(self) -> SchedulerStats:
+        """The core's counters now."""
+        return self.core.get_stats()
+
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached block no request holds; returns how many."""
+        return self.core.reset_prefix_cache()
+
+    def call_utility(self, name: str, *args):
+        """Run ``EngineCore.<name>(*args)``.
+
+        Raises:
+            ValueError: ``name`` is not one of ``EngineCore.UTILITIES``.
+        """
+        return self.core.call_utility(name, *args)
+
+    def is_alive(self) -> bool:
+        """Always True: the core lives in this process."""
+        return True
+
+    def shutdown(self) -> None:
+        """Finish the step in flight and stop the core's execution thread."""
+        self.core.shutdown()
 
 
 def run_engine_core(args: EngineArgs, model_dir: str, max_model_len: int, eos_token_ids: set[int],
@@ -93,13 +135,12 @@ def run_engine_core(args: EngineArgs, model_dir: str, max_model_len: int, eos_to
     never stalls the step loop; with nothing to do it waits up to 100 ms for input
     and checks that its parent is still alive.
     """
-    from pagedllm.engine.engine_core import EngineCore
     ctx = zmq.Context()
     inp = ctx.socket(zmq.PULL)
     inp.connect(input_addr)
     out = ctx.socket(zmq.PUSH)
     out.connect(output_addr)
-    enc, dec = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(_DOWN)
+    enc, dec = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(TO_CORE)
     try:
         eos = set(eos_token_ids)  # one set shared by all requests, as in the in-process engine
         core = EngineCore(args, model_dir, max_model_len, eos)
@@ -122,9 +163,10 @@ def run_engine_core(args: EngineArgs, model_dir: str, max_model_len: int, eos_to
                 changed = True
                 if isinstance(msg, Shutdown):
                     return
-                if isinstance(msg, AddRequest):
-                    core.add_request(Request(msg.request_id, msg.prompt_token_ids, msg.sampling_params, eos,
-                                             msg.max_tokens, msg.arrival_time, msg.cache_salt))
+                if isinstance(msg, EngineCoreRequest):
+                    core.add_request(msg)
+                elif isinstance(msg, UtilityCall):
+                    out.send(enc.encode(_run_utility(core, msg)))
                 else:
                     core.finish_requests(msg.request_ids, RequestStatus(msg.status))
             if core.has_unfinished_requests():
@@ -146,8 +188,15 @@ def run_engine_core(args: EngineArgs, model_dir: str, max_model_len: int, eos_to
         ctx.term()
 
 
+def _run_utility(core: EngineCore, msg: UtilityCall) -> UtilityResult:
+    try:
+        return UtilityResult(msg.call_id, core.call_utility(msg.name, *msg.args))
+    except Exception as e:  # the caller's error to see, not the core's end
+        return UtilityResult(msg.call_id, error=f"{type(e).__name__}: {e}")
+
+
 class MPEngineCoreClient:
-    """Starts the core process and talks to it.
+    """An ``EngineCoreClient`` that starts the core process and talks to it over ZMQ.
 
     Args:
         args, model_dir, max_model_len, eos_token_ids: as ``EngineCore``.
@@ -166,13 +215,15 @@ class MPEngineCoreClient:
         self._input.bind(in_addr)
         self._output = self._ctx.socket(zmq.PULL)
         self._output.bind(out_addr)
-        self._enc, self._dec = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(_UP)
+        self._enc, self._dec = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(FROM_CORE)
         # spawn, not fork: torch and its thread pools do not survive a fork
         self.proc = mp.get_context("spawn").Process(
             target=run_engine_core, name="pagedllm-engine-core", daemon=True,
             args=(args, str(model_dir), max_model_len, set(eos_token_ids), in_addr, out_addr, os.getpid()))
         self.proc.start()
         self.stats = SchedulerStats()
+        self._pending: list[EngineCoreOutput] = []  # outputs read while waiting for a utility answer
+        self._calls = 0
         deadline = time.monotonic() + startup_timeout_s
         try:
             while True:
@@ -203,30 +254,64 @@ class MPEngineCoreClient:
             raise EngineDeadError(f"engine core process exited with code {self.proc.exitcode}")
         return None
 
-    def add_request(self, req: Request) -> None:
+    def add_request(self, request: EngineCoreRequest) -> None:
         """Send a validated request to the core."""
-        self._input.send(self._enc.encode(AddRequest(req.request_id, req.prompt_token_ids, req.sampling_params,
-                                                     req.max_tokens, req.arrival_time, req.cache_salt)))
+        self._input.send(self._enc.encode(request))
 
-    def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:
+    def abort_requests(self, request_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
         """Abort (or mark stopped) requests in the core."""
         if request_ids:
             self._input.send(self._enc.encode(FinishRequests(list(request_ids), int(status))))
 
-    def get_outputs(self, timeout_ms: int = 100) -> list[EngineCoreOutput]:
+    def _take(self, msg) -> None:
+        if isinstance(msg, CoreOutputs):
+            self._pending.extend(msg.outputs)
+            self.stats = msg.stats
+
+    def get_output(self, timeout_ms: int = 100) -> list[EngineCoreOutput]:
         """Every step output the core has sent (waiting up to ``timeout_ms`` for the first).
 
         Raises:
             EngineDeadError: the core died.
         """
-        outs: list[EngineCoreOutput] = []
-        msg = self._recv(timeout_ms)
+        msg = self._recv(0 if self._pending else timeout_ms)
         while msg is not None:
-            if isinstance(msg, CoreOutputs):
-                outs.extend(msg.outputs)
-                self.stats = msg.stats
+            self._take(msg)
             msg = self._recv(0)
+        outs, self._pending = self._pending, []
         return outs
+
+    def settle(self) -> None:
+        """Nothing to do: the core process steps by itself."""
+
+    def get_stats(self) -> SchedulerStats:
+        """The core's counters as of its last message, with ``core_pid`` set."""
+        return msgspec.structs.replace(self.stats, core_pid=self.core_pid)
+
+    def call_utility(self, name: str, *args, timeout_s: float = 60.0):
+        """Run ``EngineCore.<name>(*args)`` in the core process and return its result; step
+        outputs that arrive meanwhile are kept for the next ``get_output``.
+
+        Raises:
+            ValueError: the core refused or failed the call (its message).
+            EngineDeadError: the core died, or did not answer within ``timeout_s``.
+        """
+        self._calls += 1
+        call_id = self._calls
+        self._input.send(self._enc.encode(UtilityCall(call_id, name, list(args))))
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            msg = self._recv(100)
+            if isinstance(msg, UtilityResult) and msg.call_id == call_id:
+                if msg.error is not None:
+                    raise ValueError(f"engine core utility {name!r} failed: {msg.error}")
+                return msg.result
+            self._take(msg)
+        raise EngineDeadError(f"engine core did not answer {name!r} within {timeout_s:.0f} s")
+
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached block no request holds, in the core process; returns how many."""
+        return int(self.call_utility("reset_prefix_cache"))
 
     def is_alive(self) -> bool:
         """True while the core process runs."""

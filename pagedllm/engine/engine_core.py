@@ -31,6 +31,7 @@ from pagedllm.config import EngineArgs, parse_size
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.scheduler_output import EngineCoreOutput
+from pagedllm.engine.messages import EngineCoreRequest
 from pagedllm.request import Request, RequestStatus
 from pagedllm.stats import SchedulerStats, StepTimings
 from pagedllm.worker.model_runner import ModelRunner
@@ -98,6 +99,7 @@ class EngineCore:
     def __init__(self, args: EngineArgs, model_dir, max_model_len: int, eos_token_ids: set[int],
                  model=None) -> None:
         from pagedllm.models.registry import load_model
+        self.eos_token_ids = eos_token_ids
         dtype, device = args.torch_dtype, args.torch_device
         # every torch op of the core (loading, KV allocation, steps) runs on this one thread
         threads = args.num_threads or torch.get_num_threads()
@@ -126,20 +128,39 @@ class EngineCore:
         self.cpu_kernels = device.type == "cpu" and dtype == torch.float32 and cpu_kernels.available()
 
     # ---- requests ----------------------------------------------------------------
-    def add_request(self, req: Request) -> None:
-        """Queue a validated request.
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Queue a validated request: the one place a front-end message becomes a scheduler ``Request``.
 
         Raises:
             ValueError: the request id is already live.
         """
-        if req.request_id in self.scheduler.requests:
-            raise ValueError(f"request id {req.request_id!r} is already in use")
+        if request.request_id in self.scheduler.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        req = Request(request.request_id, request.prompt_token_ids, request.sampling_params, self.eos_token_ids,
+                      request.max_tokens, request.arrival_time, request.cache_salt)
         self.scheduler.add_request(req)
         self.num_prompt_tokens += req.num_prompt_tokens
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
         """End requests (abort, or a stop string found by the front end); their blocks are freed now."""
         self.scheduler.finish_requests(request_ids, status)
+
+    # ---- utilities (callable from the front end through EngineCoreClient.call_utility) ----------
+    UTILITIES = frozenset({"reset_prefix_cache"})
+
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached block no request holds; returns how many were dropped."""
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    def call_utility(self, name: str, *args):
+        """Run the utility method ``name``.
+
+        Raises:
+            ValueError: ``name`` is not in ``UTILITIES``.
+        """
+        if name not in self.UTILITIES:
+            raise ValueError(f"unknown engine core utility {name!r} (known: {sorted(self.UTILITIES)})")
+        return getattr(self, name)(*args)
 
     def has_unfinished_requests(self) -> bool:
         """True while any request waits or runs, or a step's results are still to be applied."""

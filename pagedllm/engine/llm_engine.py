@@ -1,32 +1,27 @@
-"""The synchronous engine: the front end (tokenizer, validation, output processor) over an ``EngineCore``.
+"""The synchronous engine: the front end (tokenizer, processor, output processor) over an
+``EngineCoreClient``, in process or to a core process, with the same meaning either way.
 
-One ``step()`` runs one core step (schedule, execute, apply) and turns its
-token ids into ``RequestOutput``s. The offline ``LLM`` drives it in a loop;
-``AsyncLLM`` drives it from a background thread.
+One ``step()`` takes the core's new outputs (in process: runs one core step) and turns their
+token ids into ``RequestOutput``s. The offline ``LLM`` drives it in a loop.
 """
 
 from __future__ import annotations
 
 import logging
-import time
-
-import msgspec
 from pathlib import Path
 
 from pagedllm.config import EngineArgs
-from pagedllm.engine.core_client import MPEngineCoreClient
+from pagedllm.engine.core_client import EngineCoreClient, InprocClient, MPEngineCoreClient
 from pagedllm.engine.engine_core import EngineCore
+from pagedllm.engine.messages import EngineCoreRequest
 from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.engine.processor import Processor, PromptTooLongError  # noqa: F401  (re-exported)
 from pagedllm.outputs import RequestOutput
-from pagedllm.request import Request, RequestStatus
-from pagedllm.sampling_params import SamplingParamError, SamplingParams
+from pagedllm.request import RequestStatus
+from pagedllm.sampling_params import SamplingParams
 from pagedllm.stats import SchedulerStats
 
 logger = logging.getLogger(__name__)
-
-
-class PromptTooLongError(SamplingParamError):
-    """Prompt plus ``max_tokens`` exceeds the context limit (``param`` is ``max_tokens`` or ``prompt``)."""
 
 
 def _load_tokenizer(path):
@@ -65,28 +60,31 @@ class LLMEngine:
         self.max_model_len = min(args.max_model_len or model_limit, model_limit)
         self.eos_token_ids = self._eos_ids()
         self.multiprocess = bool(args.enable_multiprocessing)
-        self.core: EngineCore | None = None
-        self.client: MPEngineCoreClient | None = None
-        if self.multiprocess:
-            self.client = MPEngineCoreClient(args, self.model_dir, self.max_model_len, self.eos_token_ids)
-            self.num_blocks = self.client.num_blocks
-        else:
-            self.core = EngineCore(args, self.model_dir, self.max_model_len, self.eos_token_ids)
-            self.num_blocks = self.core.num_blocks
+        self.client: EngineCoreClient = (
+            MPEngineCoreClient(args, self.model_dir, self.max_model_len, self.eos_token_ids) if self.multiprocess
+            else InprocClient(EngineCore(args, self.model_dir, self.max_model_len, self.eos_token_ids)))
+        self.num_blocks = self.client.num_blocks
+        self.processor = Processor(self.tokenizer, self.hf_config.vocab_size, self.context_limit)
         self.output_processor = OutputProcessor(self.tokenizer)
 
     def is_alive(self) -> bool:
-        """False once the core process has died (always True in process)."""
-        return self.client is None or self.client.is_alive()
+        """False once the core has died."""
+        return self.client.is_alive()
 
     def shutdown(self) -> None:
-        """Stop the core process, or the in-process core's execution thread (safe to call twice)."""
-        if self.client is not None:
-            self.client.shutdown()
-        elif self.core is not None:
-            self.core.shutdown()
+        """Stop the core (its process, or its execution thread in process); safe to call twice."""
+        self.client.shutdown()
 
-    # the core's parts, for tests and debugging of the in-process engine
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached KV block no request holds (in process or in the core process)."""
+        return self.client.reset_prefix_cache()
+
+    # the core's parts, for tests and debugging of the in-process engine (AttributeError otherwise)
+    @property
+    def core(self) -> EngineCore | None:
+        """The in-process core, or ``None`` with a core process."""
+        return getattr(self.client, "core", None)
+
     @property
     def scheduler(self):
         """The core's scheduler."""
@@ -142,9 +140,7 @@ class LLMEngine:
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         """Token ids of a text prompt (special tokens as the tokenizer adds them), or the ids as given."""
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt)
-        return list(prompt)
+        return self.processor.tokenize(prompt)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     arrival_time: float | None = None, prompt_text: str | None = None,
@@ -154,80 +150,42 @@ class LLMEngine:
         Raises:
             PromptTooLongError: prompt + max_tokens exceed ``max_model_len`` or the KV pool.
             SamplingParamError: empty prompt or token ids outside the vocabulary.
+            ValueError: the request id is already live.
         """
         if prompt_text is None and isinstance(prompt, str):
             prompt_text = prompt
         self.add_prepared(self.make_request(request_id, prompt, params, arrival_time, cache_salt), prompt_text)
 
     def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                     arrival_time: float | None = None, cache_salt: str | None = None) -> Request:
-        """Tokenize and validate without touching engine state (safe from any thread).
+                     arrival_time: float | None = None, cache_salt: str | None = None) -> EngineCoreRequest:
+        """Tokenize and validate without touching engine state (safe from any thread): ``Processor.process``.
 
         Raises:
             PromptTooLongError, SamplingParamError: as ``add_request``.
         """
-        ids = self.tokenize(prompt)
-        vocab = self.hf_config.vocab_size
-        if not ids:
-            raise SamplingParamError("prompt", "prompt: must contain at least one token")
-        if min(ids) < 0 or max(ids) >= vocab:
-            raise SamplingParamError("prompt", f"prompt: token ids must be in [0, {vocab})")
-        bad_bias = [t for t in (params.logit_bias or {}) if t >= vocab]
-        if bad_bias:
-            raise SamplingParamError("logit_bias", f"logit_bias: token ids must be in [0, {vocab}), got {bad_bias[0]}")
-        bad_stop = [t for t in params.stop_token_ids if not 0 <= t < vocab]
-        if bad_stop:
-            raise SamplingParamError("stop_token_ids", f"stop_token_ids: token ids must be in [0, {vocab}), "
-                                     f"got {bad_stop[0]}")
-        limit = self.context_limit
-        if len(ids) >= limit:
-            asked = "" if params.max_tokens is None else f" and requested max_tokens={params.max_tokens}"
-            raise PromptTooLongError("prompt", f"This model's maximum context length is {limit} tokens. "
-                                     f"However, your prompt has {len(ids)} tokens{asked}.")
-        max_tokens = params.max_tokens if params.max_tokens is not None else limit - len(ids)
-        if len(ids) + max_tokens > limit:
-            raise PromptTooLongError("max_tokens", f"This model's maximum context length is {limit} tokens. "
-                                     f"However, you requested {len(ids) + max_tokens} tokens ({len(ids)} in the "
-                                     f"prompt, {max_tokens} for max_tokens). Please reduce the length.")
-        if params.min_tokens > max_tokens:  # without max_tokens the bound is what the context leaves
-            raise SamplingParamError("min_tokens", f"min_tokens: must be <= max_tokens={max_tokens} (the "
-                                     f"context limit less the prompt when max_tokens is not set), got "
-                                     f"{params.min_tokens}")
-        arrival = arrival_time if arrival_time is not None else time.time()
-        return Request(request_id, ids, params, self.eos_token_ids, max_tokens, arrival, cache_salt)
+        return self.processor.process(request_id, prompt, params, arrival_time, cache_salt)
 
-    def add_prepared(self, req: Request, prompt_text: str | None = None) -> None:
+    def add_prepared(self, request: EngineCoreRequest, prompt_text: str | None = None) -> None:
         """Queue a request built by ``make_request`` (call from the thread that steps the engine).
 
         Raises:
             ValueError: the request id is already live.
         """
-        if self.core is not None:
-            self.core.add_request(req)
-        else:
-            if req.request_id in self.output_processor.states:
-                raise ValueError(f"request id {req.request_id!r} is already in use")
-            self.client.add_request(req)
-        self.output_processor.add_request(req.request_id, prompt_text, req.prompt_token_ids,
-                                          req.sampling_params, req.arrival_time)
+        if request.request_id in self.output_processor.states:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.client.add_request(request)
+        self.output_processor.add_request(request.request_id, prompt_text, request.prompt_token_ids,
+                                          request.sampling_params, request.arrival_time)
 
     def abort_request(self, request_ids: list[str]) -> None:
         """Abort requests now: their KV blocks go back to the pool before the next step."""
-        self._finish(request_ids, RequestStatus.FINISHED_ABORTED)
+        self.client.abort_requests(request_ids, RequestStatus.FINISHED_ABORTED)
         for rid in request_ids:
             self.output_processor.abort(rid)
 
     def has_unfinished_requests(self) -> bool:
-        """True while any request waits or runs."""
-        if self.core is not None:
-            return self.core.has_unfinished_requests()
+        """True while any request added here has not finished (the front end's view, in both modes)."""
         return bool(self.output_processor.states)
-
-    def _finish(self, request_ids: list[str], status: RequestStatus) -> None:
-        if self.core is not None:
-            self.core.finish_requests(request_ids, status)
-        else:
-            self.client.finish_requests(request_ids, status)
 
     # ---- the step ------------------------------------------------------------
     def step(self, delta: bool = False) -> list[RequestOutput]:
@@ -238,18 +196,15 @@ class LLMEngine:
         Returns:
             Outputs of the requests that produced a token this step.
         """
-        if self.core is not None:
-            core_outputs = self.core.step()
-        else:  # the core process steps by itself: take what it has sent
-            core_outputs = self.client.get_outputs(timeout_ms=100)
+        core_outputs = self.client.get_output(timeout_ms=100)
         outputs, stopped = self.output_processor.process(core_outputs, delta)
         if stopped:
-            self._finish(stopped, RequestStatus.FINISHED_STOPPED)
+            self.client.abort_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        if not self.output_processor.states:
+            self.client.settle()  # nothing live: a step still in flight is applied now, not later
         return outputs
 
     def get_stats(self) -> SchedulerStats:
         """The core's counters (see ``EngineCore.get_stats``); with a core process, as of its
         last message, with ``core_pid`` set."""
-        if self.core is not None:
-            return self.core.get_stats()
-        return msgspec.structs.replace(self.client.stats, core_pid=self.client.core_pid)
+        return self.client.get_stats()

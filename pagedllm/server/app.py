@@ -162,7 +162,7 @@ def build_app(llm: AsyncLLM, model_name: str, chat_template: str | None = None, 
     """
     app = FastAPI(title="pagedllm", version=pagedllm.__version__)
     rejections = RejectionCounter()
-    max_in_flight = None if max_waiting_requests is None else llm.engine.args.max_num_seqs + max_waiting_requests
+    max_in_flight = None if max_waiting_requests is None else llm.max_num_seqs + max_waiting_requests
     ctx = ServingContext(llm, model_name, AdmissionControl(max_in_flight, rejections))
     chat_serving = OpenAIServingChat(ctx, chat_template, reasoning_parser, tool_call_parser, enable_auto_tool_choice)
     completion_serving = OpenAIServingCompletion(ctx)

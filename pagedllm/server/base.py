@@ -19,7 +19,7 @@ from typing import AsyncIterator, Callable
 from pydantic import BaseModel
 
 from pagedllm.engine.async_llm import AsyncLLM, EngineDeadError
-from pagedllm.engine.llm_engine import PromptTooLongError
+from pagedllm.engine.processor import PromptTooLongError
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParamError, SamplingParams
 from pagedllm.server.errors import APIError
@@ -150,11 +150,11 @@ class ServingContext:
         self.admission = admission or AdmissionControl(None, RejectionCounter())
         # one thread: a fast tokenizer is not safe to use from several threads at once
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="pagedllm-tokenize")
-        self.tokenizer = llm.engine.tokenizer
-        self.defaults = llm.engine.default_sampling_fields()
-        self.context_limit = llm.engine.context_limit
-        self.max_model_len = llm.engine.max_model_len
-        self.model_dir = str(llm.engine.model_dir)
+        self.tokenizer = llm.tokenizer
+        self.defaults = llm.default_sampling_fields()
+        self.context_limit = llm.context_limit
+        self.max_model_len = llm.max_model_len
+        self.model_dir = llm.model_dir
         # no token decodes to more characters than its vocabulary string has (byte-level BPE: one
         # character per byte; sentencepiece: one per character), so a longer text cannot fit
         longest = max((len(t) for t in self.tokenizer.get_vocab()), default=1)

@@ -23,6 +23,7 @@ from pagedllm.request import Request
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.input_batch import InputBatch
 from pagedllm.core.scheduler_output import NewRequestData, CachedRequestData
+from pagedllm.engine.messages import EngineCoreRequest
 
 V = 97
 EOS = 1000  # unreachable: requests end by max_tokens
@@ -81,7 +82,7 @@ def reference(prompt: list[int], max_tokens: int) -> list[int]:
 
 def drive(core: EngineCore, reqs, abort_at: dict[int, list[str]] | None = None):
     for rid, prompt, mt in reqs:
-        core.add_request(Request(rid, prompt, SamplingParams(temperature=0, max_tokens=mt), {EOS}, mt))
+        core.add_request(EngineCoreRequest(rid, prompt, SamplingParams(temperature=0, max_tokens=mt), mt, 0.0))
     got: dict[str, list[int]] = {rid: [] for rid, _, _ in reqs}
     step = 0
     while core.has_unfinished_requests():
