@@ -1,26 +1,27 @@
 """Asynchronous front door to the engine for the server.
 
-The engine steps in one background thread; asyncio callers submit requests
-through a thread-safe inbox and receive per-request delta ``RequestOutput``s
-on asyncio queues. Concurrent requests therefore share engine steps.
-PyTorch releases the GIL inside its kernels, so the event loop keeps serving
-HTTP while a step runs.
+Requests go straight to the core through an asyncio engine-core client (``zmq.asyncio`` to a
+core process, or a thread stepping an in-process core); one asyncio task, the output
+handler, awaits the core's outputs, runs them through the ``OutputProcessor``
+(detokenizing, stop strings) and puts each request's delta ``RequestOutput``s on its
+queue. Nothing polls: a request is sent the moment it is made, and outputs are read the
+moment they arrive. Concurrent requests share engine steps.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import queue
 import threading
 from typing import AsyncIterator
 
 import msgspec
 
-from pagedllm.engine.core_client import EngineDeadError  # re-exported: the server imports it from here
+from pagedllm.engine.async_core_client import async_client
 from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.engine.messages import EngineCoreRequest, EngineDeadError  # noqa: F401  (the server imports it here)
 from pagedllm.outputs import RequestOutput
-from pagedllm.engine.messages import EngineCoreRequest
+from pagedllm.request import RequestStatus
 from pagedllm.stats import SchedulerStats
 
 logger = logging.getLogger(__name__)
@@ -31,23 +32,26 @@ class ServerShuttingDownError(RuntimeError):
 
 
 class AsyncLLM:
-    """Runs ``engine.step()`` in a background thread and streams outputs to coroutines.
+    """Streams outputs of engine requests to coroutines.
+
+    Its output handler runs on the event loop of the first ``generate`` call; requests may
+    come from other event loops too (their outputs are handed over thread-safely).
 
     Args:
-        engine: a constructed ``LLMEngine``; from now on only this object's thread touches it.
+        engine: a constructed ``LLMEngine``: its processor, output processor and core are used
+            from here on; do not step it yourself.
     """
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self._inbox: queue.Queue = queue.Queue()
+        self.client = async_client(engine.client)
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._lock = threading.Lock()
         self.errored: BaseException | None = None
-        self._stop = threading.Event()
         self._stats: SchedulerStats = engine.get_stats()
         self._finished_callbacks: list = []
-        self._thread = threading.Thread(target=self._loop, name="pagedllm-engine", daemon=True)
-        self._thread.start()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._handler: asyncio.Task | None = None
 
     # what the front end needs to know of the model and the engine, without reaching into it
     @property
@@ -81,17 +85,16 @@ class AsyncLLM:
 
     @property
     def is_healthy(self) -> bool:
-        """True while the engine thread (and the core process, if any) runs without error."""
-        return self.errored is None and self._thread.is_alive() and self.engine.is_alive()
+        """True while the output handler and the core run without error."""
+        return self.errored is None and self.client.is_alive()
 
     def get_stats(self) -> SchedulerStats:
-        """Engine counters as of the last step (see ``LLMEngine.get_stats``)."""
+        """Engine counters as of the last step."""
         return self._stats
 
     def add_finished_callback(self, fn) -> None:
-        """Call ``fn(output)`` in the engine thread for every request that finishes
-        (not for aborts). ``output.metrics`` is then a ``RequestMetrics`` with its
-        finish time set.
+        """Call ``fn(output)`` on the event loop for every request that finishes (not for
+        aborts). ``output.metrics`` is then a ``RequestMetrics`` with its finish time set.
         Exceptions from ``fn`` are logged and ignored."""
         self._finished_callbacks.append(fn)
 
@@ -109,36 +112,44 @@ class AsyncLLM:
         """
         with self._lock:
             rids = list(self._streams)
+        if rids and self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._abort, rids)
         for rid in rids:
-            self._inbox.put(("abort", rid))
             self._deliver(rid, error)
         return len(rids)
 
     def shutdown(self) -> None:
-        """Stop the engine thread (pending requests are aborted) and the core process, if any."""
-        self._stop.set()
-        self._inbox.put(("noop", None))
-        self._thread.join(timeout=10)
-        self.engine.shutdown()
+        """Stop the core (process or thread); pending requests are dropped."""
+        if self._handler is not None and self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._handler.cancel)
+        self.client.shutdown()
 
-    # ---- engine thread ----------------------------------------------------------
-    def _loop(self) -> None:
-        eng = self.engine
+    # ---- the output handler (an asyncio task) ---------------------------------------
+    def _ensure_handler(self) -> None:
+        if self._handler is None:
+            self._loop = asyncio.get_running_loop()
+            self._handler = self._loop.create_task(self._handle_outputs(), name="pagedllm-output-handler")
+
+    async def _handle_outputs(self) -> None:
+        processor = self.engine.output_processor
         try:
-            while not self._stop.is_set():
-                self._drain(block=not eng.has_unfinished_requests())
-                # a core process keeps stepping by itself: read its outputs (and counters) even when idle
-                if eng.has_unfinished_requests() or eng.multiprocess:
-                    for out in eng.step(delta=True):
-                        if out.finished:
-                            self._on_finished(out)
-                        self._deliver(out.request_id, out)
-                self._stats = eng.get_stats()
+            while True:
+                core_outputs = await self.client.get_output()
+                outputs, stopped = processor.process(core_outputs, delta=True)
+                if stopped:
+                    self.client.abort_requests(stopped, RequestStatus.FINISHED_STOPPED)
+                for out in outputs:
+                    if out.finished:
+                        self._on_finished(out)
+                    self._deliver(out.request_id, out)
+                self._stats = self.client.get_stats()
+        except asyncio.CancelledError:
+            raise
         except BaseException as e:  # report to every waiter, never die silently
-            if isinstance(e, EngineDeadError):  # the core process is gone: its own log has the cause
+            if isinstance(e, EngineDeadError):  # the core is gone: its own log has the cause
                 logger.error("engine core died: %s", e)
             else:
-                logger.exception("engine loop crashed")
+                logger.exception("output handler crashed")
             # nothing runs or waits any more: gauges must not keep the last step's values
             self._stats = msgspec.structs.replace(self._stats, num_running=0, num_waiting=0, kv_cache_usage=0.0)
             self.errored = e
@@ -147,32 +158,26 @@ class AsyncLLM:
             for rid in rids:
                 self._deliver(rid, EngineDeadError(f"engine loop crashed: {e!r}"))
 
-    def _drain(self, block: bool) -> None:
-        try:
-            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
-        except queue.Empty:
-            return
-        while True:
-            kind, payload = item
-            if kind == "add":
-                req, text = payload
-                try:
-                    self.engine.add_prepared(req, text)
-                except Exception as e:
-                    self._deliver(req.request_id, e)
-            elif kind == "abort":
-                self.engine.abort_request([payload])
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-
     def _deliver(self, rid: str, item) -> None:
         with self._lock:
             entry = self._streams.get(rid)
-        if entry is not None:
-            loop, q = entry
+        if entry is None:
+            return
+        loop, q = entry
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if loop is running:
+            q.put_nowait(item)
+        elif not loop.is_closed():
             loop.call_soon_threadsafe(q.put_nowait, item)
+
+    def _abort(self, rids: list[str]) -> None:
+        """On the handler's loop: end requests in the core and drop their front-end state."""
+        self.client.abort_requests(rids)
+        for rid in rids:
+            self.engine.output_processor.abort(rid)
 
     # ---- asyncio side ---------------------------------------------------------------
     def make_request(self, request_id: str, prompt, params, cache_salt: str | None = None) -> EngineCoreRequest:
@@ -186,17 +191,22 @@ class AsyncLLM:
         request is aborted and its KV blocks are freed in the next step.
 
         Raises:
-            EngineDeadError: the engine loop crashed.
+            EngineDeadError: the engine has died.
+            ValueError: the request id is already live.
         """
         if not self.is_healthy:
             raise EngineDeadError("engine is not running")
+        self._ensure_handler()
         rid = request.request_id
         q: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
         with self._lock:
-            self._streams[rid] = (asyncio.get_running_loop(), q)
+            if rid in self._streams:
+                raise ValueError(f"request id {rid!r} is already in use")
+            self._streams[rid] = (loop, q)
         finished = False
         try:
-            self._inbox.put(("add", (request, prompt_text)))
+            self._call_on_handler_loop(self._add, request, prompt_text)
             while True:
                 item = await q.get()
                 if isinstance(item, BaseException):
@@ -210,4 +220,21 @@ class AsyncLLM:
             with self._lock:
                 self._streams.pop(rid, None)
             if not finished:
-                self._inbox.put(("abort", rid))
+                self._call_on_handler_loop(self._abort, [rid])
+
+    def _add(self, request: EngineCoreRequest, prompt_text: str | None) -> None:
+        """On the handler's loop: front-end state first (outputs may follow at once), then the core."""
+        self.engine.output_processor.add_request(request.request_id, prompt_text, request.prompt_token_ids,
+                                                 request.sampling_params, request.arrival_time)
+        self.client.add_request(request)
+
+    def _call_on_handler_loop(self, fn, *args) -> None:
+        """Run ``fn(*args)`` on the output handler's loop: now if that is this one, else soon."""
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is self._loop:
+            fn(*args)
+        elif self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(fn, *args)
