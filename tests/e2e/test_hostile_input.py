@@ -199,8 +199,10 @@ def test_requests_past_the_queue_limit_get_429_with_retry_after(small_server):
     url, _ = small_server
     streams = [_Stream(url, LONG) for _ in range(3)]
     try:
-        for s in streams[:2]:  # running; the third waits for a free sequence slot
-            assert s.started.wait(120)
+        deadline = time.monotonic() + 120
+        while sum(s.started.is_set() for s in streams) < 2:  # two run; the third waits for a sequence slot
+            assert time.monotonic() < deadline, "the streams did not start"
+            time.sleep(0.1)
         deadline = time.monotonic() + 60
         while True:
             stats = httpx.get(url + "/stats", timeout=10).json()
