@@ -44,8 +44,8 @@ def _serve(a: argparse.Namespace) -> int:
         raise ValueError(f"--max-waiting-requests must be >= 0, got {a.max_waiting_requests}")
     if a.max_request_body_bytes < 1:
         raise ValueError(f"--max-request-body-bytes must be >= 1, got {a.max_request_body_bytes}")
-    if a.shutdown_timeout < 0:
-        raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {a.shutdown_timeout}")
+    if not 0 <= a.shutdown_timeout < float("inf"):  # also refuses nan
+        raise ValueError(f"--shutdown-timeout must be a finite number of seconds >= 0, got {a.shutdown_timeout}")
     engine = LLMEngine(engine_args_from_cli(a))
     template = None
     if a.chat_template:
@@ -64,9 +64,15 @@ def _serve(a: argparse.Namespace) -> int:
     # below stop the core process and remove its ipc sockets
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
-        return run_server(app, llm, a.host, a.port, a.log_level, a.shutdown_timeout)
+        code = run_server(app, llm, a.host, a.port, a.log_level, a.shutdown_timeout)
     finally:
         llm.shutdown()
+    # the core is reaped and its sockets removed: skip the interpreter's teardown of torch and
+    # friends (about a second), so that a stopped server is gone within its deadline
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _generate(a: argparse.Namespace) -> int:
@@ -93,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--chat-template", default=None, help="Jinja chat template (file path or inline text)")
     # an empty PAGEDLLM_API_KEY counts as unset, so `PAGEDLLM_API_KEY= pagedllm serve` stays open
     s.add_argument("--api-key", default=os.environ.get("PAGEDLLM_API_KEY") or None,
-                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $PAGEDLLM_API_KEY, else none)")
+                   help="require 'Authorization: Bearer KEY' on every path but /health, /version, /metrics, /stats "
+                        "and the OpenAPI pages (default: $PAGEDLLM_API_KEY, else none)")
     s.add_argument("--allowed-origins", type=_json_str_list, default=["*"],
                    help='CORS allowed origins, a JSON list (default: ["*"])')
     s.add_argument("--allowed-methods", type=_json_str_list, default=["*"],

@@ -134,7 +134,15 @@ def run_engine_core(args: EngineArgs, model_dir: str, max_model_len: int, eos_to
     Inputs are drained without blocking while requests run, so a slow front end
     never stalls the step loop; with nothing to do it waits up to 100 ms for input
     and checks that its parent is still alive.
+
+    SIGINT and SIGTERM are ignored: the front end owns the core's lifetime (a Shutdown
+    message, or its own exit), so a signal to the whole process group (Ctrl-C, systemd's
+    stop) still lets running requests finish within the server's shutdown deadline.
     """
+    import signal
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    linger_ms = 1000  # a failure report must get out; after Shutdown nobody reads what is left
     ctx = zmq.Context()
     inp = ctx.socket(zmq.PULL)
     inp.connect(input_addr)
@@ -162,6 +170,7 @@ def run_engine_core(args: EngineArgs, model_dir: str, max_model_len: int, eos_to
                 msg = dec.decode(inp.recv())
                 changed = True
                 if isinstance(msg, Shutdown):
+                    linger_ms = 0
                     return
                 if isinstance(msg, EngineCoreRequest):
                     core.add_request(msg)
@@ -183,9 +192,12 @@ def run_engine_core(args: EngineArgs, model_dir: str, max_model_len: int, eos_to
         except zmq.ZMQError:
             pass
     finally:
-        out.close(linger=1000)
+        out.close(linger=linger_ms)
         inp.close(linger=0)
         ctx.term()
+        if linger_ms == 0:  # a clean Shutdown: skip the second of thread-pool and library teardown
+            logging.shutdown()
+            os._exit(0)
 
 
 def _run_utility(core: EngineCore, msg: UtilityCall) -> UtilityResult:

@@ -111,8 +111,8 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
     Returns:
         ``(model, config)`` with the model in eval mode.
     Raises:
-        FileNotFoundError: no ``*.safetensors`` in the directory.
-        ModelLoadError: a broken ``config.json`` or weights file (one line naming it).
+        ModelLoadError: no ``*.safetensors`` in the directory, or a broken ``config.json`` or
+            weights file (one line naming it).
         ValueError: no implementation can serve the architecture.
     """
     t0 = time.perf_counter()
@@ -121,7 +121,8 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
     impl = select_impl(config, model_impl)
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"no *.safetensors weights in {model_dir}")
+        from pagedllm.models.loader import ModelLoadError
+        raise ModelLoadError(model_dir, "no *.safetensors weights in this directory")
     check_safetensors(files)
     if impl == "transformers":
         from pagedllm.models.transformers_backend import load_transformers_model

@@ -18,6 +18,7 @@ All rejections are counted by reason for ``pagedllm:num_requests_rejected_total`
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import threading
@@ -29,6 +30,12 @@ from pagedllm.server.errors import APIError
 logger = logging.getLogger(__name__)
 
 MAX_CHOICES_PER_REQUEST = 128       # prompts x n; each choice is an engine request
+# lists whose length costs work on the event loop (validation) or in every step (stop checks);
+# generous next to OpenAI's own limits (4 stop strings, 128 tools)
+MAX_MESSAGES = 4096
+MAX_STOP_STRINGS = 64
+MAX_TOOLS = 512
+MAX_TOKEN_ID_ENTRIES = 4096          # stop_token_ids, logit_bias
 RETRY_AFTER_S = 1
 
 
@@ -165,6 +172,21 @@ def has_lone_surrogate(text: str) -> bool:
     return _SURROGATE.search(text) is not None
 
 
+_ESCAPED_SURROGATE = re.compile(r"\\ud[89a-f]")
+
+
+def may_hold_surrogates(obj: Any) -> bool:
+    """A fast, exact-enough pre-check: False when no string in ``obj`` holds any surrogate.
+
+    ``json.dumps`` (C speed) writes every surrogate, lone or paired from a character past
+    U+FFFF, as an escape ``\\udXXX``; only bodies with one need the slow walk.
+    """
+    try:
+        return _ESCAPED_SURROGATE.search(json.dumps(obj)) is not None
+    except (TypeError, ValueError):  # not plain JSON data: walk it
+        return True
+
+
 def find_lone_surrogate(obj: Any, path: str = "") -> str | None:
     """The field path (``messages[0].content``) of the first string in ``obj`` holding a lone surrogate.
 
@@ -210,8 +232,13 @@ class AdmissionControl:
         """Reserve ``k`` slots; use as a context manager that releases them.
 
         Raises:
-            APIError: 429 with ``Retry-After`` when the slots are not free.
+            APIError: 429 with ``Retry-After`` when the slots are not free; 400 when ``k`` is more
+                than the bound itself (no retry could succeed).
         """
+        if self.max_in_flight is not None and k > self.max_in_flight:  # could never be admitted: not a retry
+            raise APIError(400, f"n: this request asks for {k} choices (prompts x n), more than the {self.max_in_flight} "
+                           f"requests this server holds in flight (--max-num-seqs plus --max-waiting-requests)",
+                           "n", code="too_many_choices")
         if self.max_in_flight is not None and self.in_flight + k > self.max_in_flight:
             self.rejections.inc("queue_full")
             raise APIError(429, f"The server is overloaded: {self.in_flight} requests are in flight and "

@@ -3,7 +3,7 @@
 * SIGTERM or SIGINT: stop accepting connections and let running requests finish for up to
   ``shutdown_timeout_s`` seconds (``--shutdown-timeout``, default 30); then abort what remains
   (a stream ends with an error event and ``[DONE]``, a plain request gets 503) and exit 0.
-  A second signal stops waiting at once.
+  A second signal brings the deadline forward to now; a third exits at once.
 * An engine core that dies makes the server exit with status 1 within seconds, after its
   clients have been told (503, or an error event on a stream), so that a supervisor
   (systemd, Kubernetes) restarts it, as vLLM's server does. Until then ``/health`` answers
@@ -49,9 +49,14 @@ class _Server(uvicorn.Server):
         self.deadline_timer: threading.Timer | None = None
 
     def handle_exit(self, sig, frame) -> None:
-        """First signal: graceful shutdown with a deadline; any later one: stop waiting."""
+        """First signal: graceful shutdown with a deadline; the second: the deadline now (running
+        requests are aborted, streams get their error event); any later one: stop at once."""
         if self.should_exit:
-            self.force_exit = True
+            if self.deadline_timer is not None and self.deadline_timer.is_alive():
+                self.deadline_timer.cancel()
+                threading.Thread(target=self._on_deadline, daemon=True).start()  # not in a signal handler
+            else:
+                self.force_exit = True
             return
         self.should_exit = True
         self.deadline_timer = threading.Timer(self._deadline_s, self._on_deadline)
@@ -99,10 +104,10 @@ def run_server(app, llm, host: str, port: int, log_level: str = "info",
     Returns:
         0 after a signal, 1 when the engine core died.
     Raises:
-        ValueError: a negative ``shutdown_timeout_s``.
+        ValueError: a negative or non-finite ``shutdown_timeout_s``.
     """
-    if shutdown_timeout_s < 0:
-        raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {shutdown_timeout_s}")
+    if not 0 <= shutdown_timeout_s < float("inf"):
+        raise ValueError(f"--shutdown-timeout must be a finite number of seconds >= 0, got {shutdown_timeout_s}")
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=shutdown_timeout_s + _BACKSTOP_S)
 

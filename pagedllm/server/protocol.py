@@ -15,7 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field, Strict, model_serializer, mod
 from pydantic_core import PydanticCustomError
 
 from pagedllm.sampling_params import SamplingParamError, SamplingParams
-from pagedllm.server.guards import find_lone_surrogate
+from pagedllm.server.guards import (MAX_MESSAGES, MAX_STOP_STRINGS, MAX_TOKEN_ID_ENTRIES, MAX_TOOLS,
+                                    find_lone_surrogate, may_hold_surrogates)
 
 # JSON types as OpenAI checks them: "10" is not an integer, "0.5" not a number, "true" not a boolean
 Int = Annotated[int, Strict()]
@@ -33,7 +34,7 @@ class RequestBody(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _no_lone_surrogates(cls, data: Any) -> Any:
-        path = find_lone_surrogate(data)
+        path = find_lone_surrogate(data) if may_hold_surrogates(data) else None
         if path is not None:
             raise PydanticCustomError("lone_surrogate", "strings must not contain lone UTF-16 surrogates "
                                       "(U+D800 to U+DFFF)", {"param": path})
@@ -137,12 +138,13 @@ class _SamplingRequest(RequestBody):
     presence_penalty: Float | None = None
     frequency_penalty: Float | None = None
     repetition_penalty: Float | None = None
-    logit_bias: dict[str, Float] | None = None
+    logit_bias: dict[str, Float] | None = Field(default=None, max_length=MAX_TOKEN_ID_ENTRIES)
     n: Int = Field(default=1, le=2**31 - 1)
     stream: Bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[Int] | None = None  # checked against the vocabulary when the request is made
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    # checked against the vocabulary when the request is made
+    stop_token_ids: list[Int] | None = Field(default=None, max_length=MAX_TOKEN_ID_ENTRIES)
     seed: Int | None = Field(default=None, ge=-2**63, le=2**64 - 1)
     ignore_eos: Bool = False
     min_tokens: Int = Field(default=0, ge=0)
@@ -186,14 +188,14 @@ class _SamplingRequest(RequestBody):
 class ChatCompletionRequest(_SamplingRequest):
     """``POST /v1/chat/completions`` body."""
 
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_tokens: Int | None = None
     max_completion_tokens: Int | None = None
     add_generation_prompt: Bool = True
     chat_template_kwargs: dict[str, Any] | None = None
     logprobs: Bool = False
     top_logprobs: Int | None = None
-    tools: list[ToolDefinition] | None = None
+    tools: list[ToolDefinition] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: Bool = True
 

@@ -10,6 +10,7 @@ from typing import Annotated, Any, Union
 
 from pydantic import BaseModel, Discriminator, Field, Tag
 
+from pagedllm.server.guards import MAX_MESSAGES, MAX_TOOLS
 from pagedllm.server.protocol import Bool, ChatMessage, Int, RequestBody, ToolDefinition
 
 
@@ -27,10 +28,10 @@ class TokenizeChatRequest(RequestBody):
     """``POST /tokenize`` body for a conversation, rendered with the chat template first."""
 
     model: str | None = None
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     add_generation_prompt: Bool = True
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[ToolDefinition] | None = None
+    tools: list[ToolDefinition] | None = Field(default=None, max_length=MAX_TOOLS)
     add_special_tokens: Bool = Field(default=False, description=(
         "add the tokenizer's special tokens on top of the template's (off, as a chat request does)"))
     return_token_strs: Bool = Field(default=False, description="also return each token as a string")

@@ -9,6 +9,7 @@ server of their own with tiny limits (``--max-num-seqs 2 --max-waiting-requests 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import threading
@@ -150,6 +151,17 @@ def test_choice_cap(server_url):
     assert r.status_code == 200
 
 
+def test_long_lists_are_refused(server_url):
+    """Lists whose length costs work per request or per step are bounded (400 naming them)."""
+    msg = {"role": "user", "content": "a"}
+    for path, body, param in (("/v1/chat/completions", {"messages": [msg] * 4097}, "messages"),
+                              ("/v1/completions", {"prompt": "Hi", "stop": ["x"] * 65}, "stop"),
+                              ("/v1/completions", {"prompt": "Hi", "stop_token_ids": [1] * 4097}, "stop_token_ids"),
+                              ("/tokenize", {"messages": [msg] * 4097}, "messages")):
+        r = httpx.post(server_url + path, json=body, timeout=30)
+        assert_error(r, 400, param)
+
+
 def test_prompt_too_many_characters_is_refused_before_tokenizing(server_url):
     text = "a" * 3_000_000  # under the 4 MiB body limit, far past what 2048 tokens can hold
     for path, body, param in (("/v1/completions", {"prompt": text}, "prompt"),
@@ -197,10 +209,15 @@ class _Stream:
 
 def test_requests_past_the_queue_limit_get_429_with_retry_after(small_server):
     url, _ = small_server
+    # more choices than the server ever holds: no retry could help, so a 400, not a 429
+    r = httpx.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 1, "n": 4}, timeout=30)
+    assert_error(r, 400, "n", "too_many_choices")
     streams = [_Stream(url, LONG) for _ in range(3)]
     try:
-        for s in streams[:2]:  # running; the third waits for a free sequence slot
-            assert s.started.wait(120)
+        deadline = time.monotonic() + 120
+        while sum(s.started.is_set() for s in streams) < 2:  # two run; the third waits for a sequence slot
+            assert time.monotonic() < deadline, "the streams did not start"
+            time.sleep(0.1)
         deadline = time.monotonic() + 60
         while True:
             stats = httpx.get(url + "/stats", timeout=10).json()
@@ -239,6 +256,12 @@ def test_sigterm_with_a_long_stream_exits_within_the_deadline(small_server):
     url, proc = small_server
     stream = _Stream(url, LONG)
     assert stream.started.wait(120)
+    # the core ignores SIGTERM (a signal to the whole process group must not kill it before the drain)
+    core_pid = httpx.get(url + "/stats", timeout=10).json()["core_pid"]
+    os.kill(core_pid, signal.SIGTERM)
+    n = len(stream.events)
+    time.sleep(1.0)
+    assert httpx.get(url + "/health", timeout=10).status_code == 200 and len(stream.events) > n
     t0 = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 0

@@ -70,9 +70,19 @@ def test_admission_control_counts_and_releases():
     a.release()
     a.release()  # idempotent
     assert control.in_flight == 0
+    with pytest.raises(APIError) as e:  # more than the bound itself: a 400, since no retry could succeed
+        control.admit(4)
+    assert (e.value.status, e.value.param, e.value.code) == (400, "n", "too_many_choices")
     assert rejections.snapshot() == {"queue_full": 1}
     unbounded = AdmissionControl(None, rejections)
     unbounded.admit(10**6)
+
+
+@pytest.mark.parametrize("value", ["nan", "-1", "inf"])
+def test_shutdown_timeout_must_be_finite(value, capsys):
+    from pagedllm.cli import main
+    assert main(["serve", "--shutdown-timeout", value]) == 2
+    assert "--shutdown-timeout" in capsys.readouterr().err
 
 
 def test_choice_cap():
