@@ -108,9 +108,9 @@ class EngineCore:
         self._in_flight = None  # (SchedulerOutput, StepHandle) issued but not yet applied
         self.stats = {"num_prompt_tokens": 0, "num_generation_tokens": 0, "num_steps": 0, "max_num_running": 0}
         self.timer = StepTimer()
-        from pagedllm.kernels import cpu as cpu_kernels
-        # whether steps use the C CPU kernels (reported in the stats: a served core logs in its own process)
-        self.cpu_kernels = device.type == "cpu" and dtype == torch.float32 and cpu_kernels.available()
+        # whether steps use the C CPU kernels, as chosen once at load with the attention backend
+        # (reported in the stats: a served core logs in its own process)
+        self.cpu_kernels = self.runner.attention_backend.uses_cpu_kernels
 
     # ---- requests ----------------------------------------------------------------
     def add_request(self, req: Request) -> None:
