@@ -78,12 +78,13 @@ class EngineCore:
         max_model_len: context limit in tokens.
         eos_token_ids: token ids that end a sequence.
         model: an already built model (tests); by default it is loaded from ``model_dir``.
+        scripted_output: test hook handed to the model runner (``worker/scripted.py``).
     Raises:
         ValueError: an unservable architecture, or a KV pool too small for one block.
     """
 
     def __init__(self, args: EngineArgs, model_dir, max_model_len: int, eos_token_ids: set[int],
-                 model=None) -> None:
+                 model=None, scripted_output=None) -> None:
         from pagedllm.models.registry import load_model
         dtype, device = args.torch_dtype, args.torch_device
         # every torch op of the core (loading, KV allocation, steps) runs on this one thread
@@ -103,7 +104,8 @@ class EngineCore:
                                    max_model_len, args.enable_chunked_prefill)
         self.runner = self._exec.submit(
             ModelRunner, model, num_blocks, args.block_size, dtype, device, args.seed, eos_token_ids=eos_token_ids,
-            max_num_reqs=args.max_num_seqs, max_model_len=max_model_len, executor=self._exec).result()
+            max_num_reqs=args.max_num_seqs, max_model_len=max_model_len, executor=self._exec,
+            scripted_output=scripted_output).result()
         self.async_scheduling = args.async_scheduling
         self._in_flight = None  # (SchedulerOutput, StepHandle) issued but not yet applied
         self.stats = {"num_prompt_tokens": 0, "num_generation_tokens": 0, "num_steps": 0, "max_num_running": 0}

@@ -41,14 +41,17 @@ class LLMEngine:
 
     Args:
         args: engine arguments.
+        scripted_output: test hook (``pagedllm.worker.scripted.ScriptedOutput``): every request's
+            output tokens come from it instead of the sampler. In-process engines only.
     Raises:
         ModelNotFoundError / FileNotFoundError: the model cannot be found.
         ModelLoadError: a model file is truncated or corrupt (one line naming it).
         EngineDeadError: the core process failed to start.
-        ValueError: unsupported architecture or a KV pool too small for one block.
+        ValueError: unsupported architecture, a KV pool too small for one block, or a
+            ``scripted_output`` with ``enable_multiprocessing``.
     """
 
-    def __init__(self, args: EngineArgs) -> None:
+    def __init__(self, args: EngineArgs, scripted_output=None) -> None:
         from pagedllm.models.loader import default_served_model_name, resolve_model
         from pagedllm.models.registry import read_generation_config, read_hf_config, select_impl
         self.args = args
@@ -62,13 +65,16 @@ class LLMEngine:
         self.max_model_len = min(args.max_model_len or model_limit, model_limit)
         self.eos_token_ids = self._eos_ids()
         self.multiprocess = bool(args.enable_multiprocessing)
+        if self.multiprocess and scripted_output is not None:
+            raise ValueError("scripted_output works in process only (enable_multiprocessing=False)")
         self.core: EngineCore | None = None
         self.client: MPEngineCoreClient | None = None
         if self.multiprocess:
             self.client = MPEngineCoreClient(args, self.model_dir, self.max_model_len, self.eos_token_ids)
             self.num_blocks = self.client.num_blocks
         else:
-            self.core = EngineCore(args, self.model_dir, self.max_model_len, self.eos_token_ids)
+            self.core = EngineCore(args, self.model_dir, self.max_model_len, self.eos_token_ids,
+                                   scripted_output=scripted_output)
             self.num_blocks = self.core.num_blocks
         self.output_processor = OutputProcessor(self.tokenizer)
 

@@ -18,8 +18,6 @@ preparing step N+1 never waits for step N.
 
 from __future__ import annotations
 
-import json
-import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -33,6 +31,7 @@ from pagedllm.attention.metadata import AttentionBatch, AttentionMetadata
 from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.worker.input_batch import InputBatch, SamplingMetadata
 from pagedllm.worker.sampler import Sampler, gather_logprobs
+from pagedllm.worker.scripted import ScriptedOutput
 
 
 @dataclass
@@ -106,6 +105,8 @@ class ModelRunner:
         max_num_reqs: batch slots (the scheduler's ``max_num_seqs``).
         max_model_len: longest sequence in tokens.
         executor: the one-thread executor that runs every step (``None``: run on the caller's thread).
+        scripted_output: test hook; when given, every request's output tokens are its script's
+            (``worker/scripted.py``) instead of the sampled ones.
     Attributes:
         attention_backend: the model's attention backend (chosen at load), or for a model
             without one (test doubles that read the metadata themselves) the torch reference.
@@ -113,7 +114,8 @@ class ModelRunner:
 
     def __init__(self, model, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
                  seed: int = 0, eos_token_ids: set[int] | None = None, max_num_reqs: int = 128,
-                 max_model_len: int = 8192, executor: ThreadPoolExecutor | None = None) -> None:
+                 max_model_len: int = 8192, executor: ThreadPoolExecutor | None = None,
+                 scripted_output: ScriptedOutput | None = None) -> None:
         self.model = model
         backend: AttentionBackend | None = getattr(model, "attention_backend", None)
         self.attention_backend = backend or TorchPagedBackend(device)
@@ -128,8 +130,7 @@ class ModelRunner:
         self._eos = min(eos_token_ids) if eos_token_ids else 0
         self._last: PreparedStep | None = None  # the most recently issued step
         self._executor = executor
-        # test hook: replay fixed output tokens instead of sampling (see ``_scripted``)
-        self._script_path = os.environ.get("PAGEDLLM_SCRIPTED_OUTPUT")
+        self._script = scripted_output
 
     @property
     def requests(self) -> dict[str, int]:
@@ -288,8 +289,8 @@ class ModelRunner:
             md = step.sampling
             prev_tokens = prev.sampled_list if md.pending_rows.size else None
             sampled = self.sampler(logits[:num_sampled], md, prev_tokens)
-            tokens = self._scripted(md.output_lens.tolist(), sampled.token_ids) if self._script_path \
-                else sampled.token_ids
+            tokens = (sampled.token_ids if self._script is None
+                      else self._script.tokens(md.output_lens.tolist(), self._eos))
             step.sampled_list = tokens
             step.sampled = torch.tensor(tokens, dtype=torch.int64, device=self.device)
             out.sampled_token_ids = dict(zip(step.sample_ids, tokens))
@@ -304,15 +305,6 @@ class ModelRunner:
             timer.totals["execute"] += t2 - t1
             timer.totals["sample"] += t3 - t2
         return out
-
-    def _scripted(self, output_lens: list[int], tokens: list[int]) -> list[int]:
-        """Test hook: with ``PAGEDLLM_SCRIPTED_OUTPUT`` naming a JSON file ``{"token_ids": [...]}``,
-        every request's output is those tokens, then EOS, whatever the model says (the file
-        is re-read at each step, so a test can change it between requests). The logits
-        still run; logprobs are those of the sampled tokens, not the replayed ones."""
-        with open(self._script_path) as f:
-            script = json.load(f)["token_ids"]
-        return [script[pos] if pos < len(script) else self._eos for pos in output_lens]
 
     def _prompt_logprobs(self, logits: torch.Tensor, prompt_lp, out: ModelRunnerOutput) -> None:
         """Logprobs of the prompt tokens whose predicting positions ran this step.
