@@ -6,8 +6,8 @@ transpose copy). Each step writes the new tokens' K/V through the slot mapping,
 then reads the contexts: all one-token (decode) requests together, gathering
 whole blocks through their block tables (masked past each request's length),
 and each multi-token (prefill) request through its slots, with one causal call
-each. ``decode_attention`` and ``prefill_attention`` are also the pieces the
-CPU-kernel backend (``attention/cpu_kernels.py``) builds on.
+each. The CPU-kernel backend (``attention/cpu_kernels.py``) reuses
+``prefill_attention``.
 """
 
 from __future__ import annotations
@@ -90,16 +90,15 @@ def _attend_matmul(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
 
 
 def decode_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                     meta: AttentionMetadata, decode_mask: torch.Tensor | None, scale: float,
-                     sliding_window: int | None = None, softcap: float | None = None) -> None:
+                     meta: TorchPagedMetadata, scale: float, sliding_window: int | None = None,
+                     softcap: float | None = None) -> None:
     """Attention of every one-token request over its paged context, in torch ops.
 
     Args:
         out: ``[T, H, D]``; rows ``meta.decode_token_idx`` are written.
         query: ``[T, H, D]``.
         key_cache, value_cache: ``[KVH, num_blocks, block_size, D]``, contexts already written.
-        meta: the step's metadata (decode rows, block tables, lengths).
-        decode_mask: ``TorchPagedMetadata.decode_mask`` (``None``: no position is past a context's end).
+        meta: the step's metadata (decode rows, block tables, lengths, mask).
         scale, sliding_window, softcap: as in ``AttentionBackend.forward``.
     """
     # gather whole blocks (one contiguous block_size x D copy per table entry and head, 16x
@@ -113,7 +112,7 @@ def decode_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Te
     idx = _per_head(meta.decode_block_tables.view(-1), kvh, key_cache.shape[1])
     k = key_cache.view(-1, bs, d).index_select(0, idx).view(kvh, b, length, d)  # [KVH, B, L, D]
     v = value_cache.view(-1, bs, d).index_select(0, idx).view(kvh, b, length, d)
-    mask = decode_mask                                                       # [B, 1, 1, L]
+    mask = meta.decode_mask                                                  # [B, 1, 1, L]
     if sliding_window is not None and length > sliding_window:
         # the decode token sits at position seq_len - 1: it sees keys j >= seq_len - window
         first = (meta.decode_seq_lens - sliding_window).view(b, 1, 1, 1)
@@ -199,7 +198,6 @@ class TorchPagedBackend(AttentionBackend):
         """Decodes together (gathered blocks), then each prefill (gathered slots); see the module doc."""
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         if metadata.decode_token_idx.numel():
-            decode_attention(out, query, kv_cache[0], kv_cache[1], metadata, metadata.decode_mask, scale,
-                             sliding_window, softcap)
+            decode_attention(out, query, kv_cache[0], kv_cache[1], metadata, scale, sliding_window, softcap)
         prefill_attention(out, query, kv_cache[0], kv_cache[1], metadata, scale, sliding_window, softcap)
         return out
