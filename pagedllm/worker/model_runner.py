@@ -26,8 +26,8 @@ import numpy as np
 import torch
 
 from pagedllm.attention.backend import AttentionBackend
-from pagedllm.attention.torch_paged import TorchPagedBackend
 from pagedllm.attention.metadata import AttentionBatch, AttentionMetadata
+from pagedllm.attention.torch_paged import TorchPagedBackend
 from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.worker.input_batch import InputBatch, SamplingMetadata
 from pagedllm.worker.sampler import Sampler, gather_logprobs
