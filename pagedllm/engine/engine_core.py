@@ -92,12 +92,13 @@ class EngineCore:
         max_model_len: context limit in tokens.
         eos_token_ids: token ids that end a sequence.
         model: an already built model (tests); by default it is loaded from ``model_dir``.
+        scripted_output: test hook handed to the model runner (``worker/scripted.py``).
     Raises:
         ValueError: an unservable architecture, or a KV pool too small for one block.
     """
 
     def __init__(self, args: EngineArgs, model_dir, max_model_len: int, eos_token_ids: set[int],
-                 model=None) -> None:
+                 model=None, scripted_output=None) -> None:
         from pagedllm.models.registry import load_model
         self.eos_token_ids = eos_token_ids
         dtype, device = args.torch_dtype, args.torch_device
@@ -118,14 +119,15 @@ class EngineCore:
                                    max_model_len, args.enable_chunked_prefill)
         self.runner = self._exec.submit(
             ModelRunner, model, num_blocks, args.block_size, dtype, device, args.seed, eos_token_ids=eos_token_ids,
-            max_num_reqs=args.max_num_seqs, max_model_len=max_model_len, executor=self._exec).result()
+            max_num_reqs=args.max_num_seqs, max_model_len=max_model_len, executor=self._exec,
+            scripted_output=scripted_output).result()
         self.async_scheduling = args.async_scheduling
         self._in_flight = None  # (SchedulerOutput, StepHandle) issued but not yet applied
         self.num_prompt_tokens = self.num_generation_tokens = self.num_steps = self.max_num_running = 0
         self.timer = StepTimer()
-        from pagedllm.kernels import cpu as cpu_kernels
-        # whether steps use the C CPU kernels (reported in the stats: a served core logs in its own process)
-        self.cpu_kernels = device.type == "cpu" and dtype == torch.float32 and cpu_kernels.available()
+        # whether steps use the C CPU kernels, as chosen once at load with the attention backend
+        # (reported in the stats: a served core logs in its own process)
+        self.cpu_kernels = self.runner.attention_backend.uses_cpu_kernels
 
     # ---- requests ----------------------------------------------------------------
     def add_request(self, request: EngineCoreRequest) -> None:

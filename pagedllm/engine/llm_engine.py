@@ -39,14 +39,17 @@ class LLMEngine:
 
     Args:
         args: engine arguments.
+        scripted_output: test hook (``pagedllm.worker.scripted.ScriptedOutput``): every request's
+            output tokens come from it instead of the sampler. In-process engines only.
     Raises:
         ModelNotFoundError / FileNotFoundError: the model cannot be found.
         ModelLoadError: a model file is truncated or corrupt (one line naming it).
         EngineDeadError: the core process failed to start.
-        ValueError: unsupported architecture or a KV pool too small for one block.
+        ValueError: unsupported architecture, a KV pool too small for one block, or a
+            ``scripted_output`` with ``enable_multiprocessing``.
     """
 
-    def __init__(self, args: EngineArgs) -> None:
+    def __init__(self, args: EngineArgs, scripted_output=None) -> None:
         from pagedllm.models.resolve import default_served_model_name, resolve_model
         from pagedllm.models.registry import read_generation_config, read_hf_config, select_impl
         self.args = args
@@ -60,9 +63,12 @@ class LLMEngine:
         self.max_model_len = min(args.max_model_len or model_limit, model_limit)
         self.eos_token_ids = self._eos_ids()
         self.multiprocess = bool(args.enable_multiprocessing)
+        if self.multiprocess and scripted_output is not None:
+            raise ValueError("scripted_output works in process only (enable_multiprocessing=False)")
         self.client: EngineCoreClient = (
             MPEngineCoreClient(args, self.model_dir, self.max_model_len, self.eos_token_ids) if self.multiprocess
-            else InprocClient(EngineCore(args, self.model_dir, self.max_model_len, self.eos_token_ids)))
+            else InprocClient(EngineCore(args, self.model_dir, self.max_model_len, self.eos_token_ids,
+                                         scripted_output=scripted_output)))
         self.num_blocks = self.client.num_blocks
         self.processor = Processor(self.tokenizer, self.hf_config.vocab_size, self.context_limit)
         self.output_processor = OutputProcessor(self.tokenizer)

@@ -10,7 +10,8 @@ torch ops share one thread team.
 
 Without a compiler, or with ``PAGEDLLM_CPU_KERNELS=0``, ``available()`` is False
 and callers keep their torch code paths. Every op here requires float32 CPU
-tensors; the callers check ``usable(tensor)`` first.
+tensors; callers decide once, at construction, with ``applies(device, dtype)``
+(the attention backend, the norm, rotary and activation layers, the linears).
 
 Results differ from the torch ops they replace by float rounding only
 (different summation order; ``exp`` through a polynomial with relative error
@@ -123,9 +124,10 @@ def available() -> bool:
     return _lib is not None
 
 
-def usable(t: torch.Tensor) -> bool:
-    """True when ``t`` can go through these kernels: a float32 CPU tensor and the kernels available."""
-    return t.dtype == torch.float32 and t.is_cpu and (_lib is not None or (not _tried and available()))
+def applies(device: torch.device | str, dtype: torch.dtype) -> bool:
+    """True when a model of ``dtype`` on ``device`` runs these kernels: float32 on the CPU, and
+    ``available()``. Asked once, when a model and its attention backend are built, never per op."""
+    return torch.device(device).type == "cpu" and dtype == torch.float32 and available()
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

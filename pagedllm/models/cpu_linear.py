@@ -40,7 +40,8 @@ def prepack_available(device: torch.device, dtype: torch.dtype) -> bool:
 class PackedLinear(nn.Module):
     """``y = x W^T + b`` that runs 2-D inputs through oneDNN's prepacked weight.
 
-    A single row goes to ``pagedllm.kernels.cpu.gemv`` when the C kernels are built.
+    A single row goes to ``pagedllm.kernels.cpu.gemv`` when the C kernels are built (decided
+    here, at construction: packing, like the kernels, applies to float32 CPU weights only).
 
     Args:
         weight: ``[out, in]`` float32 (kept: the batch-1 kernel and other shapes use it).
@@ -52,6 +53,7 @@ class PackedLinear(nn.Module):
         super().__init__()
         self.weight, self.bias = weight, bias
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_BATCH_HINT)
+        self.gemv = cpu_kernels.applies(weight.device, weight.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[..., in]`` -> ``[..., out]`` (leading dimensions are flattened into rows)."""
@@ -59,7 +61,7 @@ class PackedLinear(nn.Module):
             if x.numel() == 0:
                 return F.linear(x, self.weight, self.bias)
             return self.forward(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)
-        if x.shape[0] == 1 and cpu_kernels.usable(x) and x.is_contiguous():
+        if x.shape[0] == 1 and self.gemv and x.is_contiguous():
             return cpu_kernels.gemv(x, self.weight, self.bias)  # batch-1 decode: our streaming kernel
         if x.shape[0] == 0:
             return F.linear(x, self.weight, self.bias)

@@ -16,93 +16,25 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.attention.backend import AttentionBackend, select_attention_backend
 from pagedllm.attention.metadata import AttentionMetadata
-from pagedllm.attention.torch_paged import paged_attention
 from pagedllm.kernels import cpu as cpu_kernels
+from pagedllm.models.layers import (RMSNorm, RotaryEmbedding, RotaryStep, build_rms_norm, build_rotary,
+                                    build_silu_and_mul)
 
-
-class RMSNorm(nn.Module):
-    """Root-mean-square norm (Zhang & Sennrich 2019), computed in float32 like transformers."""
-
-    def __init__(self, hidden_size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """``x`` ``[T, hidden]`` -> normalized ``[T, hidden]``, same dtype.
-
-        With ``residual`` ``[T, hidden]``: returns ``(norm(residual + x), residual + x)``; on the
-        CPU kernel path the sum is written into ``residual`` in place.
-        """
-        if (x.dim() == 2 and cpu_kernels.usable(x) and x.is_contiguous()
-                and (residual is None or residual.is_contiguous())):
-            out = cpu_kernels.rms_norm(x, self.weight, self.eps, residual)
-            return out if residual is None else (out, residual)
-        if residual is not None:
-            residual = residual + x
-            return self.forward(residual), residual
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
-
-
-class RotaryEmbedding(nn.Module):
-    """Rotary position embedding (Su et al. 2021, RoFormer) with a precomputed cos/sin table.
-
-    The inverse frequencies come from ``transformers.modeling_rope_utils`` so every
-    ``rope_scaling`` type a Llama-family config names (linear, dynamic, yarn,
-    llama3, longrope) matches the reference exactly.
-    """
-
-    def __init__(self, config, head_dim: int, max_positions: int) -> None:
-        super().__init__()
-        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-        params = getattr(config, "rope_parameters", None) or {}
-        rope_type = params.get("rope_type", "default")
-        if rope_type == "default":
-            base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-            inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float, device="cpu") / head_dim))
-            scaling = 1.0
-        else:
-            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
-        self._inv_freq, self._scaling, self._max_positions = inv_freq, scaling, max_positions
-        self.register_buffer("cos", torch.empty(0), persistent=False)
-        self.register_buffer("sin", torch.empty(0), persistent=False)
-        self.build(torch.device("cpu"))
-
-    def build(self, device: torch.device) -> None:
-        """(Re)compute the ``[max_positions, head_dim]`` float32 cos/sin tables on ``device``.
-
-        Called again after the model is materialized from the meta device.
-        """
-        pos = torch.arange(self._max_positions, dtype=torch.float, device="cpu")
-        freqs = torch.outer(pos, self._inv_freq.to("cpu", torch.float))
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos = (emb.cos() * self._scaling).to(device)
-        self.sin = (emb.sin() * self._scaling).to(device)
-
-    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin ``[T, 1, D]`` for ``positions`` ``[T]``; computed once per step, shared by all layers."""
-        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
-
-    @staticmethod
-    def rotate(rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        """Rotate ``x`` ``[T, heads, D]`` (query and key heads alike) by the ``lookup`` result."""
-        cos, sin = rope
-        return x * cos + _rotate_half(x) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+__all__ = ["LlamaForCausalLM", "RMSNorm", "RotaryEmbedding"]
 
 
 class LlamaAttention(nn.Module):
-    """Grouped-query self-attention over the paged KV cache."""
+    """Grouped-query self-attention over the paged KV cache.
 
-    def __init__(self, config, rotary: RotaryEmbedding) -> None:
+    Args:
+        config: the model's ``transformers`` config.
+        rotary: the model's rotary embedding (shared by all layers).
+        backend: the attention backend chosen at load (shared by all layers).
+    """
+
+    def __init__(self, config, rotary: RotaryEmbedding, backend: AttentionBackend) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -115,60 +47,56 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=attn_bias and config.model_type != "qwen2")
         self.rotary = rotary
+        self.backend = backend
         self.scale = self.head_dim ** -0.5
 
-    def forward(self, rope, x, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, rope: RotaryStep, x: torch.Tensor, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         """``x`` ``[T, hidden]`` -> ``[T, hidden]``; writes this layer's K/V into ``kv_cache``.
 
-        ``rope`` is the step's ``(cos, sin)`` from ``RotaryEmbedding.lookup``, or on the CPU kernel
-        path the ``[T]`` int64 positions themselves (the kernel reads the tables).
+        ``rope`` is the step's ``RotaryStep`` (``rotary.prepare``); ``meta`` the backend's metadata.
         """
         qkv = self.qkv_proj(x)
         t = x.shape[0]
         # q and k are adjacent in the fused output: rotate them as one [T, H + KVH, D] tensor
-        if isinstance(rope, torch.Tensor):
-            cpu_kernels.rope_(qkv, self.num_heads + self.num_kv_heads, self.head_dim, rope, self.rotary.cos,
-                              self.rotary.sin)
-            qk = qkv[:, :self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
-        else:
-            qk = qkv[:, :self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
-            qk = RotaryEmbedding.rotate(rope, qk)
+        qk = self.rotary.rotate(qkv, self.num_heads + self.num_kv_heads, self.head_dim, rope)
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
-        o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        o = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(o.reshape(t, self.q_size))
 
 
 class LlamaMLP(nn.Module):
-    """SwiGLU feed-forward (Shazeer 2020) with fused gate and up projections."""
+    """SwiGLU feed-forward (Shazeer 2020) with fused gate and up projections.
 
-    def __init__(self, config) -> None:
+    Args:
+        config: the model's ``transformers`` config.
+        cpu_kernels: run the activation in the C kernel (float32 CPU).
+    """
+
+    def __init__(self, config, cpu_kernels: bool = False) -> None:
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
         self.inter = config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.inter, bias=bias)
         self.down_proj = nn.Linear(self.inter, config.hidden_size, bias=bias)
+        self.act = build_silu_and_mul(cpu_kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[T, hidden]`` -> ``[T, hidden]``."""
-        gate_up = self.gate_up_proj(x)
-        if cpu_kernels.usable(gate_up) and gate_up.is_contiguous():
-            return self.down_proj(cpu_kernels.silu_mul(gate_up))
-        gate, up = gate_up.split(self.inter, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm transformer block."""
+    """Pre-norm transformer block (arguments as ``LlamaAttention`` and ``LlamaMLP``)."""
 
-    def __init__(self, config, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config, rotary: RotaryEmbedding, backend: AttentionBackend, cpu_kernels: bool = False) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, rotary)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config)
+        self.input_layernorm = build_rms_norm(config.hidden_size, config.rms_norm_eps, cpu_kernels)
+        self.self_attn = LlamaAttention(config, rotary, backend)
+        self.post_attention_layernorm = build_rms_norm(config.hidden_size, config.rms_norm_eps, cpu_kernels)
+        self.mlp = LlamaMLP(config, cpu_kernels)
 
-    def forward(self, rope, x, residual, kv_cache, meta) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, rope: RotaryStep, x, residual, kv_cache, meta) -> tuple[torch.Tensor, torch.Tensor]:
         """``(x, residual)`` ``[T, hidden]`` each -> the same pair for the next layer.
 
         The hidden state is ``residual + x``; carrying the two apart lets each norm add them
@@ -187,21 +115,28 @@ class LlamaForCausalLM(nn.Module):
 
     Args:
         config: a ``transformers`` ``LlamaConfig``/``Qwen2Config``-like object.
+        attention_backend: the paged attention backend (``select_attention_backend``); default
+            the torch reference on the CPU.
+        cpu_kernels: build the norm, rotary and activation layers on the C CPU kernels and run
+            batch-1 decode as one fused C call (pass ``kernels.cpu.applies(device, dtype)``).
     """
 
-    def __init__(self, config) -> None:
+    def __init__(self, config, attention_backend: AttentionBackend | None = None, cpu_kernels: bool = False) -> None:
         super().__init__()
         self.config = config
+        self.attention_backend = attention_backend or select_attention_backend("cpu", torch.float32, "torch")
+        self.cpu_kernels = cpu_kernels
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        rotary = RotaryEmbedding(config, head_dim, config.max_position_embeddings)
+        rotary = build_rotary(config, head_dim, config.max_position_embeddings, cpu_kernels)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary) for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary, self.attention_backend, cpu_kernels)
+                                    for _ in range(config.num_hidden_layers))
+        self.norm = build_rms_norm(config.hidden_size, config.rms_norm_eps, cpu_kernels)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = rotary
         self.packed_head = None  # set by ``prepack``
-        # batch-1 decode runs the whole stack in one C call when the CPU kernels are built
+        # batch-1 decode runs the whole stack in one C call (only on the kernel path, see ``forward``)
         self.fused_decode = True
         self._stack_table, self._stack_key = None, None
 
@@ -219,17 +154,16 @@ class LlamaForCausalLM(nn.Module):
             input_ids: ``[T]`` int64 token ids of the flattened batch.
             positions: ``[T]`` int64 absolute positions.
             kv_caches: per layer ``(key_cache, value_cache)``.
-            meta: attention metadata of the step.
+            meta: the attention backend's metadata of the step.
             logits_indices: ``[R]`` int64 rows whose logits are needed.
         Returns:
             ``[R, vocab]`` float32 logits.
         """
         x = self.embed_tokens(input_ids)
-        use_kernels = cpu_kernels.usable(x) and positions.dtype == torch.int64
-        if use_kernels and self.fused_decode and x.shape[0] == 1 and meta.decode_token_idx.numel() == 1:
+        if self.cpu_kernels and self.fused_decode and x.shape[0] == 1 and meta.decode_token_idx.numel() == 1:
             residual = self._decode_stack(x, int(positions[0]), kv_caches, meta)
         else:
-            rope = positions if use_kernels else self.rotary.lookup(positions, x.dtype)
+            rope = self.rotary.prepare(positions, x.dtype)
             residual = None
             for layer, kv in zip(self.layers, kv_caches):
                 x, residual = layer(rope, x, residual, kv, meta)
@@ -241,7 +175,11 @@ class LlamaForCausalLM(nn.Module):
 
     def _decode_stack(self, x: torch.Tensor, position: int, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
         """Batch-1 decode through all layers in one C call (``cpu_kernels.decode_stack``); ``x``
-        ``[1, hidden]`` becomes the last MLP output; returns the residual stream ``[1, hidden]``."""
+        ``[1, hidden]`` becomes the last MLP output; returns the residual stream ``[1, hidden]``.
+
+        The C call writes the token's K/V itself and reads ``meta.decode_block_tables`` /
+        ``decode_seq_lens``, which every backend's metadata has (``AttentionMetadata``).
+        """
         key = (kv_caches[0][0].data_ptr(), self.layers[0].self_attn.qkv_proj.weight.data_ptr())
         if self._stack_key != key:  # addresses change only if the cache or the weights are replaced
             rows = []

@@ -109,7 +109,8 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
     Args:
         model_impl: ``auto``, ``native`` or ``transformers`` (see ``select_impl``).
     Returns:
-        ``(model, config)`` with the model in eval mode.
+        ``(model, config)`` with the model in eval mode; ``model.attention_backend`` is the
+        attention backend chosen for ``device``/``dtype`` (``select_attention_backend``).
     Raises:
         ModelLoadError: no ``*.safetensors`` in the directory, or a broken ``config.json`` or
             weights file (one line naming it).
@@ -124,15 +125,22 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
         from pagedllm.models.loader import ModelLoadError
         raise ModelLoadError(model_dir, "no *.safetensors weights in this directory")
     check_safetensors(files)
+    from pagedllm.attention.backend import select_attention_backend
+    from pagedllm.kernels import cpu as cpu_kernels
+    # the one place the kernel choice is made: building (first time on this machine, about a
+    # second) or loading the C kernels happens here, not inside the first request
+    kernels_on = cpu_kernels.applies(device, dtype)
+    backend = select_attention_backend(device, dtype)
+    logger.info("attention backend: %s; CPU kernels: %s", backend.name, "on" if kernels_on else "off (torch ops)")
     if impl == "transformers":
         from pagedllm.models.transformers_backend import load_transformers_model
-        model = load_transformers_model(model_dir, config, dtype, device)
+        model = load_transformers_model(model_dir, config, dtype, device, backend)
         logger.info("loaded %s (%s, Transformers backend) in %.1f s", model_dir, config.architectures,
                     time.perf_counter() - t0)
         return model, config
     cls = resolve_architecture(config)
     with torch.device("meta"):
-        model = cls(config)
+        model = cls(config, backend, cpu_kernels=kernels_on)
     model = model.to_empty(device=device).to(dtype)
     model.rotary.build(device)
 
@@ -147,10 +155,6 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
     from pagedllm.models.cpu_linear import prepack_available
     if prepack_available(device, dtype):
         logger.info("oneDNN-packed weights: %d linear layers", model.prepack())
-    if device.type == "cpu" and dtype == torch.float32:
-        from pagedllm.kernels import cpu as cpu_kernels
-        # build (first time on this machine, about a second) or load now, not inside the first request
-        logger.info("CPU kernels: %s", "on" if cpu_kernels.available() else "off (torch ops)")
     logger.info("loaded %s (%s) in %.1f s", model_dir, config.architectures, time.perf_counter() - t0)
     return model, config
 

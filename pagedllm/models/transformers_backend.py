@@ -4,9 +4,10 @@ pagedllm's attention is registered in ``transformers``' ``AttentionInterface``
 under the name ``"pagedllm"``, and the model is loaded with
 ``attn_implementation="pagedllm"``. The model's own code then runs unchanged
 (embeddings, rotary or learned positions, norms, MLPs, soft-capping), and every
-attention module calls ``paged_attention_forward``, which writes the step's K/V
-into the module's layer of the paged cache and reads the context through the
-step's slots. No ``transformers`` KV cache object exists (``use_cache=False``)
+attention module calls ``paged_attention_forward``, which hands the step's
+Q/K/V to the attention backend chosen at load (``attention/backend.py``): it
+writes the K/V into the module's layer of the paged cache and reads the
+contexts. No ``transformers`` KV cache object exists (``use_cache=False``)
 and no attention mask is built (custom attention gets none). The flattened
 batch is one sequence of ``num_tokens`` rows; positions come from the
 scheduler through ``position_ids``.
@@ -22,8 +23,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from pagedllm.attention.backend import AttentionBackend
 from pagedllm.attention.metadata import AttentionMetadata
-from pagedllm.attention.torch_paged import paged_attention
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +33,7 @@ ATTN_NAME = "pagedllm"
 
 @dataclass
 class _StepContext:
+    backend: AttentionBackend
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
     meta: AttentionMetadata
 
@@ -57,6 +59,7 @@ def paged_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.T
         ``([1, num_tokens, num_heads, head_dim], None)`` as transformers' attention functions.
     Raises:
         RuntimeError: called outside a pagedllm step.
+        ValueError: the module asks for bidirectional attention, or passes sinks or a position bias.
     """
     ctx = _current
     if ctx is None:
@@ -68,14 +71,13 @@ def paged_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.T
             raise ValueError(f"{type(module).__name__} passes {name!r} ({_UNSUPPORTED_KWARGS[name]}), "
                              f"which pagedllm attention does not implement")
     q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
-    key_cache, value_cache = ctx.kv_caches[module.layer_idx]
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    out = paged_attention(q, k.contiguous(), v.contiguous(), key_cache, value_cache, ctx.meta, scale,
-                          sliding_window=sliding_window, softcap=softcap)
+    out = ctx.backend.forward(q, k.contiguous(), v.contiguous(), ctx.kv_caches[module.layer_idx], ctx.meta, scale,
+                              sliding_window=sliding_window, softcap=softcap)
     return out.unsqueeze(0), None
 
 
-# attention arguments that change the result and that ``paged_attention`` does not implement
+# attention arguments that change the result and that the attention backends do not implement
 _UNSUPPORTED_KWARGS = {"s_aux": "attention sinks", "sinks": "attention sinks", "position_bias": "relative position bias"}
 
 # ``layer_types`` entries whose only state is the attention K/V of their tokens (what the paged cache
@@ -161,11 +163,13 @@ class TransformersCausalLM(nn.Module):
 
     Args:
         hf_model: a model loaded with ``attn_implementation="pagedllm"``.
+        attention_backend: the paged attention backend its attention modules call.
     """
 
-    def __init__(self, hf_model: nn.Module) -> None:
+    def __init__(self, hf_model: nn.Module, attention_backend: AttentionBackend) -> None:
         super().__init__()
         self.hf = hf_model
+        self.attention_backend = attention_backend
         cfg = _text_config(hf_model.config)
         self.num_layers = cfg.num_hidden_layers
         self.num_heads = cfg.num_attention_heads
@@ -184,13 +188,13 @@ class TransformersCausalLM(nn.Module):
             input_ids: ``[T]`` int64 token ids of the flattened batch.
             positions: ``[T]`` int64 absolute positions.
             kv_caches: per layer ``(key_cache, value_cache)``.
-            meta: attention metadata of the step.
+            meta: the attention backend's metadata of the step.
             logits_indices: ``[R]`` int64 rows whose logits are needed (only those are projected).
         Returns:
             ``[R, vocab]`` float32 logits (after the model's own final soft-capping, if any).
         """
         global _current
-        _current = _StepContext(kv_caches, meta)
+        _current = _StepContext(self.attention_backend, kv_caches, meta)
         try:
             out = self.hf(input_ids=input_ids.unsqueeze(0), position_ids=positions.unsqueeze(0), use_cache=False,
                           logits_to_keep=logits_indices, return_dict=True)
@@ -199,8 +203,9 @@ class TransformersCausalLM(nn.Module):
         return out.logits[0].float()
 
 
-def load_transformers_model(model_dir, config, dtype: torch.dtype, device: torch.device) -> TransformersCausalLM:
-    """Load ``model_dir`` with ``transformers`` and pagedllm attention.
+def load_transformers_model(model_dir, config, dtype: torch.dtype, device: torch.device,
+                            attention_backend: AttentionBackend) -> TransformersCausalLM:
+    """Load ``model_dir`` with ``transformers`` and pagedllm attention through ``attention_backend``.
 
     ``from_pretrained`` builds the model on the meta device and loads the
     safetensors weights into place, so there is no random init and no second copy.
@@ -219,7 +224,4 @@ def load_transformers_model(model_dir, config, dtype: torch.dtype, device: torch
     if prepack_available(device, dtype):
         # the same oneDNN-packed linears (and batch-1 kernel) as the native models
         prepack_linears(hf)
-    if device.type == "cpu" and dtype == torch.float32:
-        from pagedllm.kernels import cpu as cpu_kernels
-        cpu_kernels.available()  # build or load the kernels now, not inside the first request
-    return TransformersCausalLM(hf)
+    return TransformersCausalLM(hf, attention_backend)

@@ -18,8 +18,6 @@ preparing step N+1 never waits for step N.
 
 from __future__ import annotations
 
-import json
-import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -27,10 +25,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from pagedllm.attention.metadata import AttentionMetadata, PrefillSeq
+from pagedllm.attention.backend import AttentionBackend
+from pagedllm.attention.metadata import AttentionBatch, AttentionMetadata
+from pagedllm.attention.torch_paged import TorchPagedBackend
 from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.worker.input_batch import InputBatch, SamplingMetadata
 from pagedllm.worker.sampler import Sampler, gather_logprobs
+from pagedllm.worker.scripted import ScriptedOutput
 
 
 @dataclass
@@ -40,7 +41,7 @@ class PreparedStep:
     Attributes:
         input_ids: ``[T]`` int64; entries at ``pending_idx`` are filled from the previous step.
         positions: ``[T]`` int64 absolute positions.
-        meta: attention metadata.
+        meta: the attention backend's metadata of the step.
         logits_rows: ``[R + P]`` int64 rows of the flattened batch whose logits are needed:
             the ``R`` sampled ones, then the prompt-logprob positions.
         sample_ids: the ``R`` request ids sampled this step, in row order.
@@ -93,7 +94,8 @@ class ModelRunner:
 
     Args:
         model: native model with ``forward(input_ids, positions, kv_caches, meta, logits_indices)``
-            and ``kv_cache_spec() -> (num_layers, num_kv_heads, head_dim)``.
+            and ``kv_cache_spec() -> (num_layers, num_kv_heads, head_dim)``; its
+            ``attention_backend``, when it has one, builds each step's ``meta``.
         num_blocks: KV blocks to allocate.
         block_size: tokens per block.
         dtype: KV cache dtype.
@@ -103,12 +105,20 @@ class ModelRunner:
         max_num_reqs: batch slots (the scheduler's ``max_num_seqs``).
         max_model_len: longest sequence in tokens.
         executor: the one-thread executor that runs every step (``None``: run on the caller's thread).
+        scripted_output: test hook; when given, every request's output tokens are its script's
+            (``worker/scripted.py``) instead of the sampled ones.
+    Attributes:
+        attention_backend: the model's attention backend (chosen at load), or for a model
+            without one (test doubles that read the metadata themselves) the torch reference.
     """
 
     def __init__(self, model, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
                  seed: int = 0, eos_token_ids: set[int] | None = None, max_num_reqs: int = 128,
-                 max_model_len: int = 8192, executor: ThreadPoolExecutor | None = None) -> None:
+                 max_model_len: int = 8192, executor: ThreadPoolExecutor | None = None,
+                 scripted_output: ScriptedOutput | None = None) -> None:
         self.model = model
+        backend: AttentionBackend | None = getattr(model, "attention_backend", None)
+        self.attention_backend = backend or TorchPagedBackend(device)
         self.block_size = block_size
         self.device = device
         layers, kvh, d = model.kv_cache_spec()
@@ -120,8 +130,7 @@ class ModelRunner:
         self._eos = min(eos_token_ids) if eos_token_ids else 0
         self._last: PreparedStep | None = None  # the most recently issued step
         self._executor = executor
-        # test hook: replay fixed output tokens instead of sampling (see ``_scripted``)
-        self._script_path = os.environ.get("PAGEDLLM_SCRIPTED_OUTPUT")
+        self._script = scripted_output
 
     @property
     def requests(self) -> dict[str, int]:
@@ -145,22 +154,62 @@ class ModelRunner:
 
     def _prepare(self, so: SchedulerOutput) -> PreparedStep:
         """Build the step's inputs in one vectorized pass over the scheduled slots."""
-        b, bs, dev = self.input_batch, self.block_size, self.device
         rids = list(so.num_scheduled_tokens)
-        num_reqs = len(rids)
-        slots = np.fromiter((b.slot_of[r] for r in rids), dtype=np.int64, count=num_reqs)
-        n = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=num_reqs)
-        start = b.num_computed_tokens[slots]
-        end = start + n
-        qsl = np.zeros(num_reqs + 1, dtype=np.int64)
+        slots = np.fromiter((self.input_batch.slot_of[r] for r in rids), dtype=np.int64, count=len(rids))
+        n = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=len(rids))
+        start = self.input_batch.num_computed_tokens[slots]
+        qsl = np.zeros(len(rids) + 1, dtype=np.int64)
         np.cumsum(n, out=qsl[1:])
+        end = start + n
+        input_ids, positions, meta = self._prepare_inputs(slots, n, start, end, qsl)
+        sample, pend, pending_src, slot_row, sampling = self._prepare_sampling(slots, end)
+        rows, prompt_lp = self._prepare_prompt_logprobs(rids, slots, start, end, qsl, sample)
+        dev = self.device
+        return PreparedStep(
+            input_ids=input_ids, positions=positions, meta=meta,
+            logits_rows=torch.from_numpy(rows).to(dev), sample_ids=[rids[i] for i in sample.tolist()],
+            sampling=sampling, prompt_lp=prompt_lp,
+            pending_idx=torch.from_numpy(qsl[1:][pend] - 1).to(dev), pending_src=torch.from_numpy(pending_src).to(dev),
+            slot_row=slot_row)
+
+    def _prepare_inputs(self, slots: np.ndarray, n: np.ndarray, start: np.ndarray, end: np.ndarray,
+                        qsl: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """The model inputs of the scheduled requests, and the attention backend's metadata.
+
+        Args:
+            slots: ``[R]`` int64 batch slots; ``n``: ``[R]`` tokens scheduled for each;
+            start, end: ``[R]`` tokens each has computed before / after this step;
+            qsl: ``[R + 1]`` cumulative ``n``.
+        Returns:
+            ``input_ids`` ``[T]`` int64 (a pending token's entry is filled when the step runs),
+            ``positions`` ``[T]`` int64, and the metadata. Marks the tokens computed in the batch.
+        """
+        b, bs, dev = self.input_batch, self.block_size, self.device
         row_slot = np.repeat(slots, n)
         pos = np.arange(qsl[-1], dtype=np.int64) - np.repeat(qsl[:-1] - start, n)
         input_ids = b.token_ids[row_slot, pos].astype(np.int64)
         slot_mapping = b.block_table[row_slot, pos // bs] * bs + pos % bs
         b.num_computed_tokens[slots] = end
+        meta = self.attention_backend.build_metadata(AttentionBatch(
+            query_start_loc=qsl, num_computed=start, seq_lens=end, slot_mapping=slot_mapping,
+            block_table=b.block_table, rows=slots, block_size=bs))
+        return torch.from_numpy(input_ids).to(dev), torch.from_numpy(pos).to(dev), meta
 
-        # a request whose last scheduled token is still being sampled takes it from the last step
+    def _prepare_sampling(self, slots: np.ndarray, end: np.ndarray):
+        """Which requests sample a token this step, and where their pending inputs come from.
+
+        A request whose last scheduled token is still being sampled by the previous step
+        takes that token from the previous step's samples.
+
+        Args:
+            slots: ``[R]`` int64 batch slots; end: ``[R]`` int64 tokens computed after this step.
+        Returns:
+            ``(sample, pend, pending_src, slot_row, sampling)``: ``[S]`` indices (into the ``R``
+            requests) of those that sample; ``[P]`` indices of those with a pending token, and
+            ``[P]`` its row among the previous step's samples; ``[max_num_reqs]`` sample row of
+            each slot (-1: none); their ``SamplingMetadata`` (``None`` when ``S == 0``).
+        """
+        b = self.input_batch
         known = b.num_tokens[slots]
         pend = np.flatnonzero(end > known)
         sample = np.flatnonzero(end >= known)  # reached the sequence's end: sample the next token
@@ -173,18 +222,17 @@ class ModelRunner:
         slot_row[slots[sample]] = np.arange(sample.size)
         sampling = (b.sampling_metadata(slots[sample], np.searchsorted(sample, pend), pending_src)
                     if sample.size else None)
+        return sample, pend, pending_src, slot_row, sampling
 
-        dec = np.flatnonzero(n == 1)
-        dec_len = end[dec]
-        nblk = -(-int(dec_len.max()) // bs) if dec.size else 0
-        width = nblk * bs
-        dec_tables = b.block_table[slots[dec], :nblk]                                      # [D, nblk]
-        dec_mask = np.arange(width, dtype=np.int64)[None, :] < dec_len[:, None]
-        prefills = []
-        for i in np.flatnonzero(n > 1).tolist():
-            ar = np.arange(end[i], dtype=np.int64)
-            gather = b.block_table[slots[i], ar // bs] * bs + ar % bs
-            prefills.append(PrefillSeq(int(qsl[i]), int(qsl[i + 1]), int(start[i]), torch.from_numpy(gather).to(dev)))
+    def _prepare_prompt_logprobs(self, rids: list[str], slots: np.ndarray, start: np.ndarray, end: np.ndarray,
+                                 qsl: np.ndarray, sample: np.ndarray) -> tuple[np.ndarray, list]:
+        """The rows whose logits are needed: the sampled ones, then the prompt-logprob positions.
+
+        Returns:
+            ``[R + P]`` int64 rows of the flattened batch, and per request with prompt logprobs
+            computed this step ``(request id, first prompt token index, targets [n] int64, k)``.
+        """
+        b = self.input_batch
         rows = [qsl[1:][sample] - 1]
         prompt_lp = []
         for i in np.flatnonzero(b.prompt_logprobs[slots] >= 0).tolist():
@@ -196,23 +244,7 @@ class ModelRunner:
                 rows.append(np.arange(qsl[i], qsl[i] + cnt, dtype=np.int64))
                 prompt_lp.append((rids[i], first, b.token_ids[s, first:first + cnt].astype(np.int64),
                                   int(b.prompt_logprobs[s])))
-        max_blocks = int(b.num_blocks[slots].max())
-        meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
-            block_tables=torch.from_numpy(b.block_table[slots, :max_blocks].astype(np.int32)).to(dev),
-            query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(dev),
-            seq_lens=torch.from_numpy(end.astype(np.int32)).to(dev),
-            decode_token_idx=torch.from_numpy(qsl[dec]).to(dev),
-            decode_block_tables=torch.from_numpy(dec_tables).to(dev),
-            decode_mask=None if dec_mask.all() else torch.from_numpy(dec_mask).to(dev).view(dec.size, 1, 1, width),
-            prefills=prefills,
-            decode_seq_lens=torch.from_numpy(dec_len).to(dev))
-        return PreparedStep(
-            input_ids=torch.from_numpy(input_ids).to(dev), positions=torch.from_numpy(pos).to(dev), meta=meta,
-            logits_rows=torch.from_numpy(np.concatenate(rows)).to(dev), sample_ids=[rids[i] for i in sample.tolist()],
-            sampling=sampling, prompt_lp=prompt_lp,
-            pending_idx=torch.from_numpy(qsl[1:][pend] - 1).to(dev), pending_src=torch.from_numpy(pending_src).to(dev),
-            slot_row=slot_row)
+        return np.concatenate(rows), prompt_lp
 
     def execute(self, so: SchedulerOutput, timer=None, non_blocking: bool = False) -> StepHandle:
         """Apply the step's diffs to the batch, prepare its inputs and issue it.
@@ -257,8 +289,8 @@ class ModelRunner:
             md = step.sampling
             prev_tokens = prev.sampled_list if md.pending_rows.size else None
             sampled = self.sampler(logits[:num_sampled], md, prev_tokens)
-            tokens = self._scripted(md.output_lens.tolist(), sampled.token_ids) if self._script_path \
-                else sampled.token_ids
+            tokens = (sampled.token_ids if self._script is None
+                      else self._script.tokens(md.output_lens.tolist(), self._eos))
             step.sampled_list = tokens
             step.sampled = torch.tensor(tokens, dtype=torch.int64, device=self.device)
             out.sampled_token_ids = dict(zip(step.sample_ids, tokens))
@@ -273,15 +305,6 @@ class ModelRunner:
             timer.totals.execute += t2 - t1
             timer.totals.sample += t3 - t2
         return out
-
-    def _scripted(self, output_lens: list[int], tokens: list[int]) -> list[int]:
-        """Test hook: with ``PAGEDLLM_SCRIPTED_OUTPUT`` naming a JSON file ``{"token_ids": [...]}``,
-        every request's output is those tokens, then EOS, whatever the model says (the file
-        is re-read at each step, so a test can change it between requests). The logits
-        still run; logprobs are those of the sampled tokens, not the replayed ones."""
-        with open(self._script_path) as f:
-            script = json.load(f)["token_ids"]
-        return [script[pos] if pos < len(script) else self._eos for pos in output_lens]
 
     def _prompt_logprobs(self, logits: torch.Tensor, prompt_lp, out: ModelRunnerOutput) -> None:
         """Logprobs of the prompt tokens whose predicting positions ran this step.

@@ -1,21 +1,20 @@
 """Tool calls and reasoning through the real HTTP app and the ``openai`` SDK, with scripted outputs.
 
-One engine serves the whole module. ``PAGEDLLM_SCRIPTED_OUTPUT`` names a JSON
-file ``{"token_ids": [...]}``: every request's output is those tokens, then
-EOS (the model runner re-reads the file at each step, so each test rewrites it
-before its request). The tokens are SmolLM2's encoding of the text a tool-using
+One engine serves the whole module, built with a ``ScriptedOutput``
+(``pagedllm.worker.scripted``): every request's output is its tokens, then EOS
+(the model runner reads the script at each step, so each test sets it before
+its request). The tokens are SmolLM2's encoding of the text a tool-using
 or reasoning model would emit, so the server's parsers see exactly that text.
 
 One FastAPI app per parser configuration (``build_app(..., reasoning_parser=,
 tool_call_parser=, enable_auto_tool_choice=)``) is served by uvicorn in a
 background thread, all over the same ``AsyncLLM``. Tests run one request at a
-time (the script file is shared), non-streamed and streamed.
+time (the script is shared), non-streamed and streamed.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import socket
 import threading
 import time
@@ -27,7 +26,6 @@ import pytest
 import uvicorn
 
 MODEL = "smollm2"
-SCRIPT_ENV = "PAGEDLLM_SCRIPTED_OUTPUT"
 NUM_KV_BLOCKS = 256
 
 WEATHER_TOOL = {"type": "function", "function": {
@@ -181,22 +179,20 @@ class _ThreadServer:
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory, smollm2_tokenizer):
+def stack(smollm2_tokenizer):
     """One scripted engine and ``AsyncLLM`` for the module; ``url(reasoning, tools, auto)`` serves an app
     of that parser configuration (started on first use); ``script(text)`` sets the next outputs."""
     from pagedllm.config import EngineArgs
     from pagedllm.engine.async_llm import AsyncLLM
     from pagedllm.engine.llm_engine import LLMEngine
     from pagedllm.server.app import build_app
+    from pagedllm.worker.scripted import ScriptedOutput
 
-    path = tmp_path_factory.mktemp("scripted") / "script.json"
-    path.write_text(json.dumps({"token_ids": []}))
-    old = os.environ.get(SCRIPT_ENV)
-    os.environ[SCRIPT_ENV] = str(path)
+    scripted = ScriptedOutput()
     servers: dict[tuple, _ThreadServer] = {}
     llm = None
     try:
-        llm = AsyncLLM(LLMEngine(EngineArgs(num_kv_blocks=NUM_KV_BLOCKS)))
+        llm = AsyncLLM(LLMEngine(EngineArgs(num_kv_blocks=NUM_KV_BLOCKS), scripted_output=scripted))
 
         def url(reasoning: str | None = None, tools: str | None = None, auto: bool = True,
                 template: str | None = None) -> str:
@@ -210,9 +206,7 @@ def stack(tmp_path_factory, smollm2_tokenizer):
         def script(text: str) -> list[int]:
             ids = smollm2_tokenizer.encode(text, add_special_tokens=False)
             assert smollm2_tokenizer.decode(ids) == text, "script text does not survive tokenization"
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"token_ids": ids}))
-            os.replace(tmp, path)  # the engine thread never reads a half-written file
+            scripted.set(ids)  # one reference swap: the engine thread never sees half a script
             return ids
 
         yield SimpleNamespace(llm=llm, url=url, script=script, tokenizer=smollm2_tokenizer)
@@ -221,10 +215,6 @@ def stack(tmp_path_factory, smollm2_tokenizer):
             s.stop()
         if llm is not None:
             llm.shutdown()
-        if old is None:
-            os.environ.pop(SCRIPT_ENV, None)
-        else:
-            os.environ[SCRIPT_ENV] = old
 
 
 _clients: dict[str, openai.OpenAI] = {}
