@@ -39,7 +39,7 @@ serve: install
 # the whole suite runs with the defaults (async scheduling, C CPU kernels, oneDNN-packed linears);
 # the engine-level and model tests run again on the reference path: async scheduling off and
 # torch ops only, as on a device without our CPU kernels (REF_PASS= skips that second pass)
-REF_PASS ?= tests/core tests/worker tests/engine tests/models
+REF_PASS ?= tests/core tests/worker tests/engine tests/models tests/attention
 test: install-test
 	$(BIN)/python -m pytest -q $(ARGS)
 	$(if $(REF_PASS),PAGEDLLM_ASYNC_SCHEDULING=0 PAGEDLLM_CPU_KERNELS=0 PAGEDLLM_CPU_PREPACK=0 \
