@@ -94,8 +94,9 @@ class InprocClient:
             self.core.finish_requests(request_ids, status)
 
     def get_output(self, timeout_ms: int = 100) -> list[EngineCoreOutput]:
-        """One core step's outputs (none when the core has no work)."""
-        return self.core.step() if self.core.has_unfinished_requests() else []
+        """One core step's outputs. A step with nothing to schedule is cheap and still hands
+        the runner the ids of requests that finished since the last one."""
+        return self.core.step()
 
     def settle(self) -> None:
         """Apply the steps still in flight (async scheduling), so the core is idle."""
