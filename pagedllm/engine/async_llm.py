@@ -164,14 +164,7 @@ class AsyncLLM:
         if entry is None:
             return
         loop, q = entry
-        try:
-            running = asyncio.get_running_loop()
-        except RuntimeError:
-            running = None
-        if loop is running:
-            q.put_nowait(item)
-        elif not loop.is_closed():
-            loop.call_soon_threadsafe(q.put_nowait, item)
+        _run_on(loop, q.put_nowait, item)
 
     def _abort(self, rids: list[str]) -> None:
         """On the handler's loop: end requests in the core and drop their front-end state."""
@@ -230,11 +223,18 @@ class AsyncLLM:
 
     def _call_on_handler_loop(self, fn, *args) -> None:
         """Run ``fn(*args)`` on the output handler's loop: now if that is this one, else soon."""
-        try:
-            running = asyncio.get_running_loop()
-        except RuntimeError:
-            running = None
-        if running is self._loop:
-            fn(*args)
-        elif self._loop is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(fn, *args)
+        if self._loop is not None:
+            _run_on(self._loop, fn, *args)
+
+
+def _run_on(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
+    """Call ``fn(*args)`` on ``loop``: at once when it is the running loop, else thread-safely
+    soon; nothing when it is closed."""
+    try:
+        running = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
+    if loop is running:
+        fn(*args)
+    elif not loop.is_closed():
+        loop.call_soon_threadsafe(fn, *args)
