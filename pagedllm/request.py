@@ -17,6 +17,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = 3
     FINISHED_LENGTH = 4
     FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6  # the request's grammar failed in the core (``stop_reason`` says why)
 
     @property
     def finished(self) -> bool:
@@ -27,7 +28,7 @@ class RequestStatus(enum.IntEnum):
     def finish_reason(self) -> str | None:
         """The OpenAI ``finish_reason`` for a finished status, else ``None``."""
         return {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",
-                RequestStatus.FINISHED_ABORTED: "abort"}.get(self)
+                RequestStatus.FINISHED_ABORTED: "abort", RequestStatus.FINISHED_ERROR: "error"}.get(self)
 
 
 class Request:
@@ -48,6 +49,7 @@ class Request:
         cache_salt: prefix-cache namespace; requests share cached blocks only with equal salts.
         num_output_placeholders: tokens being sampled by steps in flight, not yet known
             (async scheduling schedules the next step before the previous one's tokens arrive).
+        structured: the request's ``GrammarState`` (structured outputs), else ``None``.
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
@@ -68,6 +70,7 @@ class Request:
         self.cache_salt = cache_salt
         self.num_output_placeholders = 0
         self.block_hashes: list[bytes] = []  # hashes of full blocks, filled by the KV cache manager
+        self.structured = None
 
     @property
     def num_prompt_tokens(self) -> int:

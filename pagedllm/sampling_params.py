@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from pagedllm.structured_output.params import StructuredOutputError, StructuredOutputsParams
+
 MAX_LOGPROBS = 20  # vLLM's default --max-logprobs; OpenAI's top_logprobs limit
 MAX_N = 128        # a bound vLLM lacks: each sample is a request, and n=10**6 would exhaust memory
 SEED_MIN, SEED_MAX = -2**63, 2**64 - 1  # what torch.Generator.manual_seed and the msgpack wire take
@@ -56,6 +58,10 @@ class SamplingParams:
             bias and temperature (vLLM's default ``raw_logprobs`` mode).
         prompt_logprobs: like ``logprobs`` for every prompt token after the first.
             Such requests do not read the prefix cache (a cached prefix has no logits).
+        structured_outputs: constrain the output to a JSON schema, regex, choice or grammar
+            (``StructuredOutputsParams``, or a dict of its fields); ``None``: free text.
+            Logprobs are then those of the constrained distribution (disallowed tokens -inf),
+            as in vLLM.
     """
 
     n: int = 1
@@ -78,6 +84,7 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     extra_args: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -90,6 +97,13 @@ class SamplingParams:
                 self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
             except (TypeError, ValueError):
                 raise SamplingParamError("logit_bias", "logit_bias: keys must be token ids and values numbers") from None
+        if isinstance(self.structured_outputs, dict):
+            try:
+                self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            except TypeError as e:
+                raise SamplingParamError("structured_outputs", f"structured_outputs: {e}") from None
+            except StructuredOutputError as e:
+                raise SamplingParamError(e.param, str(e)) from None
         self.validate()
 
     def validate(self) -> None:
@@ -137,6 +151,9 @@ class SamplingParams:
             v = getattr(self, name)
             if v is not None and not 0 <= v <= MAX_LOGPROBS:
                 bad(name, f"must be in [0, {MAX_LOGPROBS}], got {v}")
+        so = self.structured_outputs
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            bad("structured_outputs", f"must be a StructuredOutputsParams, got {type(so).__name__}")
 
     @property
     def has_penalties(self) -> bool:

@@ -16,6 +16,11 @@ the sampled token in itself). A request whose placeholders alone reach its
 ``max_tokens`` or the context limit is not scheduled again. A stop found in a
 late result frees the request; the token the step in flight computes for it
 is dropped on arrival.
+
+Structured outputs: a request whose grammar is still compiling waits in the queue without
+holding up the requests behind it; one whose grammar failed to compile finishes with
+``error``. Each kept token advances the request's matcher; a grammar that reaches its end
+finishes the request with ``stop``.
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ class Scheduler:
         self.running: list[Request] = []
         self._runner_knows: set[str] = set()
         self._finished_ids: set[str] = set()
+        self._error_outputs: list[EngineCoreOutput] = []
         self.num_preemptions = 0
 
     # ---- request lifecycle -------------------------------------------------
@@ -86,8 +92,13 @@ class Scheduler:
             self._finished_ids.add(req.request_id)
 
     def has_unfinished_requests(self) -> bool:
-        """True while any request waits or runs."""
-        return bool(self.waiting or self.running)
+        """True while any request waits or runs, or a failed one is still to be reported."""
+        return bool(self.waiting or self.running or self._error_outputs)
+
+    def take_error_outputs(self) -> list[EngineCoreOutput]:
+        """Outputs of requests finished with ``error`` (a grammar that failed to compile) since the last call."""
+        out, self._error_outputs = self._error_outputs, []
+        return out
 
     # ---- scheduling --------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -143,10 +154,19 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         """Admit waiting requests (FIFO) while budget, seats and blocks last.
 
-        A request starts after the longest cached prefix of its tokens.
+        A request starts after the longest cached prefix of its tokens. One whose grammar
+        is still compiling is passed over (it keeps its place in the queue).
         """
+        passed: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
+            if req.structured is not None and not req.structured.ready:
+                passed.append(self.waiting.popleft())
+                continue
+            if req.structured is not None and req.structured.error is not None:
+                self.waiting.popleft()
+                self._fail(req, f"the grammar failed to compile: {req.structured.error}")
+                continue
             if req.num_output_placeholders:
                 break  # preempted while a step computed its token: re-admit once it arrives
             cached, num_cached = self.kv.get_computed_blocks(req)
@@ -165,6 +185,14 @@ class Scheduler:
             self.running.append(req)
             self._record(out, req, n, new_blocks)
             budget -= n
+        self.waiting.extendleft(reversed(passed))
+
+    def _fail(self, req: Request, reason: str) -> None:
+        """Finish a request with ``error`` (its blocks freed) and queue its output."""
+        req.status = RequestStatus.FINISHED_ERROR
+        req.stop_reason = reason
+        self._free(req)
+        self._error_outputs.append(EngineCoreOutput(req.request_id, [], "error", reason))
 
     def _record(self, out: SchedulerOutput, req: Request, n: int, new_blocks: list[int]) -> None:
         rid = req.request_id
@@ -206,7 +234,7 @@ class Scheduler:
                 continue  # aborted, or stopped by an earlier step's token: drop it
             req.num_output_placeholders -= 1
             req.append_output_token(token)
-            status = self._check_stop(req, token)
+            status = self._check_stop(req, token, None if req.structured is None else req.structured.accept(token))
             if status is not None:
                 req.status = status
                 # a request preempted while its step ran waits in the queue
@@ -221,14 +249,20 @@ class Scheduler:
                 outputs.append(EngineCoreOutput(rid, [], prompt_logprobs=plp))
         return outputs
 
-    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
+    def _check_stop(self, req: Request, token: int, grammar: str | None = None) -> RequestStatus | None:
+        """The status a kept token ends the request with (``grammar``: what its matcher said), or ``None``."""
         params = req.sampling_params
+        if grammar == "error":
+            req.stop_reason = f"the grammar refused the output: {req.structured.error}"
+            return RequestStatus.FINISHED_ERROR
         if req.num_output_tokens >= params.min_tokens:
             if token in req.eos_token_ids and not params.ignore_eos:
                 return RequestStatus.FINISHED_STOPPED
             if token in params.stop_token_ids:
                 req.stop_reason = token
                 return RequestStatus.FINISHED_STOPPED
+        if grammar == "stop":
+            return RequestStatus.FINISHED_STOPPED  # nothing more can follow (vLLM's is_terminated)
         if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None

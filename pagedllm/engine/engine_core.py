@@ -34,6 +34,7 @@ from pagedllm.core.scheduler_output import EngineCoreOutput
 from pagedllm.engine.messages import EngineCoreRequest
 from pagedllm.request import Request, RequestStatus
 from pagedllm.stats import SchedulerStats, StepTimings
+from pagedllm.structured_output.manager import StructuredOutputManager
 from pagedllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -128,6 +129,15 @@ class EngineCore:
         # whether steps use the C CPU kernels, as chosen once at load with the attention backend
         # (reported in the stats: a served core logs in its own process)
         self.cpu_kernels = self.runner.attention_backend.uses_cpu_kernels
+        self._tokenizer_path = args.tokenizer or model_dir
+        self._structured: StructuredOutputManager | None = None  # made with the first constrained request
+
+    @property
+    def structured_output_manager(self) -> StructuredOutputManager:
+        """Grammar compiling and step masks (built on first use: most engines never need it)."""
+        if self._structured is None:
+            self._structured = StructuredOutputManager(self._tokenizer_path, 0, self.eos_token_ids)
+        return self._structured
 
     # ---- requests ----------------------------------------------------------------
     def add_request(self, request: EngineCoreRequest) -> None:
@@ -140,6 +150,9 @@ class EngineCore:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         req = Request(request.request_id, request.prompt_token_ids, request.sampling_params, self.eos_token_ids,
                       request.max_tokens, request.arrival_time, request.cache_salt)
+        so = request.sampling_params.structured_outputs
+        if so is not None:
+            req.structured = self.structured_output_manager.submit(so)  # compiles off the step loop
         self.scheduler.add_request(req)
         self.num_prompt_tokens += req.num_prompt_tokens
 
@@ -175,19 +188,42 @@ class EngineCore:
         Synchronous: schedule, run and apply one step. With async scheduling, step
         N+1 is scheduled and issued first, then step N's results (issued by the
         previous call) are applied while N+1 runs; the results returned are step N's.
+        Either way, the token bitmask of the issued step's constrained rows is filled
+        after the previous step's tokens are applied, while the issued step's forward runs.
         """
         t0 = time.perf_counter()
         so = self.scheduler.schedule()
+        errors = self.scheduler.take_error_outputs()
         self.timer.totals.schedule += time.perf_counter() - t0
         if so.is_empty and self._in_flight is None:
             self.timer.pause()
-        handle = self.runner.execute(so, self.timer, non_blocking=self.async_scheduling)
+            if self._structured is not None and self.scheduler.waiting:
+                self._structured.wait_for_compiles(0.05)  # only grammar-waiting requests: do not spin
+        handle = self.runner.execute(so, self.timer, non_blocking=True)
         if not self.async_scheduling:
-            return self._apply(so, handle)
+            self._fill_grammar(handle)
+            return errors + self._apply(so, handle)
         prev, self._in_flight = self._in_flight, (None if so.is_empty else (so, handle))
+        try:
+            outputs = self._apply(*prev) if prev is not None else []
+        finally:
+            self._fill_grammar(handle)  # always published: the execution thread waits for it
         if so.is_empty:
             handle.result()
-        return self._apply(*prev) if prev is not None else []
+        return errors + outputs
+
+    def _fill_grammar(self, handle) -> None:
+        """Fill and publish the issued step's token bitmask (no-op without constrained rows)."""
+        mask = handle.grammar
+        if mask is None:
+            return
+        bitmask = None
+        try:
+            states = {rid: r.structured for rid in mask.req_ids
+                      if (r := self.scheduler.requests.get(rid)) is not None and r.structured is not None}
+            bitmask = self.structured_output_manager.fill(mask, states)
+        finally:
+            mask.publish(bitmask)
 
     def _apply(self, so, handle) -> list[EngineCoreOutput]:
         """Wait for an issued step and apply its tokens to the scheduler."""
@@ -209,6 +245,8 @@ class EngineCore:
             self._in_flight[1].result()
             self._in_flight = None
         self._exec.shutdown(wait=True)
+        if self._structured is not None:
+            self._structured.shutdown()
 
     def get_stats(self) -> SchedulerStats:
         """The counters now (see ``SchedulerStats``); ``max_num_running`` is the most requests

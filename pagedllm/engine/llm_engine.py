@@ -71,7 +71,7 @@ class LLMEngine:
                                          scripted_output=scripted_output)))
         self.num_blocks = self.client.num_blocks
         self.processor = Processor(self.tokenizer, self.hf_config.vocab_size, self.context_limit)
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids)
 
     def is_alive(self) -> bool:
         """False once the core has died."""

@@ -39,10 +39,13 @@ class OutputProcessor:
 
     Args:
         tokenizer: the model's tokenizer.
+        eos_token_ids: the engine's EOS ids: a "stop" without a stop reason drops its last token
+            from the text only when it is one of them.
     """
 
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer, eos_token_ids: set[int] | None = None) -> None:
         self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids  # None: every plain "stop" ended on EOS (no grammar end)
         self.states: dict[str, RequestState] = {}
         self._token_text: dict[int, str] = {}  # decode([id]) of top-k alternatives, cached
 
@@ -128,8 +131,10 @@ class OutputProcessor:
             finish_reason, stop_reason = eo.finish_reason, eo.stop_reason
             n_before = len(st.token_ids)
             st.token_ids.extend(eo.new_token_ids)
-            # finished "stop" with no stop_reason: the core saw EOS, which is not text
-            eos_last = eo.finish_reason == "stop" and eo.stop_reason is None and bool(eo.new_token_ids)
+            # finished "stop" with no stop_reason on an EOS token, which is not text (a grammar
+            # that reached its end also stops without a reason, on a token that is text)
+            eos_last = (eo.finish_reason == "stop" and eo.stop_reason is None and bool(eo.new_token_ids)
+                        and (self.eos_token_ids is None or eo.new_token_ids[-1] in self.eos_token_ids))
             if st.detok.append(eo.new_token_ids, finished=finish_reason is not None, eos_last=eos_last):
                 finish_reason, stop_reason = "stop", st.detok.stop_reason
                 if eo.finish_reason is None:

@@ -10,6 +10,7 @@ import time
 
 from pagedllm.engine.messages import EngineCoreRequest
 from pagedllm.sampling_params import SamplingParamError, SamplingParams
+from pagedllm.structured_output.params import StructuredOutputError
 
 
 class PromptTooLongError(SamplingParamError):
@@ -27,6 +28,37 @@ class Processor:
 
     def __init__(self, tokenizer, vocab_size: int, context_limit: int) -> None:
         self.tokenizer, self.vocab_size, self.context_limit = tokenizer, vocab_size, context_limit
+        self._grammar = None  # the grammar backend, built with the first constrained request
+        self._valid_grammars: set[str] = set()
+
+    def check_structured_outputs(self, params: SamplingParams) -> None:
+        """Compile-check a request's structured-output constraint, so that nothing the core
+        cannot compile reaches it (a grammar seen before is not checked again).
+
+        Raises:
+            SamplingParamError: ``param`` names the constraint (``structured_outputs.json``, ...).
+        """
+        so = params.structured_outputs
+        if so is None:
+            return
+        from pagedllm.structured_output.backend import GuidanceBackend
+        try:
+            key = so.grammar_key()
+        except StructuredOutputError as e:
+            raise SamplingParamError(e.param, str(e)) from None
+        if key in self._valid_grammars:
+            return
+        if self._grammar is None:
+            try:
+                self._grammar = GuidanceBackend(self.tokenizer, self.vocab_size, set())
+            except ValueError as e:
+                raise SamplingParamError(so.param, f"{so.param}: {e}") from None
+        err = self._grammar.validate(so.grammar_spec())
+        if err:
+            raise SamplingParamError(so.param, f"{so.param}: {err.strip()}")
+        if len(self._valid_grammars) > 4096:
+            self._valid_grammars.clear()
+        self._valid_grammars.add(key)
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         """Token ids of a text prompt (special tokens as the tokenizer adds them), or the ids as given."""
@@ -41,7 +73,8 @@ class Processor:
         Raises:
             PromptTooLongError: prompt + max_tokens exceed the context limit (``param`` names which).
             SamplingParamError: an empty prompt, token ids outside the vocabulary (prompt,
-                ``logit_bias``, ``stop_token_ids``), or ``min_tokens`` above the effective ``max_tokens``.
+                ``logit_bias``, ``stop_token_ids``), ``min_tokens`` above the effective ``max_tokens``,
+                or a structured-output constraint that does not compile.
         """
         ids = self.tokenize(prompt)
         vocab = self.vocab_size
@@ -66,6 +99,7 @@ class Processor:
             raise PromptTooLongError("max_tokens", f"This model's maximum context length is {limit} tokens. "
                                      f"However, you requested {len(ids) + max_tokens} tokens ({len(ids)} in the "
                                      f"prompt, {max_tokens} for max_tokens). Please reduce the length.")
+        self.check_structured_outputs(params)
         if params.min_tokens > max_tokens:  # without max_tokens the bound is what the context leaves
             raise SamplingParamError("min_tokens", f"min_tokens: must be <= max_tokens={max_tokens} (the "
                                      f"context limit less the prompt when max_tokens is not set), got "

@@ -38,6 +38,11 @@ class LLM:
         self.engine = LLMEngine(EngineArgs(model=model, **engine_args))
         self._ids = itertools.count()
 
+    @property
+    def llm_engine(self) -> LLMEngine:
+        """The engine (vLLM's attribute name for it)."""
+        return self.engine
+
     def get_tokenizer(self):
         """The model's ``transformers`` tokenizer."""
         return self.engine.tokenizer

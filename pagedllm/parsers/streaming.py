@@ -22,7 +22,7 @@ from typing import Callable
 
 from pagedllm.parsers.delta import DeltaMessage, DeltaToolCall, ParsedMessage, ToolCall
 from pagedllm.parsers.reasoning import REASONING_PARSERS, ReasoningParser
-from pagedllm.parsers.tools import TOOL_PARSERS, CallState, ToolParser
+from pagedllm.parsers.tools import TOOL_PARSERS, CallState, ForcedFunctionParser, ToolParser
 
 logger = logging.getLogger(__name__)
 
@@ -134,7 +134,7 @@ def _grow(sent: str, now: str, what: str) -> str:
 
 def make_parser(reasoning_parser: str | None = None, tool_parser: str | None = None, *,
                 thinking: bool = True, starts_in_reasoning: bool = False,
-                tools: list[dict] | None = None) -> StreamingParser:
+                tools: list[dict] | None = None, forced_function: str | None = None) -> StreamingParser:
     """Build a ``StreamingParser`` from registry names.
 
     Args:
@@ -144,6 +144,8 @@ def make_parser(reasoning_parser: str | None = None, tool_parser: str | None = N
         thinking: False when the request turned thinking off.
         starts_in_reasoning: True when the prompt ends inside an open reasoning block.
         tools: the request's tools.
+        forced_function: the function a named ``tool_choice`` forces: the answer is its
+            arguments (``ForcedFunctionParser``; ``tool_parser`` is then not used).
     Raises:
         ValueError: an unknown parser name (the message lists the known ones).
     """
@@ -153,6 +155,8 @@ def make_parser(reasoning_parser: str | None = None, tool_parser: str | None = N
         raise ValueError(f"unknown tool parser {tool_parser!r}; known: {sorted(TOOL_PARSERS)}")
     r = REASONING_PARSERS[reasoning_parser](thinking, starts_in_reasoning) if reasoning_parser else None
     t = TOOL_PARSERS[tool_parser](tools) if tool_parser else None
+    if forced_function is not None:
+        t = ForcedFunctionParser(forced_function)
     return StreamingParser(r, t)
 
 

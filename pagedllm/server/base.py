@@ -79,6 +79,7 @@ class Choice:
 
     def __init__(self) -> None:
         self.text, self.num_tokens, self.finish = "", 0, None
+        self.stop_reason = None
         self.logprobs: list = []
         self.prompt_logprobs = None
 
@@ -88,6 +89,7 @@ class Choice:
         self.text += c.text
         self.num_tokens += len(c.token_ids)
         self.finish = c.finish_reason
+        self.stop_reason = c.stop_reason
         self.logprobs += c.logprobs or []
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = out.prompt_logprobs
@@ -268,4 +270,7 @@ class OpenAIServingBase:
             admission.release()
             raise
         admission.release()
+        failed = next((c for c in choices if c.finish == "error"), None)
+        if failed is not None:  # the request's grammar failed in the core: its fault, only its own
+            raise APIError(400, f"structured_outputs: {failed.stop_reason}", "structured_outputs", code="invalid_value")
         return respond(prepared, choices)

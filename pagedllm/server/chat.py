@@ -11,11 +11,13 @@ from typing import AsyncIterator
 
 from pagedllm.entrypoints.chat_utils import prepare_messages
 from pagedllm.parsers import DeltaMessage, StreamingParser, make_parser
+from pagedllm.parsers.reasoning import REASONING_PARSERS
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.server.base import Choice, OpenAIServingBase, Prepared, ServingContext, error_event, sse
 from pagedllm.server.errors import APIError
 from pagedllm.server.guards import check_choices
 from pagedllm.server.logprobs import chat_logprobs
+from pagedllm.server.structured import StructuredRequest, structured_request
 from pagedllm.server.protocol import (ChatChunkChoice, ChatCompletionChoice, ChatCompletionChunk,
                                       ChatCompletionRequest, ChatCompletionResponse, ChatResponseMessage,
                                       DeltaMessageOut, NamedToolChoice, UsageInfo, now, random_id)
@@ -37,7 +39,10 @@ def response_message(p: StreamingParser) -> ChatResponseMessage:
 
 
 def finish_reason(p: StreamingParser, finish: str | None) -> str | None:
-    """``tool_calls`` when a message that stopped normally ends in tool calls (OpenAI's rule)."""
+    """``tool_calls`` when a message that stopped normally ends in tool calls (OpenAI's rule;
+    a named ``tool_choice`` keeps ``stop``, as OpenAI answers it)."""
+    if getattr(p.tools, "keeps_finish_reason", False):
+        return finish
     return "tool_calls" if finish == "stop" and p.message.tool_calls else finish
 
 
@@ -116,18 +121,16 @@ class OpenAIServingChat(OpenAIServingBase):
             raise APIError(400, f"chat template failed: {e}", "messages", code="invalid_value") from None
 
     def _tool_mode(self, body: ChatCompletionRequest) -> bool:
-        """Whether to parse tool calls, following ``tool_choice`` (vLLM's rules).
+        """Whether to parse tool calls, following ``tool_choice`` (vLLM's rules): ``required`` and
+        a named function are forced calls (structured outputs); ``auto`` needs a tool parser.
 
         Raises:
-            APIError: 400 for ``required`` or a named function (they need structured output,
-                which pagedllm does not have yet), and for ``auto`` on a server started
-                without ``--enable-auto-tool-choice --tool-call-parser``.
+            APIError: 400 for ``auto`` on a server started without
+                ``--enable-auto-tool-choice --tool-call-parser``.
         """
         choice = body.tool_choice if body.tool_choice is not None else ("auto" if body.tools else "none")
         if choice == "required" or isinstance(choice, NamedToolChoice):
-            raise APIError(400, "tool_choice: 'required' and named functions need structured output, which "
-                           "pagedllm does not support yet; use 'auto' or 'none'", "tool_choice",
-                           code="unsupported_value")
+            return True
         if choice == "none" or not body.tools:
             return False
         if not (self.enable_auto_tool_choice and self.tool_call_parser):
@@ -135,15 +138,27 @@ class OpenAIServingChat(OpenAIServingBase):
                            "to be set on the server", "tool_choice", code="unsupported_value")
         return True
 
-    def _parser_args(self, body: ChatCompletionRequest, text: str, use_tools: bool) -> dict | None:
+    def _reasoning_end_tag(self, body: ChatCompletionRequest) -> str | None:
+        """Where a constraint starts with a reasoning parser on: after its end tag, while thinking is on."""
+        if not self.reasoning_parser or not (body.chat_template_kwargs or {}).get("enable_thinking", True):
+            return None
+        return REASONING_PARSERS[self.reasoning_parser].end_tag
+
+    def _parser_args(self, body: ChatCompletionRequest, text: str, use_tools: bool,
+                     structured: StructuredRequest | None) -> dict | None:
         if not (use_tools or self.reasoning_parser):
             return None
         kwargs = body.chat_template_kwargs or {}
+        forced = structured.forced_tool if structured is not None else None
+        tool_parser = self.tool_call_parser if use_tools else None
+        if forced == "required":
+            tool_parser = "json"  # the constrained answer is a JSON array of {"name", "parameters"}
         # thinking is what the request asked for; "starts in reasoning" is what the prompt says
-        return dict(reasoning_parser=self.reasoning_parser, tool_parser=self.tool_call_parser if use_tools else None,
+        return dict(reasoning_parser=self.reasoning_parser, tool_parser=tool_parser,
                     thinking=bool(kwargs.get("enable_thinking", True)),
                     starts_in_reasoning=text.rstrip().endswith("<think>"),
-                    tools=[t.model_dump() for t in body.tools or []])
+                    tools=[t.model_dump() for t in body.tools or []],
+                    forced_function=None if forced in (None, "required") else forced)
 
     async def chat(self, body: ChatCompletionRequest):
         """Run a chat completion; returns the response dict, or an async iterator of SSE lines.
@@ -155,16 +170,22 @@ class OpenAIServingChat(OpenAIServingBase):
         self.ctx.check_model(body.model)
         params = self.params(body)
         use_tools = self._tool_mode(body)
+        structured = structured_request(body, self._reasoning_end_tag(body), tools=True)
         check_choices(1, params.n)
-        if use_tools and self.tool_call_parser in _NEEDS_SPECIAL_TOKENS:
+        if structured is not None:
+            params.structured_outputs = structured.params
+        elif use_tools and self.tool_call_parser in _NEEDS_SPECIAL_TOKENS:
             params.skip_special_tokens = False
         rid = random_id("chatcmpl")
+
+        def rename(param, message):
+            return body.rename_error(*(structured.rename(param, message) if structured else (param, message)))
 
         def prepare() -> Prepared:  # on the tokenizer thread
             text = self.render_text(body)
             ids = self.ctx.encode(text, "messages", add_special_tokens=False)
-            reqs = self.fan_out(rid, [ids], params, "messages", body.cache_salt, body.rename_error)
-            return Prepared(reqs, self._parser_args(body, text, use_tools))
+            reqs = self.fan_out(rid, [ids], params, "messages", body.cache_salt, rename)
+            return Prepared(reqs, self._parser_args(body, text, use_tools, structured))
 
         def stream_of(prep: Prepared, merged) -> AsyncIterator[str]:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)

@@ -11,6 +11,7 @@ from pagedllm.server.errors import APIError
 from pagedllm.server.guards import check_choices
 from pagedllm.server.logprobs import completion_logprobs, tokens_length
 from pagedllm.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse, UsageInfo, now, random_id
+from pagedllm.server.structured import structured_request
 
 
 class OpenAIServingCompletion(OpenAIServingBase):
@@ -30,11 +31,15 @@ class OpenAIServingCompletion(OpenAIServingBase):
             raise APIError(400, "prompt: must not be empty", "prompt", code="invalid_value")
         n = params.n
         check_choices(len(prompts), n)
+        structured = structured_request(body)
+        rename = structured.rename if structured is not None else (lambda param, msg: (param, msg))
+        if structured is not None:
+            params.structured_outputs = structured.params
         rid = random_id("cmpl")
 
         def prepare() -> Prepared:  # on the tokenizer thread; extra: the echo text of each choice
             ids = [self.ctx.encode(p, "prompt") if isinstance(p, str) else p for p in prompts]
-            reqs = self.fan_out(rid, ids, params, "prompt", body.cache_salt)
+            reqs = self.fan_out(rid, ids, params, "prompt", body.cache_salt, rename)
             echo = [(p if isinstance(p, str) else self.tokenizer.decode(p)) if body.echo else None
                     for p in prompts for _ in range(n)]
             return Prepared(reqs, echo)

@@ -121,6 +121,45 @@ class NamedToolChoice(BaseModel):
     function: NamedToolChoiceFunction
 
 
+class JsonSchemaFormat(BaseModel):
+    """``response_format.json_schema`` (OpenAI): ``schema`` is the JSON Schema the answer follows."""
+
+    model_config = ConfigDict(populate_by_name=True)
+    name: str = Field(default="response", max_length=64)
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: Bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """``response_format`` (OpenAI): free text, any JSON object, or JSON following a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsField(BaseModel):
+    """vLLM's ``structured_outputs`` request field (``StructuredOutputsParams``' names).
+
+    ``backend`` and ``disable_fallback`` choose among vLLM's grammar backends; pagedllm has
+    one (llguidance), so they change nothing. Unknown keys are refused: each of the others
+    changes what the output may be.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = Field(default=None, max_length=MAX_TOOLS)
+    grammar: str | None = None
+    json_object: Bool | None = None
+    structural_tag: str | dict[str, Any] | None = None
+    disable_any_whitespace: Bool = False
+    disable_additional_properties: Bool = False
+    whitespace_pattern: str | None = None
+    backend: str | None = None
+    disable_fallback: Bool = False
+
+
 class _SamplingRequest(RequestBody):
     """Sampling fields shared by both endpoints.
 
@@ -154,6 +193,16 @@ class _SamplingRequest(RequestBody):
     user: str | None = None
     cache_salt: str | None = Field(default=None, min_length=1, description=(
         "prefix-cache namespace: requests share cached KV blocks only when their salts are equal (vLLM's name)"))
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs, and vLLM's older
+    # guided_* fields (read by pagedllm.server.structured)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = Field(default=None, max_length=MAX_TOOLS)
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+    guided_decoding_backend: str | None = None  # one backend here: changes nothing
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None, defaults: dict) -> SamplingParams:
         """Build ``SamplingParams``; fields left out take the model's generation_config defaults.

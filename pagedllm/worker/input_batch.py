@@ -29,6 +29,7 @@ class SamplingMetadata:
         all_greedy: every row has temperature 0 (the draw is a plain argmax; other rows
             build their temperature / top-k / top-p / min-p / seed from ``params``).
         any_min_tokens, any_logit_bias: some row has ``min_tokens`` unmet / a ``logit_bias``.
+        any_structured: some row has structured outputs (its logits are masked by a grammar).
         penalty_rows: rows with a repetition, frequency or presence penalty.
         penalty_outputs, penalty_prompts: per penalty row, its known output and prompt ids
             (``[n]`` int64 arrays; the prompt only when ``repetition_penalty != 1``).
@@ -41,6 +42,7 @@ class SamplingMetadata:
     all_greedy: bool
     any_min_tokens: bool
     any_logit_bias: bool
+    any_structured: bool = False
     penalty_rows: list[int] = field(default_factory=list)
     penalty_outputs: list[np.ndarray] = field(default_factory=list)
     penalty_prompts: list[np.ndarray] = field(default_factory=list)
@@ -76,6 +78,7 @@ class InputBatch:
         self.prompt_logprobs = np.full(max_num_reqs, -1, dtype=np.int64)  # -1 = not asked
         self.has_bias = np.zeros(max_num_reqs, dtype=bool)
         self.has_penalty = np.zeros(max_num_reqs, dtype=bool)
+        self.has_grammar = np.zeros(max_num_reqs, dtype=bool)
         self.params: list[SamplingParams | None] = [None] * max_num_reqs
         self.slot_of: dict[str, int] = {}
         self._free = list(range(max_num_reqs - 1, -1, -1))  # pop() hands out the lowest slot
@@ -103,6 +106,7 @@ class InputBatch:
         self.prompt_logprobs[s] = -1 if p.prompt_logprobs is None else p.prompt_logprobs
         self.has_bias[s] = bool(p.logit_bias)
         self.has_penalty[s] = p.has_penalties
+        self.has_grammar[s] = p.structured_outputs is not None
         self.slot_of[nr.req_id] = s
         return s
 
@@ -151,6 +155,7 @@ class InputBatch:
             all_greedy=bool((self.temperature[slots] < 1e-5).all()),
             any_min_tokens=bool((output_lens < self.min_tokens[slots]).any()),
             any_logit_bias=bool(self.has_bias[slots].any()),
+            any_structured=bool(self.has_grammar[slots].any()),
             pending_rows=pending_rows, pending_src=pending_src)
         for row in np.flatnonzero(self.has_penalty[slots]).tolist():
             s = int(slots[row])

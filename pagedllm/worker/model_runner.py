@@ -29,6 +29,8 @@ from pagedllm.attention.backend import AttentionBackend
 from pagedllm.attention.metadata import AttentionBatch, AttentionMetadata
 from pagedllm.attention.torch_paged import TorchPagedBackend
 from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from pagedllm.structured_output.backend import apply_bitmask
+from pagedllm.structured_output.manager import GrammarMask
 from pagedllm.worker.input_batch import InputBatch, SamplingMetadata
 from pagedllm.worker.sampler import Sampler, gather_logprobs
 from pagedllm.worker.scripted import ScriptedOutput
@@ -51,6 +53,8 @@ class PreparedStep:
         pending_idx, pending_src: ``[P]`` int64 rows of ``input_ids`` that take the previous
             step's sampled token, and that token's row among the previous step's samples.
         slot_row: ``[max_num_reqs]`` int64, the sample row of each batch slot this step (-1: none).
+        grammar: the token bitmask of the rows with structured outputs, filled by the engine
+            core while the forward runs (``None``: no such row).
         sampled: ``[R]`` int64 sampled ids, set once the step has run.
     """
 
@@ -64,6 +68,7 @@ class PreparedStep:
     pending_idx: torch.Tensor
     pending_src: torch.Tensor
     slot_row: np.ndarray
+    grammar: GrammarMask | None = None
     sampled: torch.Tensor | None = None
     sampled_list: list[int] = field(default_factory=list)
 
@@ -76,11 +81,15 @@ class StepHandle:
     """
 
     def __init__(self, runner: "ModelRunner | None", step: PreparedStep | None,
-                 output: ModelRunnerOutput | None = None, future: Future | None = None) -> None:
+                 output: ModelRunnerOutput | None = None, future: Future | None = None, run=None) -> None:
         self._runner, self._step, self._output, self._future = runner, step, output, future
+        self._run = run  # a step run on the caller's thread (no executor) runs when its result is asked
+        self.grammar = step.grammar if step is not None else None
 
     def result(self) -> ModelRunnerOutput:
         """The step's sampled tokens (and logprobs), once it has run."""
+        if self._run is not None:
+            self._output, self._run = self._run(), None
         if self._future is not None:
             self._output, self._future = self._future.result(), None
         if self._step is not None:
@@ -170,7 +179,15 @@ class ModelRunner:
             logits_rows=torch.from_numpy(rows).to(dev), sample_ids=[rids[i] for i in sample.tolist()],
             sampling=sampling, prompt_lp=prompt_lp,
             pending_idx=torch.from_numpy(qsl[1:][pend] - 1).to(dev), pending_src=torch.from_numpy(pending_src).to(dev),
-            slot_row=slot_row)
+            slot_row=slot_row, grammar=self._grammar_rows(rids, sample, sampling))
+
+    @staticmethod
+    def _grammar_rows(rids: list[str], sample: np.ndarray, sampling: SamplingMetadata | None) -> GrammarMask | None:
+        """The sampled rows with structured outputs, whose mask the core fills (``None``: none)."""
+        if sampling is None or not sampling.any_structured:
+            return None
+        rows = [i for i, p in enumerate(sampling.params) if p.structured_outputs is not None]
+        return GrammarMask(rows, [rids[int(sample[i])] for i in rows])
 
     def _prepare_inputs(self, slots: np.ndarray, n: np.ndarray, start: np.ndarray, end: np.ndarray,
                         qsl: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
@@ -267,7 +284,7 @@ class ModelRunner:
         if timer is not None:
             timer.totals.prepare += time.perf_counter() - t0
         if self._executor is None:
-            return StepHandle(self, step, self._run(step, prev, timer))
+            return StepHandle(self, step, run=lambda: self._run(step, prev, timer))
         handle = StepHandle(self, step, future=self._executor.submit(self._run, step, prev, timer))
         if not non_blocking:
             handle.result()
@@ -288,7 +305,10 @@ class ModelRunner:
         if num_sampled:
             md = step.sampling
             prev_tokens = prev.sampled_list if md.pending_rows.size else None
-            sampled = self.sampler(logits[:num_sampled], md, prev_tokens)
+            sample_logits = logits[:num_sampled]
+            if step.grammar is not None:
+                sample_logits = self._constrain(sample_logits, step.grammar)
+            sampled = self.sampler(sample_logits, md, prev_tokens)
             tokens = (sampled.token_ids if self._script is None
                       else self._script.tokens(md.output_lens.tolist(), self._eos))
             step.sampled_list = tokens
@@ -305,6 +325,17 @@ class ModelRunner:
             timer.totals.execute += t2 - t1
             timer.totals.sample += t3 - t2
         return out
+
+    @staticmethod
+    def _constrain(logits: torch.Tensor, grammar: GrammarMask) -> torch.Tensor:
+        """Wait for the step's token bitmask and mask the constrained rows' logits (``[R, V]`` float32)."""
+        bitmask = grammar.wait()
+        if bitmask is None:
+            return logits
+        sel = torch.tensor(grammar.rows, device=logits.device)
+        sub = logits.index_select(0, sel)
+        apply_bitmask(sub, bitmask)
+        return logits.index_copy(0, sel, sub)
 
     def _prompt_logprobs(self, logits: torch.Tensor, prompt_lp, out: ModelRunnerOutput) -> None:
         """Logprobs of the prompt tokens whose predicting positions ran this step.
