@@ -50,7 +50,6 @@ from pagedllm.bench.metrics import machine_facts  # noqa: E402
 
 API_KEY = "sk-hostile"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
-CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
 
 
 @dataclass
@@ -246,15 +245,6 @@ async def soak(url: str, args) -> dict:
     return {"phases": phases, "pool": pool, "rejected": rejected}
 
 
-def _cpu_flags() -> list[str]:
-    try:
-        flags = next(ln.split(":", 1)[1].split() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                     if ln.startswith("flags"))
-    except (OSError, StopIteration):
-        return []
-    return [f for f in CPU_FLAGS if f in flags]
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--burst", type=int, default=500, help="concurrent requests of the burst phase")
@@ -278,7 +268,7 @@ def main() -> int:
     phases = res["phases"]
     health = [x for ph in phases for x in ph.health_s]
     report = {
-        "machine": {**machine_facts(), "cpu_flags": _cpu_flags()},
+        "machine": machine_facts(),
         "server_args": args.server_arg[2:], "burst": args.burst,
         "phases": [{"name": ph.name, "statuses": ph.statuses, "unexpected": ph.unexpected,
                     "health_p50_ms": _ms(_pct(ph.health_s, 0.5)), "health_p99_ms": _ms(_pct(ph.health_s, 0.99)),

@@ -86,8 +86,22 @@ def summarize(records: list[RequestRecord], duration_s: float, percentiles=(99,)
     return res
 
 
+# the CPU features that choose kernels and dtypes (AVX-512, VNNI, bf16, AMX)
+CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
+
+
+def cpu_flags() -> list[str]:
+    """Which of ``CPU_FLAGS`` this machine's CPU has (from ``/proc/cpuinfo``; empty elsewhere)."""
+    try:
+        flags = next(ln.split(":", 1)[1].split() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                     if ln.startswith("flags"))
+    except (OSError, StopIteration):
+        return []
+    return [f for f in CPU_FLAGS if f in flags]
+
+
 def machine_facts() -> dict:
-    """CPU model, core count, OS, Python and library versions, and the date."""
+    """CPU model and kernel-relevant flags, core count, OS, Python and library versions, and the date."""
     try:
         cpu = next(ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
                    if ln.startswith("model name"))
@@ -95,13 +109,13 @@ def machine_facts() -> dict:
         cpu = platform.processor() or "unknown"
     from importlib.metadata import PackageNotFoundError, version
     versions = {}
-    for pkg in ("pagedllm", "torch", "transformers"):
+    for pkg in ("pagedllm", "torch", "transformers", "llguidance"):
         try:
             versions[pkg] = version(pkg)
         except PackageNotFoundError:
             pass
     return {"date": datetime.datetime.now().isoformat(timespec="seconds"), "cpu_model": cpu,
-            "cpu_count": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+            "cpu_flags": cpu_flags(), "cpu_count": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
             "versions": versions}
 
 

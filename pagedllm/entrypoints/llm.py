@@ -69,14 +69,24 @@ class LLM:
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
-        if sampling_params is None:
-            sampling_params = self.get_default_sampling_params()
-        params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
-        if len(params) != len(prompts):
-            raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        params = self._params_per_item(sampling_params, len(prompts))
         return self._run([(p, sp, None) for p, sp in zip(prompts, params)], use_tqdm)
 
-    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
+    def _params_per_item(self, sampling_params, n: int) -> list[SamplingParams]:
+        """One ``SamplingParams`` per prompt: the given one for all, or the given list (vLLM's rule).
+
+        Raises:
+            ValueError: a list of the wrong length.
+        """
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        params = [sampling_params] * n if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+        if len(params) != n:
+            raise ValueError(f"got {len(params)} sampling_params for {n} prompts")
+        return params
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
              chat_template_kwargs: dict | None = None, tools: list[dict] | None = None) -> list[RequestOutput]:
         """Generate assistant replies for one conversation or a list of them.
@@ -86,13 +96,16 @@ class LLM:
         tokenized without adding special tokens again. Parse tool calls and
         reasoning out of the text with ``pagedllm.parsers.parse_whole``.
 
+        ``sampling_params``: one for all conversations or one per conversation.
+
         Returns:
             One ``RequestOutput`` per conversation, in input order.
+        Raises:
+            ValueError: a ``sampling_params`` list of the wrong length.
         """
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        sp = sampling_params or self.get_default_sampling_params()
         items = []
-        for conv in convs:
+        for conv, sp in zip(convs, self._params_per_item(sampling_params, len(convs))):
             text = self.engine.tokenizer.apply_chat_template(prepare_messages(conv), tools=tools, tokenize=False,
                                                              add_generation_prompt=add_generation_prompt,
                                                              **(chat_template_kwargs or {}))
