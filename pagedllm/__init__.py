@@ -2,10 +2,10 @@
 
 from pagedllm.config import EngineArgs
 from pagedllm.outputs import CompletionOutput, RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineArgs", "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "EngineArgs", "__version__"]
 
 
 def __getattr__(name: str):

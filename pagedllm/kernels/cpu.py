@@ -46,6 +46,7 @@ _SIGNATURES = {
     "pl_gemv": [_P, _P, _P, _P, _L, _L, _I],
     "pl_decode_stack": [_L, _P, _P, _P, _L, _L, _L, _L, _L, _F, _P, _P, _L, _L, _P, _L, _F, _I],
     "pl_decode_attention": [_P, _L, _L, _P, _P, _L, _P, _P, _P, _L, _L, _L, _L, _L, _L, _F, _L, _F, _P, _I],
+    "pl_apply_bitmask": [_P, _L, _P, _L, _P, _L, _L, _I],
 }
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -132,6 +133,20 @@ def applies(device: torch.device | str, dtype: torch.dtype) -> bool:
 
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
+
+
+def apply_bitmask_(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Set to ``-inf``, in place, the logits of tokens a grammar's bitmask disallows.
+
+    Args:
+        logits: ``[N, V]`` float32, rows contiguous.
+        rows: ``[R]`` int64 rows of ``logits`` to mask.
+        bitmask: ``[R, W]`` int32, contiguous: bit ``t % 32`` of word ``t // 32`` allows token ``t``
+            (llguidance's layout); tokens at or past ``32 * W`` are disallowed.
+    """
+    assert logits.stride(1) == 1 and bitmask.is_contiguous() and rows.dtype == torch.int64
+    _lib.pl_apply_bitmask(logits.data_ptr(), logits.stride(0), rows.data_ptr(), rows.numel(), bitmask.data_ptr(),
+                          bitmask.shape[1], logits.shape[1], torch.get_num_threads())
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,

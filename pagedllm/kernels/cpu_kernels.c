@@ -395,3 +395,23 @@ int pl_decode_stack(long n_layers, const int64_t *layers, float *x, float *resid
     free(h);
     return 0;
 }
+
+/* Structured outputs: set logits of tokens a grammar disallows to -inf, in place.
+ * logits rows rows[r] (row stride `stride` floats) of width V; mask [R, W] int32 in llguidance's
+ * layout (bit t % 32 of word t / 32 set when token t is allowed; tokens past 32 * W are not).
+ * Whole words of 0 or ~0 (most of a JSON mask) take one branch per 32 tokens. */
+void pl_apply_bitmask(float *logits, long stride, const int64_t *rows, long R, const int32_t *mask, long W,
+                      long V, int nt) {
+    #pragma omp parallel for num_threads(nt) schedule(static)
+    for (long r = 0; r < R; r++) {
+        float *row = logits + rows[r] * stride;
+        const uint32_t *m = (const uint32_t *)(mask + r * W);
+        for (long w = 0; w * 32 < V; w++) {
+            long t0 = w * 32, n = V - t0 < 32 ? V - t0 : 32;
+            uint32_t word = w < W ? m[w] : 0u;
+            if (word == 0xFFFFFFFFu) continue;
+            for (long k = 0; k < n; k++)
+                if (!((word >> k) & 1u)) row[t0 + k] = -INFINITY;
+        }
+    }
+}

@@ -27,22 +27,35 @@ def bitmask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
-def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+def apply_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
     """Set the logits of disallowed tokens to ``-inf``, in place, on the logits' device.
 
+    On the CPU in float32 with the C kernels built this is one pass over the masked rows
+    (``kernels.cpu.apply_bitmask_``); elsewhere numpy's ``unpackbits`` (CPU) or torch bit
+    operations (any device) expand the mask first.
+
     Args:
-        logits: ``[R, V]`` float32 (a view is fine).
-        bitmask: ``[R, W]`` int32 with ``32 * W >= V`` allowed bits per row (llguidance's
-            layout); tokens at or past ``32 * W`` are disallowed.
+        logits: ``[N, V]`` float32 logits, rows contiguous.
+        rows: the ``R`` rows of ``logits`` to mask.
+        bitmask: ``[R, W]`` int32 in llguidance's layout (``32 * W`` tokens; tokens at or past
+            ``32 * W`` are disallowed).
     """
-    rows, vocab = logits.shape
-    bits = torch.arange(32, device=logits.device, dtype=torch.int32)
-    words = bitmask.to(logits.device, non_blocking=True)
-    allowed = ((words.unsqueeze(-1) >> bits) & 1).bool().reshape(rows, -1)
+    from pagedllm.kernels import cpu as cpu_kernels
+    vocab, dev = logits.shape[1], logits.device
+    if dev.type == "cpu" and logits.dtype == torch.float32 and logits.stride(1) == 1 and cpu_kernels.available():
+        cpu_kernels.apply_bitmask_(logits, torch.tensor(rows, dtype=torch.int64), bitmask.contiguous())
+        return
+    if dev.type == "cpu":
+        import numpy as np
+        bits = np.unpackbits(bitmask.contiguous().numpy().view(np.uint8), axis=1, bitorder="little")
+        allowed = torch.from_numpy(bits).view(torch.bool)
+    else:
+        shifts = torch.arange(32, device=dev, dtype=torch.int32)
+        allowed = ((bitmask.to(dev, non_blocking=True).unsqueeze(-1) >> shifts) & 1).bool().reshape(len(rows), -1)
     if allowed.shape[1] < vocab:
-        pad = torch.zeros(rows, vocab - allowed.shape[1], dtype=torch.bool, device=logits.device)
-        allowed = torch.cat([allowed, pad], 1)
-    logits.masked_fill_(~allowed[:, :vocab], float("-inf"))
+        allowed = torch.cat([allowed, allowed.new_zeros(len(rows), vocab - allowed.shape[1])], 1)
+    sel = torch.tensor(rows, device=dev)
+    logits.index_copy_(0, sel, logits.index_select(0, sel).masked_fill_(~allowed[:, :vocab], float("-inf")))
 
 
 class GuidanceBackend:

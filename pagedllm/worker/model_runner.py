@@ -328,14 +328,12 @@ class ModelRunner:
 
     @staticmethod
     def _constrain(logits: torch.Tensor, grammar: GrammarMask) -> torch.Tensor:
-        """Wait for the step's token bitmask and mask the constrained rows' logits (``[R, V]`` float32)."""
+        """Wait for the step's token bitmask and mask the constrained rows' logits in place
+        (``[R, V]`` float32, the model's own output: nothing else reads them unmasked)."""
         bitmask = grammar.wait()
-        if bitmask is None:
-            return logits
-        sel = torch.tensor(grammar.rows, device=logits.device)
-        sub = logits.index_select(0, sel)
-        apply_bitmask(sub, bitmask)
-        return logits.index_copy(0, sel, sub)
+        if bitmask is not None:
+            apply_bitmask(logits, grammar.rows, bitmask)
+        return logits
 
     def _prompt_logprobs(self, logits: torch.Tensor, prompt_lp, out: ModelRunnerOutput) -> None:
         """Logprobs of the prompt tokens whose predicting positions ran this step.
