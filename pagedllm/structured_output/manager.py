@@ -33,6 +33,13 @@ from pagedllm.structured_output.params import StructuredOutputsParams
 logger = logging.getLogger(__name__)
 
 
+def short_error(text: str) -> str:
+    """llguidance's error line out of its (multi-line, state-dumping) error text."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    found = next((ln for ln in lines if ln.startswith("Error:")), lines[0] if lines else text)
+    return found[:500]
+
+
 class GrammarState:
     """One request's grammar: compiling (``ready`` False), then a matcher fed the kept tokens.
 
@@ -79,7 +86,7 @@ class GrammarState:
             return None
         m = self.matcher
         if not m.consume_token(token) or m.is_error():
-            self.error = m.get_error() or f"token {token} is not allowed by the grammar"
+            self.error = short_error(m.get_error() or f"token {token} is not allowed by the grammar")
             return "error"
         return "stop" if m.is_stopped() else None
 

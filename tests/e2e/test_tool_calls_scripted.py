@@ -464,6 +464,26 @@ def test_reasoning(stack, case):
             assert "<think>" not in piece and "</think>" not in piece, piece
 
 
+def test_structured_output_starts_after_the_reasoning(stack):
+    """With a reasoning parser, a JSON constraint applies after </think>: free reasoning, then JSON
+    (streamed as non-streamed); with thinking off it applies from the first token, and the same
+    scripted reasoning text breaks it (the engine ends the request: a 400 naming structured_outputs)."""
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+              "additionalProperties": False}
+    # a real model's "\n\n" after </think> would be masked away (JSON starts with "{"); a script cannot be
+    stack.script('<think>Paris, surely.</think>{"city": "Paris"}')
+    c = client(stack, reasoning="qwen3")
+    full, s = both(c, messages=ASK_CAPITAL, max_tokens=100, extra_body={"guided_json": schema})
+    m = full.choices[0].message
+    assert reasoning_of(m) == "Paris, surely." and json.loads(m.content) == {"city": "Paris"}
+    assert full.choices[0].finish_reason == "stop"
+    assert s.reasoning == "Paris, surely." and s.content == m.content
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model=MODEL, messages=ASK_CAPITAL, max_tokens=100, extra_body={
+            "guided_json": schema, "chat_template_kwargs": {"enable_thinking": False}})
+    assert error_of(e.value)["param"] == "structured_outputs"
+
+
 @pytest.mark.parametrize("rp", ["qwen3", "deepseek_r1"])
 @pytest.mark.parametrize("tp", [None, "hermes"], ids=["no-tools", "hermes"])
 def test_reasoning_opened_by_the_prompt(stack, rp, tp):
