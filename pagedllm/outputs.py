@@ -35,7 +35,8 @@ class CompletionOutput:
         index: position among the request's outputs (0 while n == 1).
         text: text generated so far (the delta only, when streaming in delta mode).
         token_ids: generated token ids (the new ones only in delta mode).
-        finish_reason: ``"stop"``, ``"length"``, ``"abort"`` or ``None`` while running.
+        finish_reason: ``"stop"``, ``"length"``, ``"abort"``, ``"error"`` (the request's grammar failed in the
+            engine; ``stop_reason`` says why) or ``None`` while running.
         stop_reason: the stop string or stop token id that ended the output, if any.
         logprobs: one ``PositionLogprobs`` per entry of ``token_ids`` when requested, else ``None``.
     """

@@ -113,7 +113,7 @@ class EngineCoreOutput:
     Attributes:
         request_id: request id.
         new_token_ids: tokens generated this step.
-        finish_reason: ``"stop"``, ``"length"``, ``"abort"`` or ``None``.
+        finish_reason: ``"stop"``, ``"length"``, ``"abort"``, ``"error"`` or ``None``.
         stop_reason: stop token id that ended the request, if any.
         new_logprobs: logprobs of ``new_token_ids`` (when requested).
         prompt_logprobs: ``(first, entries)`` as ``ModelRunnerOutput.prompt_logprobs``.
