@@ -86,6 +86,9 @@ class EngineArgs:
         seed: engine seed for unseeded sampling.
         served_model_name: name reported by the API (default: the model path's name).
         tokenizer: tokenizer directory (default: the model directory).
+        skip_tokenizer_init: load no tokenizer (vLLM's name): prompts are token ids, outputs
+            token ids with empty text; chat, text prompts, stop strings and structured outputs
+            are then refused. A model directory without tokenizer files needs it.
         num_threads: torch intra-op threads (default: torch's choice).
         model_impl: ``auto`` (native when one exists, else the Transformers backend),
             ``native`` or ``transformers`` (vLLM's ``--model-impl``).
@@ -113,6 +116,7 @@ class EngineArgs:
     seed: int = 0
     served_model_name: str | None = None
     tokenizer: str | None = None
+    skip_tokenizer_init: bool = False
     num_threads: int | None = None
     model_impl: str = "auto"
     enable_multiprocessing: bool | None = None

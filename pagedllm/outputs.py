@@ -39,6 +39,9 @@ class CompletionOutput:
             engine; ``stop_reason`` says why) or ``None`` while running.
         stop_reason: the stop string or stop token id that ended the output, if any.
         logprobs: one ``PositionLogprobs`` per entry of ``token_ids`` when requested, else ``None``.
+        cumulative_logprob: sum of the generated tokens' logprobs (all of them, also in delta
+            mode) when logprobs were requested, else ``None`` (vLLM's field).
+        lora_request: always ``None`` (vLLM's field; no LoRA adapters here).
     """
 
     index: int
@@ -47,6 +50,8 @@ class CompletionOutput:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     logprobs: list[PositionLogprobs] | None = None
+    cumulative_logprob: float | None = None
+    lora_request: None = None
 
     @property
     def finished(self) -> bool:
@@ -68,6 +73,7 @@ class RequestOutput:
         finished: True when every output has finished.
         metrics: a ``RequestMetrics``: arrival, first-token and (once finished) finish
             times in seconds since the epoch, and the prompt and output token counts.
+        lora_request: always ``None`` (vLLM's field).
     """
 
     request_id: str
@@ -77,3 +83,4 @@ class RequestOutput:
     finished: bool = False
     metrics: RequestMetrics | None = None
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+    lora_request: None = None

@@ -58,6 +58,12 @@ class SamplingParams:
             bias and temperature (vLLM's default ``raw_logprobs`` mode).
         prompt_logprobs: like ``logprobs`` for every prompt token after the first.
             Such requests do not read the prefix cache (a cached prefix has no logits).
+        allowed_token_ids: when set, only these tokens can be generated (vLLM's name; EOS is
+            not added, as in vLLM).
+        truncate_prompt_tokens: keep only the last this many prompt tokens (-1: as many as the
+            context holds; vLLM's name); ``None``: no truncation (too long is an error).
+        detokenize: produce text; ``False`` gives token ids only (vLLM's name; needed with
+            ``skip_tokenizer_init``, and stop strings then cannot apply).
         structured_outputs: constrain the output to a JSON schema, regex, choice or grammar
             (``StructuredOutputsParams``, or a dict of its fields); ``None``: free text.
             Logprobs are then those of the constrained distribution (disallowed tokens -inf),
@@ -84,6 +90,9 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    allowed_token_ids: list[int] | None = None
+    truncate_prompt_tokens: int | None = None
+    detokenize: bool = True
     structured_outputs: StructuredOutputsParams | None = None
     extra_args: dict = field(default_factory=dict)
 
@@ -92,6 +101,8 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = [s for s in (self.stop or []) if s]
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
         if self.logit_bias:
             try:
                 self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
@@ -151,6 +162,12 @@ class SamplingParams:
             v = getattr(self, name)
             if v is not None and not 0 <= v <= MAX_LOGPROBS:
                 bad(name, f"must be in [0, {MAX_LOGPROBS}], got {v}")
+        if self.allowed_token_ids is not None and (not self.allowed_token_ids or min(self.allowed_token_ids) < 0):
+            bad("allowed_token_ids", "must be a non-empty list of token ids")
+        if self.truncate_prompt_tokens is not None and (self.truncate_prompt_tokens < -1 or self.truncate_prompt_tokens == 0):
+            bad("truncate_prompt_tokens", f"must be -1 or at least 1, got {self.truncate_prompt_tokens}")
+        if not self.detokenize and self.stop:
+            bad("stop", "stop strings need detokenize=True (they are matched in the text)")
         so = self.structured_outputs
         if so is not None and not isinstance(so, StructuredOutputsParams):
             bad("structured_outputs", f"must be a StructuredOutputsParams, got {type(so).__name__}")

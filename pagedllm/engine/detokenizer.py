@@ -56,7 +56,7 @@ class IncrementalDetokenizer:
                                      spaces_between_special_tokens=self.params.spaces_between_special_tokens)
 
     def append(self, new_token_ids: list[int], finished: bool, eos_last: bool = False) -> bool:
-        """Add tokens; returns True when a stop string ended the output.
+        """Add tokens; returns True when a stop string ended the output (never before ``min_tokens``).
 
         Stop token ids are not detokenized (the scheduler reports them in
         ``stop_reason`` instead), nor is an EOS token that ended the output
@@ -76,6 +76,11 @@ class IncrementalDetokenizer:
             elif finished and tok == new_token_ids[-1] and len(full) > len(prefix):
                 self.output_text += full[len(prefix):]
             self.token_texts.append(self.output_text[before:])
+            if len(self.token_texts) <= self.params.min_tokens:
+                # vLLM's rule: no stop string ends the output before min_tokens tokens exist;
+                # the search later looks back only a stop string's length into this text
+                self._stop_checked = len(self.output_text)
+                continue
             if self.stop and self._check_stop():
                 self._trim_token_texts()
                 return True
@@ -127,6 +132,37 @@ class IncrementalDetokenizer:
             if any(s.startswith(tail) for s in self.stop):
                 return k
         return 0
+
+
+class NullDetokenizer:
+    """The detokenizer of a request that wants no text (``detokenize=False``, or an engine built
+    with ``skip_tokenizer_init``): token ids only, every text empty; ``IncrementalDetokenizer``'s
+    interface.
+
+    Args:
+        params: the request's sampling parameters (unused: no stop string can apply).
+    """
+
+    output_text = ""
+    sent_offset = 0
+    stop_reason = None
+
+    def __init__(self, params: SamplingParams | None = None) -> None:
+        self.token_texts: list[str] = []
+
+    def append(self, new_token_ids: list[int], finished: bool, eos_last: bool = False) -> bool:
+        """Count the tokens; never a stop string."""
+        self.token_texts += [""] * len(new_token_ids)
+        return False
+
+    @property
+    def num_tokens(self) -> int:
+        """Generated tokens appended so far."""
+        return len(self.token_texts)
+
+    def get_delta(self, finished: bool) -> str:
+        """Always ``""``."""
+        return ""
 
 
 def token_texts(tokenizer, token_ids: list[int], skip_special_tokens: bool = False) -> list[str]:

@@ -56,7 +56,8 @@ class LLMEngine:
         self.model_dir = Path(resolve_model(args.model))
         self.served_model_name = args.served_model_name or default_served_model_name(args.model)
         self.hf_config = read_hf_config(self.model_dir)
-        self.tokenizer = _load_tokenizer(args.tokenizer or self.model_dir)
+        # skip_tokenizer_init (vLLM's): token ids in and out, for directories without tokenizer files
+        self.tokenizer = None if args.skip_tokenizer_init else _load_tokenizer(args.tokenizer or self.model_dir)
         select_impl(self.hf_config, args.model_impl)  # an unservable model fails here, before any loading
         self.generation_config = read_generation_config(self.model_dir)
         model_limit = getattr(self.hf_config, "max_position_embeddings", None) or args.max_model_len or 2048
@@ -114,7 +115,7 @@ class LLMEngine:
     def _eos_ids(self) -> set[int]:
         ids = self.generation_config.get("eos_token_id", self.hf_config.eos_token_id)
         ids = set(ids if isinstance(ids, list) else [ids] if ids is not None else [])
-        if self.tokenizer.eos_token_id is not None:
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
         return ids
 

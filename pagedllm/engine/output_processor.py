@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass
 
 from pagedllm.core.scheduler_output import EngineCoreOutput, TokenLogprobs
-from pagedllm.engine.detokenizer import IncrementalDetokenizer, token_texts
+from pagedllm.engine.detokenizer import IncrementalDetokenizer, NullDetokenizer, token_texts
 from pagedllm.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.stats import RequestMetrics
@@ -23,13 +23,14 @@ class RequestState:
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
-    detok: IncrementalDetokenizer
+    detok: IncrementalDetokenizer | NullDetokenizer
     token_ids: list[int]
     arrival: float
     first_token_time: float | None = None
     logprobs: list[PositionLogprobs] | None = None
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     prompt_texts: list[str] | None = None
+    cumulative_logprob: float = 0.0
     lp_sent: int = 0    # delta mode: logprob entries handed out so far
     lp_chars: int = 0   # characters of text those entries' tokens cover
 
@@ -38,7 +39,7 @@ class OutputProcessor:
     """Keeps every live request's detokenizer and builds its outputs.
 
     Args:
-        tokenizer: the model's tokenizer.
+        tokenizer: the model's tokenizer (``None``: no text at all, ``skip_tokenizer_init``).
         eos_token_ids: the engine's EOS ids: a "stop" without a stop reason drops its last token
             from the text only when it is one of them.
     """
@@ -50,6 +51,8 @@ class OutputProcessor:
         self._token_text: dict[int, str] = {}  # decode([id]) of top-k alternatives, cached
 
     def _text_of(self, token_id: int) -> str:
+        if self.tokenizer is None:
+            return ""
         text = self._token_text.get(token_id)
         if text is None:
             text = self._token_text[token_id] = self.tokenizer.decode([token_id])
@@ -85,7 +88,8 @@ class OutputProcessor:
         """Record prompt logprobs from ``first`` on; positions seen before (a preempted
         request recomputes its prompt) are ignored."""
         if st.prompt_texts is None:
-            st.prompt_texts = token_texts(self.tokenizer, st.prompt_token_ids)
+            st.prompt_texts = (token_texts(self.tokenizer, st.prompt_token_ids) if self.tokenizer is not None
+                               and st.params.detokenize else [""] * len(st.prompt_token_ids))
         have = len(st.prompt_logprobs)
         for i, e in enumerate(entries):
             if first + i == have:
@@ -96,11 +100,16 @@ class OutputProcessor:
                     params: SamplingParams, arrival: float) -> None:
         """Start tracking a request."""
         self.states[request_id] = RequestState(request_id, prompt, prompt_token_ids, params,
-                                               IncrementalDetokenizer(self.tokenizer, params, prompt_token_ids),
+                                               self._detokenizer(params, prompt_token_ids),
                                                [], arrival, logprobs=[] if params.logprobs is not None else None,
                                                # the first prompt token has no logprob (and a one-token
                                                # prompt has no other)
                                                prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
+
+    def _detokenizer(self, params: SamplingParams, prompt_token_ids: list[int]):
+        if self.tokenizer is None or not params.detokenize:
+            return NullDetokenizer(params)
+        return IncrementalDetokenizer(self.tokenizer, params, prompt_token_ids)
 
     def abort(self, request_id: str) -> None:
         """Forget a request (no more outputs for it)."""
@@ -143,6 +152,7 @@ class OutputProcessor:
                 texts = st.detok.token_texts
                 for j, e in enumerate(eo.new_logprobs or []):
                     st.logprobs.append(self._position(e, texts[n_before + j]))
+                    st.cumulative_logprob += e.logprobs[0]
                 if finish_reason == "stop" and stop_reason is not None and isinstance(stop_reason, str):
                     # a stop string cut the text: keep each token's text consistent with it
                     for pos, text in zip(st.logprobs, texts):
@@ -156,7 +166,8 @@ class OutputProcessor:
             else:
                 text, toks = st.detok.output_text[:st.detok.sent_offset], list(st.token_ids)
                 lps = None if lps is None else list(lps)
-            comp = CompletionOutput(0, text, toks, finish_reason, stop_reason, lps)
+            comp = CompletionOutput(0, text, toks, finish_reason, stop_reason, lps,
+                                    st.cumulative_logprob if st.logprobs is not None else None)
             metrics = RequestMetrics(st.arrival, st.first_token_time or now, now if finished else None,
                                      len(st.prompt_token_ids), len(st.token_ids))
             if finished:

@@ -41,6 +41,9 @@ class Processor:
         so = params.structured_outputs
         if so is None:
             return
+        if self.tokenizer is None:
+            raise SamplingParamError(so.param, f"{so.param}: structured outputs need a tokenizer (the engine was "
+                                     "built with skip_tokenizer_init=True)")
         from pagedllm.structured_output.backend import GuidanceBackend
         try:
             key = so.grammar_key()
@@ -63,6 +66,9 @@ class Processor:
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         """Token ids of a text prompt (special tokens as the tokenizer adds them), or the ids as given."""
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise SamplingParamError("prompt", "prompt: a text prompt needs a tokenizer; this engine was "
+                                         "built with skip_tokenizer_init=True (give token ids)")
             return self.tokenizer.encode(prompt)
         return list(prompt)
 
@@ -78,6 +84,10 @@ class Processor:
         """
         ids = self.tokenize(prompt)
         vocab = self.vocab_size
+        if params.truncate_prompt_tokens is not None:  # keep the end: the question, not the preamble
+            keep = self.context_limit - (params.max_tokens or 1) if params.truncate_prompt_tokens == -1 \
+                else params.truncate_prompt_tokens
+            ids = ids[-max(keep, 1):]
         if not ids:
             raise SamplingParamError("prompt", "prompt: must contain at least one token")
         if min(ids) < 0 or max(ids) >= vocab:
@@ -85,6 +95,10 @@ class Processor:
         bad_bias = [t for t in (params.logit_bias or {}) if t >= vocab]
         if bad_bias:
             raise SamplingParamError("logit_bias", f"logit_bias: token ids must be in [0, {vocab}), got {bad_bias[0]}")
+        bad_allowed = [t for t in params.allowed_token_ids or () if t >= vocab]
+        if bad_allowed:
+            raise SamplingParamError("allowed_token_ids", f"allowed_token_ids: token ids must be in [0, {vocab}), "
+                                     f"got {bad_allowed[0]}")
         bad_stop = [t for t in params.stop_token_ids if not 0 <= t < vocab]
         if bad_stop:
             raise SamplingParamError("stop_token_ids", f"stop_token_ids: token ids must be in [0, {vocab}), "
@@ -100,6 +114,9 @@ class Processor:
                                      f"However, you requested {len(ids) + max_tokens} tokens ({len(ids)} in the "
                                      f"prompt, {max_tokens} for max_tokens). Please reduce the length.")
         self.check_structured_outputs(params)
+        if self.tokenizer is None and params.stop:
+            raise SamplingParamError("stop", "stop: stop strings need a tokenizer (the engine was built with "
+                                     "skip_tokenizer_init=True); use stop_token_ids")
         if params.min_tokens > max_tokens:  # without max_tokens the bound is what the context leaves
             raise SamplingParamError("min_tokens", f"min_tokens: must be <= max_tokens={max_tokens} (the "
                                      f"context limit less the prompt when max_tokens is not set), got "

@@ -11,6 +11,7 @@ from tqdm import tqdm
 from pagedllm.config import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.chat_utils import prepare_messages
+from pagedllm.inputs import PromptType, parse_prompt
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -52,25 +53,34 @@ class LLM:
         (temperature, top_p, top_k, min_p, repetition_penalty), as vLLM's ``--generation-config auto``."""
         return SamplingParams(**self.engine.default_sampling_fields())
 
-    def generate(self, prompts: str | list[int] | Sequence[str | list[int]],
+    def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate completions for text prompts or token-id prompts.
+                 use_tqdm: bool = True, lora_request=None, priority: list[int] | None = None) -> list[RequestOutput]:
+        """Generate completions for prompts of any of vLLM's shapes.
 
         Args:
-            prompts: one prompt or a list; a prompt is a string or a list of token ids.
+            prompts: one prompt or a list; a prompt is a string, a list of token ids, a
+                ``TextPrompt`` (``{"prompt": str}``) or a ``TokensPrompt``
+                (``{"prompt_token_ids": [...]}``), either dict optionally with ``cache_salt``.
             sampling_params: one for all prompts or one per prompt (default: ``SamplingParams()``).
             use_tqdm: show a progress bar.
+            lora_request: reserved (vLLM's); LoRA adapters are not supported, so it must be ``None``.
+            priority: accepted for vLLM's signature; scheduling is first come, first served.
         Returns:
             One finished ``RequestOutput`` per prompt, in input order.
         Raises:
-            ValueError: a prompt is too long or the parameter list has the wrong length.
+            TypeError: a prompt of another shape (the message names ``prompts[i]``).
+            ValueError: a prompt is too long, a text prompt without a tokenizer, a parameter
+                list of the wrong length, or a ``lora_request``.
         """
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        _no_lora(lora_request)
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        prompts = list(prompts)
-        params = self._params_per_item(sampling_params, len(prompts))
-        return self._run([(p, sp, None) for p, sp in zip(prompts, params)], use_tqdm)
+        if not isinstance(prompts, Sequence):
+            raise TypeError(f"prompts: expected a prompt or a list of prompts, got {type(prompts).__name__}")
+        parsed = [parse_prompt(p, f"prompts[{i}]") for i, p in enumerate(prompts)]
+        params = self._params_per_item(sampling_params, len(parsed))
+        return self._run([(p, sp, text, salt) for (p, text, salt), sp in zip(parsed, params)], use_tqdm)
 
     def _params_per_item(self, sampling_params, n: int) -> list[SamplingParams]:
         """One ``SamplingParams`` per prompt: the given one for all, or the given list (vLLM's rule).
@@ -87,30 +97,46 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True,
-             chat_template_kwargs: dict | None = None, tools: list[dict] | None = None) -> list[RequestOutput]:
-        """Generate assistant replies for one conversation or a list of them.
+             use_tqdm: bool = True, lora_request=None, chat_template: str | None = None,
+             chat_template_content_format: str = "auto", add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: list[dict] | None = None,
+             documents: list[dict] | None = None, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """Generate assistant replies for one conversation or a list of them (vLLM's ``LLM.chat``).
 
-        Each conversation is rendered with the tokenizer's chat template
-        (``apply_chat_template``, given ``tools`` in OpenAI's shape when set) and
-        tokenized without adding special tokens again. Parse tool calls and
-        reasoning out of the text with ``pagedllm.parsers.parse_whole``.
+        Each conversation is rendered with the chat template (``chat_template``, else the
+        tokenizer's; given ``tools`` and ``documents`` in OpenAI's shape when set) and tokenized
+        without adding special tokens again. ``continue_final_message`` continues the last
+        (assistant) message instead of opening a new one (``add_generation_prompt`` must then
+        be False). Parse tool calls and reasoning out of the text with
+        ``pagedllm.parsers.parse_whole``.
 
-        ``sampling_params``: one for all conversations or one per conversation.
+        ``sampling_params``: one for all conversations or one per conversation;
+        ``chat_template_content_format``: accepted for vLLM's signature (content parts are
+        joined as text); ``lora_request``: reserved, must be ``None``.
 
         Returns:
             One ``RequestOutput`` per conversation, in input order.
         Raises:
-            ValueError: a ``sampling_params`` list of the wrong length.
+            ValueError: a ``sampling_params`` list of the wrong length, both
+                ``continue_final_message`` and ``add_generation_prompt``, a ``lora_request``, or
+                an engine built with ``skip_tokenizer_init`` (no chat template to render).
         """
+        _no_lora(lora_request)
+        tok = self.engine.tokenizer
+        if tok is None:
+            raise ValueError("chat: needs a tokenizer (the engine was built with skip_tokenizer_init=True)")
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message: needs add_generation_prompt=False")
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        kwargs = dict(chat_template_kwargs or {})
+        if documents is not None:
+            kwargs["documents"] = documents
         items = []
         for conv, sp in zip(convs, self._params_per_item(sampling_params, len(convs))):
-            text = self.engine.tokenizer.apply_chat_template(prepare_messages(conv), tools=tools, tokenize=False,
-                                                             add_generation_prompt=add_generation_prompt,
-                                                             **(chat_template_kwargs or {}))
-            ids = self.engine.tokenizer.encode(text, add_special_tokens=False)
-            items.append((ids, sp, text))
+            text = tok.apply_chat_template(prepare_messages(conv), tools=tools, tokenize=False,
+                                           chat_template=chat_template, add_generation_prompt=add_generation_prompt,
+                                           continue_final_message=continue_final_message, **kwargs)
+            items.append((tok.encode(text, add_special_tokens=False), sp, text, None))
         return self._run(items, use_tqdm)
 
     def _run(self, items, use_tqdm: bool) -> list[RequestOutput]:
@@ -118,12 +144,12 @@ class LLM:
         eng = self.engine
         groups: list[tuple[str, list[str]]] = []  # (request id, child request ids)
         try:
-            for prompt, sp, text in items:
+            for prompt, sp, text, salt in items:
                 rid = str(next(self._ids))
                 children = [(f"{rid}_{i}", sp.child(i)) for i in range(sp.n)] if sp.n > 1 else [(rid, sp)]
                 groups.append((rid, [c for c, _ in children]))
                 for cid, csp in children:
-                    eng.add_request(cid, prompt, csp, prompt_text=text)
+                    eng.add_request(cid, prompt, csp, prompt_text=text, cache_salt=salt)
             done: dict[str, RequestOutput] = {}
             bar = tqdm(total=sum(len(g) for _, g in groups), desc="Processed prompts", disable=not use_tqdm)
             while eng.has_unfinished_requests():
@@ -136,6 +162,11 @@ class LLM:
             eng.abort_request([c for _, g in groups for c in g])  # KeyboardInterrupt or a bad prompt: free every block
             raise
         return [merge_samples(rid, [done[c] for c in g]) for rid, g in groups]
+
+
+def _no_lora(lora_request) -> None:
+    if lora_request is not None:
+        raise ValueError("lora_request: LoRA adapters are not supported by pagedllm")
 
 
 def merge_samples(request_id: str, children: list[RequestOutput]) -> RequestOutput:

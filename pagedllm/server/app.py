@@ -20,6 +20,7 @@ import asyncio
 import hashlib
 import logging
 import secrets
+import uuid
 from typing import Sequence
 
 from fastapi import FastAPI, Request
@@ -82,8 +83,34 @@ async def _unless_disconnected(request: Request, coro):
 # work bounded whatever the request holds (the OpenAPI schema is built once and cached).
 # Everything else, /tokenize and /detokenize included (they run the tokenizer and the chat
 # template on client input), needs the key; a new route is guarded unless listed here.
-OPEN_PATHS = frozenset({"/health", "/version", "/metrics", "/stats", "/openapi.json", "/docs",
-                        "/docs/oauth2-redirect", "/redoc"})
+OPEN_PATHS = frozenset({"/health", "/ping", "/version", "/metrics", "/stats", "/openapi.json"})
+
+
+class _RequestIdMiddleware:
+    """ASGI middleware: every response carries ``x-request-id``, the client's own when it sent
+    one (vLLM echoes it the same way), else a fresh uuid4 hex, so a log line and a client's
+    report can be matched."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        """Pass the request on, adding the header to the response's start."""
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        rid = Headers(scope=scope).get("x-request-id") or uuid.uuid4().hex
+        # echo only what is safe to put back in a header: printable ASCII, bounded
+        if len(rid) > 256 or not rid.isascii() or not rid.isprintable():
+            rid = uuid.uuid4().hex
+
+        async def send_with_id(message) -> None:
+            if message["type"] == "http.response.start":
+                message.setdefault("headers", [])
+                message["headers"] = list(message["headers"]) + [(b"x-request-id", rid.encode())]
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
 
 
 class _APIKeyMiddleware:
@@ -160,7 +187,9 @@ def build_app(llm: AsyncLLM, model_name: str, chat_template: str | None = None, 
         max_waiting_requests: engine requests that may wait beyond ``max_num_seqs`` running
             ones before requests get 429 (``--max-waiting-requests``; ``None``: no bound).
     """
-    app = FastAPI(title="pagedllm", version=pagedllm.__version__)
+    # no /docs or /redoc: FastAPI's pages load their scripts from a CDN, blank on an offline
+    # machine; /openapi.json is served, for any OpenAPI viewer
+    app = FastAPI(title="pagedllm", version=pagedllm.__version__, docs_url=None, redoc_url=None)
     rejections = RejectionCounter()
     max_in_flight = None if max_waiting_requests is None else llm.max_num_seqs + max_waiting_requests
     ctx = ServingContext(llm, model_name, AdmissionControl(max_in_flight, rejections))
@@ -180,6 +209,7 @@ def build_app(llm: AsyncLLM, model_name: str, chat_template: str | None = None, 
     # can then read the error), and preflights are answered before the key check
     app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=list(allowed_methods),
                        allow_headers=list(allowed_headers), allow_credentials=allow_credentials)
+    app.add_middleware(_RequestIdMiddleware)  # outermost: every answer carries the id, 401s and 413s too
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -202,15 +232,28 @@ def build_app(llm: AsyncLLM, model_name: str, chat_template: str | None = None, 
         # unknown paths (404) and wrong methods (405) get OpenAI's error body too
         return APIError(exc.status_code, str(exc.detail), type="invalid_request_error").response()
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         """200 while the engine loop runs, 503 once it has died."""
+        return Response(status_code=200 if llm.is_healthy else 503)
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> Response:
+        """``/health`` under the name load balancers and SageMaker probe (vLLM serves both)."""
         return Response(status_code=200 if llm.is_healthy else 503)
 
     @app.get("/v1/models")
     async def models() -> dict:
         """The served model, in the OpenAI ``/v1/models`` list shape (``max_model_len`` in tokens)."""
         return ctx.model_list()
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model_card(model_id: str) -> dict:
+        """One model's card (the openai SDK's ``models.retrieve``); 404 for a model not served."""
+        card = next((m for m in ctx.model_list()["data"] if m["id"] == model_id), None)
+        if card is None:
+            raise APIError(404, f"The model `{model_id}` does not exist.", "model", code="model_not_found")
+        return card
 
     @app.get("/stats")
     async def stats() -> dict:

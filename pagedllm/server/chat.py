@@ -16,7 +16,7 @@ from pagedllm.sampling_params import SamplingParams
 from pagedllm.server.base import Choice, OpenAIServingBase, Prepared, ServingContext, error_event, sse
 from pagedllm.server.errors import APIError
 from pagedllm.server.guards import check_choices
-from pagedllm.server.logprobs import chat_logprobs
+from pagedllm.server.logprobs import chat_logprobs, prompt_logprobs_out
 from pagedllm.server.structured import StructuredRequest, structured_request
 from pagedllm.server.protocol import (ChatChunkChoice, ChatCompletionChoice, ChatCompletionChunk,
                                       ChatCompletionRequest, ChatCompletionResponse, ChatResponseMessage,
@@ -112,11 +112,18 @@ class OpenAIServingChat(OpenAIServingBase):
         except ValueError as e:
             raise APIError(400, str(e), "messages", code="invalid_value") from None
         tools = [t.model_dump(exclude_none=True) for t in body.tools] if with_tools and body.tools else None
+        kwargs = dict(body.chat_template_kwargs or {})
+        if getattr(body, "reasoning_effort", None) is not None:  # OpenAI's field, read by templates that know it
+            kwargs.setdefault("reasoning_effort", body.reasoning_effort)
+        if getattr(body, "documents", None):
+            kwargs["documents"] = body.documents
         try:
             return self.tokenizer.apply_chat_template(msgs, tools=tools, tokenize=False,
                                                       chat_template=self.chat_template,
                                                       add_generation_prompt=body.add_generation_prompt,
-                                                      **(body.chat_template_kwargs or {}))
+                                                      continue_final_message=getattr(body, "continue_final_message",
+                                                                                     False),
+                                                      **kwargs)
         except Exception as e:  # jinja raise_exception(...) or a template bug: the request's fault
             raise APIError(400, f"chat template failed: {e}", "messages", code="invalid_value") from None
 
@@ -176,22 +183,23 @@ class OpenAIServingChat(OpenAIServingBase):
             params.structured_outputs = structured.params
         elif use_tools and self.tool_call_parser in _NEEDS_SPECIAL_TOKENS:
             params.skip_special_tokens = False
-        rid = random_id("chatcmpl")
+        rid = f"chatcmpl-{body.request_id}" if body.request_id else random_id("chatcmpl")
 
         def rename(param, message):
             return body.rename_error(*(structured.rename(param, message) if structured else (param, message)))
 
         def prepare() -> Prepared:  # on the tokenizer thread
             text = self.render_text(body)
-            ids = self.ctx.encode(text, "messages", add_special_tokens=False)
+            ids = self.ctx.encode(text, "messages", add_special_tokens=body.add_special_tokens)
             reqs = self.fan_out(rid, [ids], params, "messages", body.cache_salt, rename)
             return Prepared(reqs, self._parser_args(body, text, use_tools, structured))
 
         def stream_of(prep: Prepared, merged) -> AsyncIterator[str]:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            opts = body.stream_options
             parsers = [make_parser(**prep.extra) if prep.extra else None for _ in prep.requests]
-            return self._chat_stream(rid, merged, prep.requests[0].num_prompt_tokens, include_usage,
-                                     params.logprobs, parsers)
+            return self._chat_stream(rid, merged, prep.requests[0].num_prompt_tokens,
+                                     bool(opts and opts.include_usage), params.logprobs, parsers,
+                                     bool(opts and opts.continuous_usage_stats))
 
         def respond(prep: Prepared, choices: list[Choice]) -> dict:
             return self._response(rid, prep, choices, params.logprobs).model_dump()
@@ -210,21 +218,29 @@ class OpenAIServingChat(OpenAIServingBase):
             out.append(ChatCompletionChoice(index=i, message=message, finish_reason=finish,
                                             logprobs=None if top is None else chat_logprobs(c.logprobs, top)))
         usage = UsageInfo.of(prep.requests[0].num_prompt_tokens, sum(c.num_tokens for c in choices))
-        return ChatCompletionResponse(id=rid, created=now(), model=self.model_name, choices=out, usage=usage)
+        extra = {}
+        if prep.requests[0].sampling_params.prompt_logprobs is not None:
+            extra["prompt_logprobs"] = prompt_logprobs_out(choices[0].prompt_logprobs)
+        return ChatCompletionResponse(id=rid, created=now(), model=self.model_name, choices=out, usage=usage, **extra)
 
     async def _chat_stream(self, rid: str, merged, n_prompt: int, include_usage: bool, top: int | None,
-                           parsers: list[StreamingParser | None]) -> AsyncIterator[str]:
+                           parsers: list[StreamingParser | None], continuous_usage: bool = False) -> AsyncIterator[str]:
         created = now()
 
         def chunk(i: int, delta: DeltaMessageOut, finish: str | None = None, logprobs=None) -> ChatCompletionChunk:
+            # continuous_usage_stats (vLLM's): every chunk carries the usage so far
+            extra = {"usage": UsageInfo.of(n_prompt, n_tokens)} if continuous_usage else {}
             return ChatCompletionChunk(id=rid, created=created, model=self.model_name, choices=[
-                ChatChunkChoice(index=i, delta=delta, logprobs=logprobs, finish_reason=finish)])
+                ChatChunkChoice(index=i, delta=delta, logprobs=logprobs, finish_reason=finish)], **extra)
 
         n_tokens = 0
+        first = True
         try:
-            for i in range(len(parsers)):
-                yield sse(chunk(i, DeltaMessageOut(role="assistant", content="")))
             async for i, out in merged:
+                if first:  # the role goes out with the first output, as vLLM: clients time TTFT from it
+                    first = False
+                    for j in range(len(parsers)):
+                        yield sse(chunk(j, DeltaMessageOut(role="assistant", content="")))
                 c = out.outputs[0]
                 n_tokens += len(c.token_ids)
                 lps = None if top is None or not c.logprobs else chat_logprobs(c.logprobs, top)

@@ -9,7 +9,7 @@ from pagedllm.engine.detokenizer import token_texts
 from pagedllm.server.base import Choice, OpenAIServingBase, Prepared, error_event, sse
 from pagedllm.server.errors import APIError
 from pagedllm.server.guards import check_choices
-from pagedllm.server.logprobs import completion_logprobs, tokens_length
+from pagedllm.server.logprobs import completion_logprobs, prompt_logprobs_out, tokens_length
 from pagedllm.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse, UsageInfo, now, random_id
 from pagedllm.server.structured import structured_request
 
@@ -35,10 +35,10 @@ class OpenAIServingCompletion(OpenAIServingBase):
         rename = structured.rename if structured is not None else (lambda param, msg: (param, msg))
         if structured is not None:
             params.structured_outputs = structured.params
-        rid = random_id("cmpl")
+        rid = f"cmpl-{body.request_id}" if body.request_id else random_id("cmpl")
 
         def prepare() -> Prepared:  # on the tokenizer thread; extra: the echo text of each choice
-            ids = [self.ctx.encode(p, "prompt") if isinstance(p, str) else p for p in prompts]
+            ids = [self.ctx.encode(p, "prompt", body.add_special_tokens) if isinstance(p, str) else p for p in prompts]
             reqs = self.fan_out(rid, ids, params, "prompt", body.cache_salt, rename)
             echo = [(p if isinstance(p, str) else self.tokenizer.decode(p)) if body.echo else None
                     for p in prompts for _ in range(n)]
@@ -51,6 +51,7 @@ class OpenAIServingCompletion(OpenAIServingBase):
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return self._completion_stream(rid, merged, prep, body, n_prompt(prep), include_usage)
 
+
         def respond(prep: Prepared, choices: list[Choice]) -> dict:
             out, n_tokens = [], 0
             for i, c in enumerate(choices):
@@ -60,8 +61,11 @@ class OpenAIServingCompletion(OpenAIServingBase):
                 if body.logprobs is not None:
                     lps = completion_logprobs(c.logprobs, body.logprobs, c.prompt_logprobs if body.echo else None,
                                               first_prompt_text=self._first_token_text(prep, i) if body.echo else "")
+                extra = {}
+                if body.prompt_logprobs is not None:
+                    extra["prompt_logprobs"] = prompt_logprobs_out(c.prompt_logprobs)
                 out.append(CompletionChoice(index=i, text=(prep.extra[i] or "") + c.text, logprobs=lps,
-                                            finish_reason=c.finish))
+                                            finish_reason=c.finish, **extra))
                 n_tokens += c.num_tokens
             return CompletionResponse(id=rid, created=now(), model=self.model_name, choices=out,
                                       usage=UsageInfo.of(n_prompt(prep), n_tokens)).model_dump()
@@ -78,9 +82,13 @@ class OpenAIServingCompletion(OpenAIServingBase):
         offsets = [0] * len(echo)   # characters covered by the tokens sent so far per choice (text_offset)
         started = [False] * len(echo)
 
+        continuous = bool(body.stream_options and body.stream_options.continuous_usage_stats)
+
         def chunk(i: int, text: str, finish: str | None, logprobs=None) -> CompletionResponse:
+            # continuous_usage_stats (vLLM's): every chunk carries the usage so far
+            extra = {"usage": UsageInfo.of(n_prompt, n_tokens)} if continuous else {}
             return CompletionResponse(id=rid, created=created, model=self.model_name, choices=[
-                CompletionChoice(index=i, text=text, logprobs=logprobs, finish_reason=finish)])
+                CompletionChoice(index=i, text=text, logprobs=logprobs, finish_reason=finish)], **extra)
 
         n_tokens = 0
         try:

@@ -78,7 +78,7 @@ def validation_error(exc) -> APIError:
     if not errors:
         return APIError(400, "invalid request", code="invalid_request")
     for e in errors:  # found by the schemas' walk over the raw body, which knows the field's path
-        if e.get("type") == "lone_surrogate":
+        if e.get("type") in ("lone_surrogate", "unsupported_field"):
             param = (e.get("ctx") or {}).get("param")
             return APIError(400, f"{param}: {e.get('msg')}", param, code="invalid_value")
     if any(e.get("type") == "json_invalid" for e in errors):

@@ -86,3 +86,13 @@ def completion_logprobs(positions: list[PositionLogprobs], k: int,
 def tokens_length(logprobs: dict) -> int:
     """Characters covered by a completions ``logprobs`` object's tokens (the next chunk's offset base)."""
     return sum(len(t) for t in logprobs["tokens"])
+
+
+def prompt_logprobs_out(positions: list[PositionLogprobs | None] | None) -> list[dict | None] | None:
+    """vLLM's ``prompt_logprobs`` response field: per prompt token, ``None`` for the first, then
+    ``{token_id: {"logprob", "rank", "decoded_token"}}`` (the token itself and the top-k)."""
+    if positions is None:
+        return None
+    return [None if pos is None else {str(t): {"logprob": _lp(lp.logprob), "rank": lp.rank,
+                                               "decoded_token": lp.decoded_token} for t, lp in pos.items()}
+            for pos in positions]

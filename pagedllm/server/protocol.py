@@ -47,9 +47,44 @@ def random_id(prefix: str) -> str:
 
 
 class StreamOptions(BaseModel):
-    """``stream_options`` of a streamed request."""
+    """``stream_options`` of a streamed request: ``include_usage`` (a last chunk with the usage),
+    ``continuous_usage_stats`` (vLLM's: every chunk carries the usage so far, cumulative)."""
 
     include_usage: Bool | None = False
+    continuous_usage_stats: Bool | None = False
+
+
+def _is_set(v: Any) -> bool:
+    return v not in (None, False, [], {}, "")
+
+
+# Fields of OpenAI's or vLLM's request bodies that pagedllm does not implement and that would
+# change the answer: a request that sets one (to a value other than its no-op default) gets a
+# 400 naming it, never a silent 200. name -> "is this value a change?"
+REFUSED_FIELDS: dict[str, Any] = {
+    "use_beam_search": _is_set, "length_penalty": lambda v: v not in (None, 1, 1.0),
+    "logits_processors": _is_set, "bad_words": _is_set, "return_tokens_as_token_ids": _is_set,
+    "return_token_ids": _is_set, "return_token_offsets": _is_set, "return_prompt_text": _is_set,
+    "kv_transfer_params": _is_set, "ec_transfer_params": _is_set, "mm_processor_kwargs": _is_set,
+    "media_io_kwargs": _is_set, "vllm_xargs": _is_set, "repetition_detection": _is_set,
+    "routed_experts_prompt_start": _is_set, "thinking_token_budget": _is_set, "prompt_embeds": _is_set,
+    "functions": _is_set, "function_call": _is_set, "prediction": _is_set, "audio": _is_set,
+    "web_search_options": _is_set, "verbosity": _is_set,
+    "modalities": lambda v: v not in (None, ["text"]),
+}
+# refused on one endpoint only: chat's echo (vLLM prepends the last message), completions' suffix
+REFUSED_CHAT_FIELDS = {"echo": _is_set}
+REFUSED_COMPLETION_FIELDS = {"suffix": _is_set}
+
+
+def refuse_unsupported(data: Any, table: dict[str, Any]) -> None:
+    """Raise a ``unsupported_field`` validation error for the first field of ``table`` that ``data`` sets."""
+    if not isinstance(data, dict):
+        return
+    for name, changes in table.items():
+        if name in data and changes(data[name]):
+            raise PydanticCustomError("unsupported_field", "not supported by pagedllm (it would change the "
+                                      "answer, so it is refused rather than ignored)", {"param": name})
 
 
 class ContentPart(BaseModel):
@@ -161,6 +196,18 @@ class StructuredOutputsField(BaseModel):
 
 
 class _SamplingRequest(RequestBody):
+    _refused: ClassVar[dict[str, Any]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_unsupported_fields(cls, data: Any) -> Any:
+        refuse_unsupported(data, REFUSED_FIELDS)
+        refuse_unsupported(data, cls._refused)
+        if isinstance(data, dict) and data.get("best_of") not in (None, data.get("n", 1)):
+            raise PydanticCustomError("unsupported_field", "best_of must equal n (no beam or best-of search)",
+                                      {"param": "best_of"})
+        return data
+
     """Sampling fields shared by both endpoints.
 
     Ranges are checked by ``SamplingParams``; here only what must never reach the
@@ -203,6 +250,16 @@ class _SamplingRequest(RequestBody):
     guided_grammar: str | None = None
     guided_whitespace_pattern: str | None = None
     guided_decoding_backend: str | None = None  # one backend here: changes nothing
+    # vLLM extras
+    prompt_logprobs: Int | None = Field(default=None, ge=0, le=20)
+    allowed_token_ids: list[Int] | None = Field(default=None, min_length=1, max_length=MAX_TOKEN_ID_ENTRIES)
+    truncate_prompt_tokens: Int | None = Field(default=None, ge=-1)
+    request_id: str | None = Field(default=None, min_length=1, max_length=128)
+    # accepted, changing no answer: FCFS only (priority orders nothing), one chunk per step
+    priority: Int = 0
+    stream_interval: Int | None = None
+    session_id: str | None = None
+    best_of: Int | None = None
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None, defaults: dict) -> SamplingParams:
         """Build ``SamplingParams``; fields left out take the model's generation_config defaults.
@@ -216,6 +273,8 @@ class _SamplingRequest(RequestBody):
 
         if self.stream_options is not None and not self.stream:
             raise SamplingParamError("stream_options", "stream_options: only allowed when stream is true")
+        if self.prompt_logprobs is not None and self.stream:
+            raise SamplingParamError("prompt_logprobs", "prompt_logprobs: only in non-streamed answers")
         bias = None
         if self.logit_bias:
             try:
@@ -231,7 +290,9 @@ class _SamplingRequest(RequestBody):
                               stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
                               include_stop_str_in_output=self.include_stop_str_in_output,
                               skip_special_tokens=self.skip_special_tokens,
-                              spaces_between_special_tokens=self.spaces_between_special_tokens, logprobs=logprobs)
+                              spaces_between_special_tokens=self.spaces_between_special_tokens, logprobs=logprobs,
+                              prompt_logprobs=self.prompt_logprobs, allowed_token_ids=self.allowed_token_ids,
+                              truncate_prompt_tokens=self.truncate_prompt_tokens)
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -247,6 +308,28 @@ class ChatCompletionRequest(_SamplingRequest):
     tools: list[ToolDefinition] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: Bool = True
+    # vLLM's chat extras
+    continue_final_message: Bool = False
+    add_special_tokens: Bool = False
+    documents: list[dict[str, str]] | None = Field(default=None, max_length=MAX_MESSAGES)
+    chat_template: str | None = None
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
+    _refused: ClassVar[dict[str, Any]] = REFUSED_CHAT_FIELDS
+
+    @model_validator(mode="after")
+    def _continue_or_open(self) -> "ChatCompletionRequest":
+        if self.continue_final_message and self.add_generation_prompt:
+            raise PydanticCustomError("unsupported_field", "continue_final_message needs add_generation_prompt "
+                                      "false (one continues the last message, the other opens a new one)",
+                                      {"param": "continue_final_message"})
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise PydanticCustomError("unsupported_field", "continue_final_message: the last message must be the "
+                                      "assistant's", {"param": "continue_final_message"})
+        if self.chat_template is not None:
+            raise PydanticCustomError("unsupported_field", "a request cannot bring its own chat template (it is "
+                                      "code the server would run); start the server with --chat-template",
+                                      {"param": "chat_template"})
+        return self
 
     def rename_error(self, param: str | None, message: str) -> tuple[str | None, str]:
         """An error's ``(param, message)`` in the request's own terms: ``max_completion_tokens``,
@@ -284,6 +367,8 @@ class CompletionRequest(_SamplingRequest):
     max_tokens: Int | None = 16
     echo: Bool = False
     logprobs: Int | None = None
+    add_special_tokens: Bool = True
+    _refused: ClassVar[dict[str, Any]] = REFUSED_COMPLETION_FIELDS
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt(s) as a list of strings or token-id lists."""
@@ -307,7 +392,7 @@ class CompletionRequest(_SamplingRequest):
         """
         sp = self._sampling_params(1 if self.echo_only else self.max_tokens, self.logprobs, defaults)
         if self.echo and self.logprobs is not None:
-            sp.prompt_logprobs = self.logprobs
+            sp.prompt_logprobs = max(self.logprobs, self.prompt_logprobs or 0)
         return sp
 
 
@@ -357,15 +442,17 @@ class ChatCompletionChoice(BaseModel):
     finish_reason: str | None = None
 
 
-class ChatCompletionResponse(BaseModel):
-    """``POST /v1/chat/completions`` answer (not streamed)."""
+class ChatCompletionResponse(_OmitUnset):
+    """``POST /v1/chat/completions`` answer (not streamed); ``prompt_logprobs`` (vLLM's) only when asked."""
 
+    omit_unless_set: ClassVar[frozenset[str]] = frozenset({"prompt_logprobs"})
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int
     model: str
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
+    prompt_logprobs: list[dict | None] | None = None
 
 
 class DeltaMessageOut(_OmitUnset):
@@ -399,13 +486,16 @@ class ChatCompletionChunk(_OmitUnset):
     usage: UsageInfo | None = None
 
 
-class CompletionChoice(BaseModel):
-    """One choice of a completion, or of a completion chunk (then ``text`` is the new text)."""
+class CompletionChoice(_OmitUnset):
+    """One choice of a completion, or of a completion chunk (then ``text`` is the new text);
+    ``prompt_logprobs`` (vLLM's) only when asked."""
 
+    omit_unless_set: ClassVar[frozenset[str]] = frozenset({"prompt_logprobs"})
     index: int
     text: str
     logprobs: dict | None = None
     finish_reason: str | None = None
+    prompt_logprobs: list[dict | None] | None = None
 
 
 class CompletionResponse(_OmitUnset):

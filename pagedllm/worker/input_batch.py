@@ -104,7 +104,7 @@ class InputBatch:
         self.temperature[s] = p.temperature
         self.min_tokens[s] = p.min_tokens
         self.prompt_logprobs[s] = -1 if p.prompt_logprobs is None else p.prompt_logprobs
-        self.has_bias[s] = bool(p.logit_bias)
+        self.has_bias[s] = bool(p.logit_bias) or p.allowed_token_ids is not None
         self.has_penalty[s] = p.has_penalties
         self.has_grammar[s] = p.structured_outputs is not None
         self.slot_of[nr.req_id] = s

@@ -156,6 +156,16 @@ class Sampler:
 
     @staticmethod
     def _logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """Add ``logit_bias`` and keep only ``allowed_token_ids`` (the others -inf), row by row."""
+        allowed = [(i, p.allowed_token_ids) for i, p in enumerate(params) if p.allowed_token_ids is not None]
+        if allowed:
+            keep = torch.zeros_like(logits, dtype=torch.bool)
+            for i, ids in allowed:
+                keep[i, [t for t in ids if t < logits.shape[-1]]] = True
+            for i in range(len(params)):
+                if params[i].allowed_token_ids is None:
+                    keep[i] = True
+            logits = logits.masked_fill(~keep, float("-inf"))
         rows, cols, vals = [], [], []
         for i, p in enumerate(params):
             for tok, bias in (p.logit_bias or {}).items():

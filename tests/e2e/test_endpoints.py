@@ -323,6 +323,8 @@ def test_open_paths_without_key(secure_server):
     """Only paths of bounded work stay open (``OPEN_PATHS``); the tokenizer endpoints need the key."""
     url = secure_server.url
     assert httpx.get(url + "/health", timeout=10).status_code == 200
+    assert httpx.head(url + "/health", timeout=10).status_code == 200
+    assert httpx.get(url + "/ping", timeout=10).status_code == 200
     assert httpx.get(url + "/version", timeout=10).json() == {"version": pagedllm.__version__}
     assert "pagedllm:num_requests_running" in httpx.get(url + "/metrics", timeout=10).text
     assert "core_pid" in httpx.get(url + "/stats", timeout=10).json()
@@ -422,3 +424,27 @@ def test_cli_rejects_bad_cors_list():
         p = subprocess.run([sys.executable, "-m", "pagedllm.cli", "serve", "--allowed-origins", bad],
                            capture_output=True, text=True, timeout=60)
         assert p.returncode == 2 and "--allowed-origins" in p.stderr, (bad, p.stderr)
+
+
+# ---------------------------------------------------------------- routes clients call (issue 17)
+
+
+def test_probe_routes_model_card_and_request_ids(server_url, served_model):
+    """HEAD /health and /ping (GET, POST) answer 200; models.retrieve works and 404s another
+    model; every answer carries x-request-id (the client's own echoed); /docs is off (its
+    CDN scripts are blank offline) while /openapi.json is served."""
+    assert httpx.head(server_url + "/health", timeout=10).status_code == 200
+    assert httpx.get(server_url + "/ping", timeout=10).status_code == 200
+    assert httpx.post(server_url + "/ping", timeout=10).status_code == 200
+    client = openai.OpenAI(base_url=server_url + "/v1", api_key="x", max_retries=0)
+    card = client.models.retrieve(served_model)
+    assert card.id == served_model and card.object == "model"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
+    r = httpx.get(server_url + "/v1/models", headers={"x-request-id": "my-id-1"}, timeout=10)
+    assert r.headers["x-request-id"] == "my-id-1"
+    fresh = httpx.post(server_url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 1}, timeout=60)
+    assert len(fresh.headers["x-request-id"]) == 32
+    assert httpx.get(server_url + "/v1x", timeout=10).headers["x-request-id"]
+    assert httpx.get(server_url + "/docs", timeout=10).status_code == 404
+    assert httpx.get(server_url + "/openapi.json", timeout=10).status_code == 200

@@ -1,0 +1,78 @@
+"""vLLM's offline prompt types: ``TextPrompt`` and ``TokensPrompt`` (``vllm.inputs``), and the one
+function that reads any accepted prompt shape.
+
+A prompt is a string, a list of token ids, ``{"prompt": str}`` or ``{"prompt_token_ids": [int]}``
+(either dict may carry ``cache_salt``). Multimodal keys are refused: pagedllm serves text models.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypedDict, Union
+
+from typing_extensions import NotRequired  # typing has it from 3.11 only; pydantic requires this package
+
+_REFUSED_KEYS = ("multi_modal_data", "mm_processor_kwargs", "multi_modal_uuids", "prompt_embeds")
+
+
+class TextPrompt(TypedDict):
+    """A text prompt (vLLM's ``TextPrompt``): ``prompt``, and optionally ``cache_salt``."""
+
+    prompt: str
+    cache_salt: NotRequired[str]
+
+
+class TokensPrompt(TypedDict):
+    """A token-id prompt (vLLM's ``TokensPrompt``): ``prompt_token_ids``, optionally ``prompt`` (its
+    text, reported back in ``RequestOutput.prompt``) and ``cache_salt``."""
+
+    prompt_token_ids: list[int]
+    prompt: NotRequired[str]
+    cache_salt: NotRequired[str]
+
+
+PromptType = Union[str, list[int], TextPrompt, TokensPrompt]
+
+
+def _is_token_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def parse_prompt(prompt: Any, where: str = "prompts") -> tuple[str | list[int], str | None, str | None]:
+    """Read one prompt of any accepted shape.
+
+    Args:
+        prompt: a ``PromptType``.
+        where: the argument's name, for errors (``prompts[3]``).
+    Returns:
+        ``(prompt, text, cache_salt)``: what to tokenize (a string) or the ids, the prompt's text
+        when known, and the prefix-cache salt.
+    Raises:
+        TypeError: not one of the accepted shapes (the message names ``where``).
+        ValueError: a dict with multimodal keys, or with neither or both of ``prompt`` and
+            ``prompt_token_ids`` in a way vLLM does not accept.
+    """
+    if isinstance(prompt, str):
+        return prompt, prompt, None
+    if _is_token_ids(prompt):
+        return list(prompt), None, None
+    if not isinstance(prompt, dict):
+        raise TypeError(f"{where}: expected a str, a list of token ids, a TextPrompt or a TokensPrompt dict, "
+                        f"got {type(prompt).__name__}")
+    refused = [k for k in _REFUSED_KEYS if prompt.get(k) is not None]
+    if refused:
+        raise ValueError(f"{where}: {refused[0]} is not supported (pagedllm serves text-only models)")
+    salt = prompt.get("cache_salt")
+    if salt is not None and not isinstance(salt, str):
+        raise TypeError(f"{where}.cache_salt: expected a str, got {type(salt).__name__}")
+    if "prompt_token_ids" in prompt:
+        ids = prompt["prompt_token_ids"]
+        if not _is_token_ids(ids):
+            raise TypeError(f"{where}.prompt_token_ids: expected a list of ints")
+        text = prompt.get("prompt")
+        return list(ids), text if isinstance(text, str) else None, salt
+    if "prompt" in prompt:
+        if not isinstance(prompt["prompt"], str):
+            raise TypeError(f"{where}.prompt: expected a str, got {type(prompt['prompt']).__name__}")
+        return prompt["prompt"], prompt["prompt"], salt
+    raise ValueError(f"{where}: a prompt dict needs 'prompt' (TextPrompt) or 'prompt_token_ids' (TokensPrompt), "
+                     f"got keys {sorted(prompt)}")
