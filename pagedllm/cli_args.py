@@ -39,6 +39,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="reuse cached KV blocks of shared prefixes (--no-enable-prefix-caching turns it off)")
     p.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling")
     p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
+    p.add_argument("--quantization", choices=["auto", "gguf", "none"], default="auto",
+                   help="gguf: serve a GGUF's Q4_0/Q4_1/Q8_0 blocks packed (C kernels); none: dequantize to "
+                        "--dtype; auto (default): none for now")
     p.add_argument("--model-impl", choices=["auto", "native", "transformers"], default="auto",
                    help="native implementation, the Transformers backend, or auto (native when one exists)")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
@@ -64,6 +67,6 @@ def engine_args_from_cli(a: argparse.Namespace) -> EngineArgs:
                       max_model_len=a.max_model_len, enable_chunked_prefill=a.enable_chunked_prefill,
                       enable_prefix_caching=a.enable_prefix_caching,
                       seed=a.seed, served_model_name=getattr(a, "served_model_name", None),
-                      num_threads=a.num_threads, model_impl=a.model_impl,
+                      num_threads=a.num_threads, model_impl=a.model_impl, quantization=a.quantization,
                       enable_multiprocessing=getattr(a, "enable_multiprocessing", None),
                       async_scheduling=a.async_scheduling)

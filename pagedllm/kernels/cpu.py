@@ -47,7 +47,13 @@ _SIGNATURES = {
     "pl_decode_stack": [_L, _P, _P, _P, _L, _L, _L, _L, _L, _F, _P, _P, _L, _L, _P, _L, _F, _I],
     "pl_decode_attention": [_P, _L, _L, _P, _P, _L, _P, _P, _P, _L, _L, _L, _L, _L, _L, _F, _L, _F, _P, _I],
     "pl_apply_bitmask": [_P, _L, _P, _L, _P, _L, _L, _I],
+    "pl_qgemm": [_I, _P, _L, _P, _P, _P, _P, _P, _L, _L, _I],
+    "pl_qdequant": [_I, _P, _P, _P, _P, _L, _L, _I],
+    "pl_quantize_rows_q8": [_P, _L, _L, _P, _P, _P],
+    "pl_qgemm_i8": [_I, _P, _P, _P, _L, _P, _P, _P, _P, _P, _L, _L, _I],
 }
+QGEMM_MAX_ROWS = 16  # as in cpu_kernels.c
+QUANT_FORMATS = {"Q4_1": 0, "Q8_0": 1, "Q4_0": 2}  # pl_qgemm's fmt codes
 _lib: ctypes.CDLL | None = None
 _tried = False
 
@@ -149,6 +155,56 @@ def apply_bitmask_(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tens
                           bitmask.shape[1], logits.shape[1], torch.get_num_threads())
 
 
+def qgemm(fmt: int, x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None,
+          bias: torch.Tensor | None, n: int) -> torch.Tensor:
+    """``x W^T (+ bias)`` with a packed GGUF weight (layouts in ``cpu_kernels.c``).
+
+    Args:
+        fmt: ``QUANT_FORMATS`` code.
+        x: ``[M, K]`` float32, contiguous, ``M <= QGEMM_MAX_ROWS``.
+        qs: packed quants (uint8 / int8); d, m: ``[N, K / 32]`` float32 scales and mins (``m``
+            only for Q4_1); bias: ``[N]`` float32 or ``None``.
+        n: output features ``N``.
+    Returns:
+        ``[M, N]`` float32.
+    """
+    rows, k = x.shape
+    y = torch.empty(rows, n, dtype=torch.float32)
+    _lib.pl_qgemm(fmt, x.data_ptr(), rows, qs.data_ptr(), d.data_ptr(), _ptr(m), _ptr(bias), y.data_ptr(), n, k,
+                  torch.get_num_threads())
+    return y
+
+
+def quantize_rows_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Int8 blocks of ``x`` ``[M, K]`` float32: ``(qx [M, K] int8, dx [M, K/32] scales, sx [M, K/32] block sums)``."""
+    rows, k = x.shape
+    qx = torch.empty(rows, k, dtype=torch.int8)
+    dx = torch.empty(rows, k // 32, dtype=torch.float32)
+    sx = torch.empty_like(dx)
+    _lib.pl_quantize_rows_q8(x.data_ptr(), rows, k, qx.data_ptr(), dx.data_ptr(), sx.data_ptr())
+    return qx, dx, sx
+
+
+def qgemm_i8(fmt: int, xq: tuple[torch.Tensor, torch.Tensor, torch.Tensor], qs: torch.Tensor, d: torch.Tensor,
+             m: torch.Tensor | None, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+    """``x W^T (+ bias)`` from ``quantize_rows_q8(x)`` and a packed GGUF weight, in integer dot products.
+    Returns ``[M, N]`` float32."""
+    qx, dx, sx = xq
+    rows, k = qx.shape
+    y = torch.empty(rows, n, dtype=torch.float32)
+    _lib.pl_qgemm_i8(fmt, qx.data_ptr(), dx.data_ptr(), sx.data_ptr(), rows, qs.data_ptr(), d.data_ptr(), _ptr(m),
+                     _ptr(bias), y.data_ptr(), n, k, torch.get_num_threads())
+    return y
+
+
+def qdequant(fmt: int, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, n: int, k: int,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+    """The ``[N, K]`` float32 weight of a packed GGUF matrix (into ``out`` when given)."""
+    out = torch.empty(n, k, dtype=torch.float32) if out is None else out
+    _lib.pl_qdequant(fmt, qs.data_ptr(), d.data_ptr(), _ptr(m), out.data_ptr(), n, k, torch.get_num_threads())
+    return out
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> torch.Tensor:
     """RMSNorm (Zhang & Sennrich 2019) of ``x`` ``[T, H]``, or, with ``residual`` ``[T, H]``,
@@ -224,13 +280,15 @@ def decode_attention(out: torch.Tensor, query: torch.Tensor, rows: torch.Tensor,
 
 # columns of pl_decode_stack's per-layer address table (the enum in cpu_kernels.c)
 STACK_COLUMNS = ("in_norm", "qkv_w", "qkv_b", "o_w", "o_b", "post_norm", "gate_up_w", "gate_up_b", "down_w",
-                 "down_b", "key_cache", "value_cache")
+                 "down_b", "key_cache", "value_cache", "quant")
 
 
 def stack_table(rows: list[dict[str, torch.Tensor | None]]) -> torch.Tensor:
     """The ``[num_layers, 12]`` int64 address table of ``decode_stack`` from one dict per layer
-    (keys ``STACK_COLUMNS``; a missing bias is ``None``). The tensors must stay alive and in place
-    while the table is used.
+    (keys ``STACK_COLUMNS``; a missing bias is ``None``). ``quant`` is ``None`` or an int64 ``[16]``
+    tensor of ``{fmt, qs, d, m}`` addresses for the qkv, o, gate_up and down weights (fmt -1: that
+    weight is the float32 tensor of its column; ``models/quant_linear.stack_descriptor``). The
+    tensors must stay alive and in place while the table is used.
 
     Raises:
         ValueError: a tensor is not contiguous float32 on the CPU.
@@ -239,8 +297,9 @@ def stack_table(rows: list[dict[str, torch.Tensor | None]]) -> torch.Tensor:
     for row in rows:
         for name in STACK_COLUMNS:
             t = row[name]
-            if t is not None and not (t.dtype == torch.float32 and t.is_cpu and t.is_contiguous()):
-                raise ValueError(f"{name} must be a contiguous float32 CPU tensor")
+            want = torch.int64 if name == "quant" else torch.float32
+            if t is not None and not (t.dtype == want and t.is_cpu and t.is_contiguous()):
+                raise ValueError(f"{name} must be a contiguous {want} CPU tensor")
         out.append([0 if row[n] is None else row[n].data_ptr() for n in STACK_COLUMNS])
     return torch.tensor(out, dtype=torch.int64)
 

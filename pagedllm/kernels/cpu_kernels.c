@@ -333,9 +333,26 @@ void pl_gemv(const float *x, const float *W, const float *b, float *y, long N, l
 
 /* columns of the per-layer address table handed to pl_decode_stack (0 = no bias) */
 enum { L_IN_NORM, L_QKV_W, L_QKV_B, L_O_W, L_O_B, L_POST_NORM, L_GU_W, L_GU_B, L_DOWN_W, L_DOWN_B, L_KC, L_VC,
-       L_COUNT };
-
+       L_QUANT, L_COUNT };
+/* L_QUANT: 0 (every weight float32), or the address of int64 [4][4]: for the qkv, o, gate_up and down
+ * weights in that order, {fmt (-1: float32, the weight column then holds it), qs, d, m} (pl_qgemm) */
+enum { Q_QKV, Q_O, Q_GU, Q_DOWN };
 static inline const float *addr(const int64_t *row, int col) { return (const float *)(intptr_t)row[col]; }
+
+void pl_qgemm(int fmt, const float *x, long M, const uint8_t *qs, const float *d, const float *mn,
+              const float *bias, float *y, long N, long K, int nt);
+
+static void layer_matvec(const int64_t *p, int which, int wcol, int bcol, const float *x, float *y, long N, long K,
+                         int nt) {
+    const int64_t *q = (const int64_t *)(intptr_t)p[L_QUANT];
+    if (q && q[which * 4] >= 0)
+        pl_qgemm((int)q[which * 4], x, 1, (const uint8_t *)(intptr_t)q[which * 4 + 1],
+                 (const float *)(intptr_t)q[which * 4 + 2], (const float *)(intptr_t)q[which * 4 + 3],
+                 addr(p, bcol), y, N, K, nt);
+    else
+        pl_gemv(x, addr(p, wcol), addr(p, bcol), y, N, K, nt);
+}
+
 
 static void norm_row(const float *src, const float *w, float *out, long H, float eps) {
     float ss = 0.0f;
@@ -374,7 +391,7 @@ int pl_decode_stack(long n_layers, const int64_t *layers, float *x, float *resid
         else
             add_row(residual, x, H);
         norm_row(residual, addr(p, L_IN_NORM), h, H, eps);
-        pl_gemv(h, addr(p, L_QKV_W), addr(p, L_QKV_B), qkv, nqkv, H, nt);
+        layer_matvec(p, Q_QKV, L_QKV_W, L_QKV_B, h, qkv, nqkv, H, nt);
         pl_rope(qkv, nqkv, NH + KVH, &(int64_t){0}, cos_row, sin_row, 1, D, 1);
         float *kc = (float *)addr(p, L_KC), *vc = (float *)addr(p, L_VC);
         for (long g = 0; g < KVH; g++) {
@@ -385,12 +402,12 @@ int pl_decode_stack(long n_layers, const int64_t *layers, float *x, float *resid
         for (long g = 0; g < KVH; g++)
             decode_task(qkv + g * G * D, D, table, 0, seq_len, kc + g * num_slots * D, vc + g * num_slots * D,
                         block_size, D, G, scale, 0.0f, scores + g * G * seq_len, attn + g * G * D, D);
-        pl_gemv(attn, addr(p, L_O_W), addr(p, L_O_B), x, H, NH * D, nt);
+        layer_matvec(p, Q_O, L_O_W, L_O_B, attn, x, H, NH * D, nt);
         add_row(residual, x, H);
         norm_row(residual, addr(p, L_POST_NORM), h, H, eps);
-        pl_gemv(h, addr(p, L_GU_W), addr(p, L_GU_B), gu, 2 * I, H, nt);
+        layer_matvec(p, Q_GU, L_GU_W, L_GU_B, h, gu, 2 * I, H, nt);
         pl_silu_mul(gu, act, 1, I, 1);
-        pl_gemv(act, addr(p, L_DOWN_W), addr(p, L_DOWN_B), x, H, I, nt);
+        layer_matvec(p, Q_DOWN, L_DOWN_W, L_DOWN_B, act, x, H, I, nt);
     }
     free(h);
     return 0;
@@ -412,6 +429,212 @@ void pl_apply_bitmask(float *logits, long stride, const int64_t *rows, long R, c
             if (word == 0xFFFFFFFFu) continue;
             for (long k = 0; k < n; k++)
                 if (!((word >> k) & 1u)) row[t0 + k] = -INFINITY;
+        }
+    }
+}
+
+/* ---- GGUF quantized weights, kept packed (issue 18) ----------------------------------------
+ * Layout after the load-time repack (models/quant_linear.py), per weight matrix [N, K], K % 32 == 0,
+ * blocks of 32 weights along K:
+ *   fmt 0, Q4_1: qs uint8 [N, K/2] (block b of row n: 16 bytes, byte j = weight j (low nibble) and
+ *                weight j + 16 (high nibble), GGUF's order), d, m float32 [N, K/32]: w = q * d + m;
+ *   fmt 1, Q8_0: qs int8 [N, K], d float32 [N, K/32]: w = q * d;
+ *   fmt 2, Q4_0: as Q4_1 without m: w = (q - 8) * d.
+ * Activations stay float32: each block is dequantized into registers and multiplied in float32,
+ * so results equal gguf's dequantization followed by a float32 matmul up to rounding. */
+#define QBLOCK 32
+#define QGEMM_MAX_ROWS 16
+
+static inline void q_unpack(int fmt, const uint8_t *qs, const float *d, const float *mn, long n, long b, long nb,
+                            float *w) {
+    long i = n * nb + b;
+    float s = d[i];
+    if (fmt == 1) {
+        const int8_t *q = (const int8_t *)qs + i * QBLOCK;
+        for (int j = 0; j < QBLOCK; j++) w[j] = (float)q[j] * s;
+        return;
+    }
+    const uint8_t *q = qs + i * (QBLOCK / 2);
+    float off = fmt == 0 ? mn[i] : -8.0f * s;
+    for (int j = 0; j < QBLOCK / 2; j++) {
+        w[j] = (float)(q[j] & 15) * s + off;
+        w[j + QBLOCK / 2] = (float)(q[j] >> 4) * s + off;
+    }
+}
+
+static inline float hsum(vec v) {
+    float t[VEC_LEN];
+    memcpy(t, &v, sizeof v);
+    float s = 0.0f;
+    for (int i = 0; i < VEC_LEN; i++) s += t[i];
+    return s;
+}
+
+/* Block unpacking in vector registers (GCC vector extensions: the compiler picks the AVX2 or
+ * AVX-512 instructions of the machine the library is built on). VEC_LEN nibble bytes widen to
+ * int32 lanes, mask or shift, convert to float, then scale (and shift by the min). */
+typedef int32_t i32v __attribute__((vector_size(VEC_BYTES)));
+
+/* GCC 12 lowers __builtin_convertvector from 8-bit lanes to scalar code, so the widening is
+ * written with the AVX-512 / AVX2 sign- and zero-extension intrinsics */
+static inline i32v widen_u8(const uint8_t *p) {
+#if defined(__AVX512F__)
+    return (i32v)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+#else
+    return (i32v)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+#endif
+}
+
+static inline vec widen_s8(const int8_t *p) {
+#if defined(__AVX512F__)
+    return (vec)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+#else
+    return (vec)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+#endif
+}
+
+static inline vec i32_to_f(i32v v) {
+#if defined(__AVX512F__)
+    return (vec)_mm512_cvtepi32_ps((__m512i)v);
+#else
+    return (vec)_mm256_cvtepi32_ps((__m256i)v);
+#endif
+}
+
+#define QTILE 4 /* output rows per task when M == 1: independent accumulators hide the FMA latency */
+
+/* the QBLOCK weights of block i as QBLOCK / VEC_LEN vectors, in order */
+static inline void q_unpack_vec(int fmt, const uint8_t *qs, const float *d, const float *mn, long i, vec *w) {
+    vec dv = (vec){} + d[i];
+    if (fmt == 1) {
+        const int8_t *q = (const int8_t *)qs + i * QBLOCK;
+        for (int c = 0; c < QBLOCK / VEC_LEN; c++) w[c] = widen_s8(q + c * VEC_LEN) * dv;
+        return;
+    }
+    const uint8_t *q = qs + i * (QBLOCK / 2);
+    vec off = (vec){} + (fmt == 0 ? mn[i] : -8.0f * d[i]);
+    for (int c = 0; c < QBLOCK / 2 / VEC_LEN; c++) {
+        i32v v = widen_u8(q + c * VEC_LEN);
+        w[c] = i32_to_f(v & 15) * dv + off;
+        w[c + QBLOCK / 2 / VEC_LEN] = i32_to_f(v >> 4) * dv + off;
+    }
+}
+
+/* y [M, N] = x [M, K] W^T (+ bias), M <= QGEMM_MAX_ROWS: each weight block is unpacked once and
+ * used for every row (decode and small batches read the packed bytes once per step). */
+void pl_qgemm(int fmt, const float *x, long M, const uint8_t *qs, const float *d, const float *mn,
+              const float *bias, float *y, long N, long K, int nt) {
+    long nb = K / QBLOCK;
+    if (M == 1) {
+        long tiles = N / QTILE;
+        /* full tiles: a constant trip count keeps the QTILE accumulators in registers */
+        #pragma omp parallel for num_threads(nt) schedule(static)
+        for (long t = 0; t < tiles; t++) {
+            long n0 = t * QTILE;
+            vec acc[QTILE] = {}, w[QBLOCK / VEC_LEN];
+            for (long b = 0; b < nb; b++) {
+                const float *xb = x + b * QBLOCK;
+                vec xv[QBLOCK / VEC_LEN];
+                for (int c = 0; c < QBLOCK / VEC_LEN; c++) xv[c] = load_vec(xb + c * VEC_LEN);
+                for (int j = 0; j < QTILE; j++) {
+                    q_unpack_vec(fmt, qs, d, mn, (n0 + j) * nb + b, w);
+                    for (int c = 0; c < QBLOCK / VEC_LEN; c++) acc[j] += w[c] * xv[c];
+                }
+            }
+            for (int j = 0; j < QTILE; j++) y[n0 + j] = hsum(acc[j]) + (bias ? bias[n0 + j] : 0.0f);
+        }
+        for (long n = tiles * QTILE; n < N; n++) { /* the last N % QTILE rows */
+            vec acc = {}, w[QBLOCK / VEC_LEN];
+            for (long b = 0; b < nb; b++) {
+                q_unpack_vec(fmt, qs, d, mn, n * nb + b, w);
+                for (int c = 0; c < QBLOCK / VEC_LEN; c++) acc += w[c] * load_vec(x + b * QBLOCK + c * VEC_LEN);
+            }
+            y[n] = hsum(acc) + (bias ? bias[n] : 0.0f);
+        }
+        return;
+    }
+    #pragma omp parallel for num_threads(nt) schedule(static)
+    for (long n = 0; n < N; n++) {
+        vec acc[QGEMM_MAX_ROWS], w[QBLOCK / VEC_LEN];
+        for (long r = 0; r < M; r++) memset(&acc[r], 0, sizeof(vec));
+        for (long b = 0; b < nb; b++) {
+            q_unpack_vec(fmt, qs, d, mn, n * nb + b, w);
+            for (int c = 0; c < QBLOCK / VEC_LEN; c++)
+                for (long r = 0; r < M; r++) acc[r] += w[c] * load_vec(x + r * K + b * QBLOCK + c * VEC_LEN);
+        }
+        for (long r = 0; r < M; r++) y[r * N + n] = hsum(acc[r]) + (bias ? bias[n] : 0.0f);
+    }
+}
+
+/* out [N, K] float32 = the dequantized weight (prefill-sized inputs multiply it with oneDNN/MKL). */
+void pl_qdequant(int fmt, const uint8_t *qs, const float *d, const float *mn, float *out, long N, long K, int nt) {
+    long nb = K / QBLOCK;
+    #pragma omp parallel for num_threads(nt) schedule(static)
+    for (long n = 0; n < N; n++)
+        for (long b = 0; b < nb; b++) q_unpack(fmt, qs, d, mn, n, b, nb, out + n * K + b * QBLOCK);
+}
+
+/* Int8 activations (llama.cpp's scheme): each 32-block of a row of x is quantized to int8 with its
+ * own scale (dx = max|x| / 127), the block dot products run in integers (they vectorize exactly,
+ * unlike float reductions without -ffast-math), and y += d_w dx sum(q_w q_x) (+ m_w sum(x) for Q4_1,
+ * with sum(x) in float). Faster, and not bit-equal to the float32 path: checked by perplexity. */
+void pl_quantize_rows_q8(const float *x, long M, long K, int8_t *qx, float *dx, float *sx) {
+    long nb = K / QBLOCK;
+    for (long r = 0; r < M; r++)
+        for (long b = 0; b < nb; b++) {
+            const float *v = x + r * K + b * QBLOCK;
+            float amax = 0.0f, s = 0.0f;
+            for (int j = 0; j < QBLOCK; j++) {
+                float a = fabsf(v[j]);
+                amax = a > amax ? a : amax;
+                s += v[j];
+            }
+            float scale = amax / 127.0f, inv = scale > 0.0f ? 1.0f / scale : 0.0f;
+            int8_t *q = qx + r * K + b * QBLOCK;
+            for (int j = 0; j < QBLOCK; j++) q[j] = (int8_t)lrintf(v[j] * inv);
+            dx[r * nb + b] = scale;
+            sx[r * nb + b] = s;
+        }
+}
+
+static inline int32_t dot_q4(const uint8_t *qw, const int8_t *qx) {
+    int32_t s = 0;
+    for (int j = 0; j < QBLOCK / 2; j++) s += (int32_t)(qw[j] & 15) * qx[j] + (int32_t)(qw[j] >> 4) * qx[j + 16];
+    return s;
+}
+
+static inline int32_t dot_q8(const int8_t *qw, const int8_t *qx) {
+    int32_t s = 0;
+    for (int j = 0; j < QBLOCK; j++) s += (int32_t)qw[j] * qx[j];
+    return s;
+}
+
+static inline int32_t sum_q8(const int8_t *qx) {
+    int32_t s = 0;
+    for (int j = 0; j < QBLOCK; j++) s += qx[j];
+    return s;
+}
+
+void pl_qgemm_i8(int fmt, const int8_t *qx, const float *dx, const float *sx, long M, const uint8_t *qs,
+                 const float *d, const float *mn, const float *bias, float *y, long N, long K, int nt) {
+    long nb = K / QBLOCK;
+    #pragma omp parallel for num_threads(nt) schedule(static)
+    for (long n = 0; n < N; n++) {
+        for (long r = 0; r < M; r++) {
+            const int8_t *xr = qx + r * K;
+            float acc = 0.0f;
+            for (long b = 0; b < nb; b++) {
+                long i = n * nb + b;
+                float xs = dx[r * nb + b];
+                if (fmt == 1) {
+                    acc += d[i] * xs * (float)dot_q8((const int8_t *)qs + i * QBLOCK, xr + b * QBLOCK);
+                } else {
+                    int32_t dot = dot_q4(qs + i * (QBLOCK / 2), xr + b * QBLOCK);
+                    if (fmt == 0) acc += d[i] * xs * (float)dot + mn[i] * sx[r * nb + b];
+                    else acc += d[i] * xs * (float)(dot - 8 * sum_q8(xr + b * QBLOCK));
+                }
+            }
+            y[r * N + n] = acc + (bias ? bias[n] : 0.0f);
         }
     }
 }

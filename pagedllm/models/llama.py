@@ -180,16 +180,19 @@ class LlamaForCausalLM(nn.Module):
         The C call writes the token's K/V itself and reads ``meta.decode_block_tables`` /
         ``decode_seq_lens``, which every backend's metadata has (``AttentionMetadata``).
         """
-        key = (kv_caches[0][0].data_ptr(), self.layers[0].self_attn.qkv_proj.weight.data_ptr())
+        key = (kv_caches[0][0].data_ptr(), id(self.layers[0].self_attn.qkv_proj))
         if self._stack_key != key:  # addresses change only if the cache or the weights are replaced
-            rows = []
+            from pagedllm.models.quant_linear import stack_descriptor
+            rows, self._stack_quant = [], []
             for layer, (kc, vc) in zip(self.layers, kv_caches):
                 a, m = layer.self_attn, layer.mlp
+                quant = stack_descriptor((a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj))
+                self._stack_quant.append(quant)  # kept alive: the table holds its address
                 rows.append({"in_norm": layer.input_layernorm.weight, "qkv_w": a.qkv_proj.weight,
                              "qkv_b": a.qkv_proj.bias, "o_w": a.o_proj.weight, "o_b": a.o_proj.bias,
                              "post_norm": layer.post_attention_layernorm.weight, "gate_up_w": m.gate_up_proj.weight,
                              "gate_up_b": m.gate_up_proj.bias, "down_w": m.down_proj.weight,
-                             "down_b": m.down_proj.bias, "key_cache": kc, "value_cache": vc})
+                             "down_b": m.down_proj.bias, "key_cache": kc, "value_cache": vc, "quant": quant})
             self._stack_table, self._stack_key = cpu_kernels.stack_table(rows), key
         attn, kc = self.layers[0].self_attn, kv_caches[0][0]
         return cpu_kernels.decode_stack(
@@ -203,6 +206,8 @@ class LlamaForCausalLM(nn.Module):
         (``pagedllm.models.cpu_linear``); returns how many layers got one."""
         from pagedllm.models.cpu_linear import PackedLinear, prepack_linears
         n = prepack_linears(self.layers)
+        if self.packed_head is not None:  # already served from packed GGUF blocks
+            return n
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         self.packed_head = PackedLinear(w, None)
         return n + 1

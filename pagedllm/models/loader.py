@@ -14,6 +14,7 @@ is decided in ``models/resolve.py``, above this module and ``real_models.py``.
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import logging
 import os
 import shutil
@@ -288,6 +289,18 @@ def _write_model(gguf_path: Path, out: Path) -> None:
     _write_tokenizer_files(gguf_path, out, config, template)
 
 
+def _record_source(target: Path, gguf_path: Path) -> None:
+    """Note in a converted directory which GGUF it came from (``quantization`` serves its blocks)."""
+    from pagedllm.models.quant_linear import SOURCE_FILE
+    marker = target / SOURCE_FILE
+    src = str(Path(gguf_path).resolve())
+    try:
+        if not marker.is_file() or json.loads(marker.read_text()).get("path") != src:
+            marker.write_text(json.dumps({"path": src}))
+    except (OSError, ValueError):
+        pass  # a read-only cache still serves, dequantized
+
+
 def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike | None = None,
                  *, expected_sha256: str | None = None) -> Path:
     """Convert a GGUF file into a Hugging Face model directory (float32 safetensors).
@@ -324,6 +337,7 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike | None
                              f"{expected_sha256}, got {digest}")
     target = Path(out_dir).expanduser() if out_dir is not None else cache_root() / "gguf" / digest
     if is_converted(target):
+        _record_source(target, gguf_path)
         return target
 
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -347,4 +361,5 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike | None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     logger.info("Converted %s in %.1f s", gguf_path.name, time.perf_counter() - start)
+    _record_source(target, gguf_path)
     return target

@@ -98,7 +98,8 @@ def check_safetensors(files: list[Path]) -> None:
             raise ModelLoadError(f, f"not a readable safetensors file ({one_line(e)})") from None
 
 
-def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, model_impl: str = "auto"):
+def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, model_impl: str = "auto",
+               quantization: str = "auto"):
     """Build the model of ``model_dir`` (config.json + *.safetensors) without a random init.
 
     The native model is built on the meta device, materialized empty on
@@ -108,6 +109,9 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
 
     Args:
         model_impl: ``auto``, ``native`` or ``transformers`` (see ``select_impl``).
+        quantization: ``gguf`` serves a GGUF-born native model's Q4_0 / Q4_1 / Q8_0 blocks packed
+            (``models/quant_linear.py``; float32 CPU with the C kernels only); ``auto`` and
+            ``none`` dequantize (see ``EngineArgs.quantization``).
     Returns:
         ``(model, config)`` with the model in eval mode; ``model.attention_backend`` is the
         attention backend chosen for ``device``/``dtype`` (``select_attention_backend``).
@@ -132,6 +136,9 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
     kernels_on = cpu_kernels.applies(device, dtype)
     backend = select_attention_backend(device, dtype)
     logger.info("attention backend: %s; CPU kernels: %s", backend.name, "on" if kernels_on else "off (torch ops)")
+    if quantization == "gguf" and impl == "transformers":
+        raise ValueError("quantization='gguf' serves the native implementation only; use model_impl='native' "
+                         "or quantization='none'")
     if impl == "transformers":
         from pagedllm.models.transformers_backend import load_transformers_model
         model = load_transformers_model(model_dir, config, dtype, device, backend)
@@ -152,11 +159,34 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
 
     model.load_weights(tensors())
     model.eval()
+    if quantization == "gguf":  # before prepacking: only the layers left in float32 get packed copies
+        _serve_gguf_blocks(model, model_dir, config, kernels_on)
     from pagedllm.models.cpu_linear import prepack_available
     if prepack_available(device, dtype):
         logger.info("oneDNN-packed weights: %d linear layers", model.prepack())
     logger.info("loaded %s (%s) in %.1f s", model_dir, config.architectures, time.perf_counter() - t0)
     return model, config
+
+
+def _serve_gguf_blocks(model, model_dir: Path, config, kernels_on: bool) -> None:
+    """Swap the model's linear layers for packed GGUF ones (``quantization="gguf"``); logs what serves
+    each kind of layer, and keeps float32 where it cannot (no source GGUF, no C kernels).
+
+    Raises:
+        ValueError: the directory does not come from a GGUF file, or the C kernels are off.
+    """
+    from pagedllm.models.quant_linear import gguf_source, quantize_from_gguf
+    src = gguf_source(model_dir)
+    if src is None:
+        raise ValueError(f"quantization='gguf': {model_dir} was not converted from a GGUF file (or the file "
+                         "moved); use quantization='none'")
+    if not kernels_on:
+        raise ValueError("quantization='gguf' needs the C CPU kernels (float32 on the CPU, a C compiler, "
+                         "PAGEDLLM_CPU_KERNELS not 0)")
+    counts = quantize_from_gguf(model, src, config)
+    model.quantization = counts
+    logger.info("GGUF blocks served packed from %s: %s", src.name,
+                ", ".join(f"{k}: {v} layers" for k, v in sorted(counts.items())))
 
 
 def read_generation_config(model_dir: str | Path) -> dict:
