@@ -501,6 +501,7 @@ static inline vec i32_to_f(i32v v) {
 #endif
 }
 
+#define QROWS 4 /* input rows per register group when M > 1 */
 #define QTILE 4 /* output rows per task when M == 1: independent accumulators hide the FMA latency */
 
 /* the QBLOCK weights of block i as QBLOCK / VEC_LEN vectors, in order */
@@ -553,16 +554,23 @@ void pl_qgemm(int fmt, const float *x, long M, const uint8_t *qs, const float *d
         }
         return;
     }
+    /* M > 1: groups of QROWS rows with a constant trip count (accumulators in registers); a short
+     * last group repeats its first row in the spare lanes and drops those results */
     #pragma omp parallel for num_threads(nt) schedule(static)
     for (long n = 0; n < N; n++) {
-        vec acc[QGEMM_MAX_ROWS], w[QBLOCK / VEC_LEN];
-        for (long r = 0; r < M; r++) memset(&acc[r], 0, sizeof(vec));
-        for (long b = 0; b < nb; b++) {
-            q_unpack_vec(fmt, qs, d, mn, n * nb + b, w);
-            for (int c = 0; c < QBLOCK / VEC_LEN; c++)
-                for (long r = 0; r < M; r++) acc[r] += w[c] * load_vec(x + r * K + b * QBLOCK + c * VEC_LEN);
+        vec w[QBLOCK / VEC_LEN];
+        for (long r0 = 0; r0 < M; r0 += QROWS) {
+            long rc = M - r0 < QROWS ? M - r0 : QROWS;
+            const float *xr[QROWS];
+            for (int j = 0; j < QROWS; j++) xr[j] = x + (r0 + (j < rc ? j : 0)) * K;
+            vec acc[QROWS] = {};
+            for (long b = 0; b < nb; b++) {
+                q_unpack_vec(fmt, qs, d, mn, n * nb + b, w);
+                for (int c = 0; c < QBLOCK / VEC_LEN; c++)
+                    for (int j = 0; j < QROWS; j++) acc[j] += w[c] * load_vec(xr[j] + b * QBLOCK + c * VEC_LEN);
+            }
+            for (long j = 0; j < rc; j++) y[(r0 + j) * N + n] = hsum(acc[j]) + (bias ? bias[n] : 0.0f);
         }
-        for (long r = 0; r < M; r++) y[r * N + n] = hsum(acc[r]) + (bias ? bias[n] : 0.0f);
     }
 }
 
