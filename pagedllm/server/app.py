@@ -32,7 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagedllm
 from pagedllm.engine.async_llm import AsyncLLM, EngineDeadError, ServerShuttingDownError
-from pagedllm.server import defaults
+from pagedllm.server import anthropic, defaults, responses
 from pagedllm.server.errors import APIError, validation_error
 from pagedllm.server.guards import (AdmissionControl, BodySizeLimitMiddleware, CatchAllMiddleware,
                                     RejectionCounter)
@@ -147,8 +147,10 @@ class _APIKeyMiddleware:
         if scope["type"] != "http" or scope["method"] == "OPTIONS" or not self._guarded(scope):
             await self.app(scope, receive, send)
             return
-        auth = Headers(scope=scope).get("authorization", "")
-        scheme, _, key = auth.partition(" ")
+        headers = Headers(scope=scope)
+        scheme, _, key = headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" and headers.get("x-api-key"):  # Anthropic's SDKs send the key so
+            scheme, key = "bearer", headers["x-api-key"]
         if scheme.lower() != "bearer" or not key.strip():
             err = APIError(401, "You didn't provide an API key. You need to provide your API key in an "
                            "Authorization header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY).")
@@ -295,6 +297,80 @@ def build_app(llm: AsyncLLM, model_name: str, chat_template: str | None = None, 
     async def chat(body: ChatCompletionRequest, request: Request):
         """OpenAI Chat Completions; SSE when ``stream`` is true. 400/404/503 as OpenAI error bodies."""
         return await respond(request, chat_serving.chat(body))
+
+    async def anthropic_call(request: Request, run):
+        """Run an Anthropic-shaped endpoint: its errors in Anthropic's shape, never OpenAI's."""
+        try:
+            try:
+                raw = await request.json()
+            except ValueError:
+                raise APIError(400, "the request body must be a JSON object") from None
+            return await run(raw)
+        except APIError as e:
+            return JSONResponse(anthropic.error_body(e.status, e.message), status_code=e.status, headers=e.headers)
+        except (EngineDeadError, ServerShuttingDownError) as e:
+            return JSONResponse(anthropic.error_body(503, str(e)), status_code=503)
+
+    @app.post("/v1/messages")
+    async def messages(request: Request):
+        """Anthropic's Messages API over the chat handler (``server/anthropic.py``); SSE with ``stream``."""
+        async def run(raw):
+            body = anthropic.to_chat(anthropic.parse(raw))
+            result = await _unless_disconnected(request, chat_serving.chat(body))
+            if isinstance(result, Response):
+                return result
+            if isinstance(result, dict):
+                return JSONResponse(anthropic.message_of(result, model_name))
+            return _SSEResponse(anthropic.stream_of(result, model_name), media_type="text/event-stream",
+                                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return await anthropic_call(request, run)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request):
+        """``{"input_tokens": n}``: the prompt a Messages request would have, rendered as chat renders it."""
+        async def run(raw):
+            body = anthropic.to_chat(anthropic.parse(raw, anthropic.CountTokensRequest))
+            ctx.check_model(body.model)
+            ids = await ctx.offload(lambda: chat_serving.render_chat(body))
+            return JSONResponse({"input_tokens": len(ids)})
+        return await anthropic_call(request, run)
+
+    response_store = responses.ResponseStore()
+
+    @app.post("/v1/responses")
+    async def create_response(body: responses.ResponsesRequest, request: Request):
+        """OpenAI's Responses API over the chat handler (``server/responses.py``); SSE with ``stream``."""
+        history: list[dict] = []
+        if body.previous_response_id is not None:
+            found = response_store.get(body.previous_response_id)
+            if found is None:
+                raise APIError(404, f"Previous response with id '{body.previous_response_id}' not found.",
+                               "previous_response_id", code="not_found")
+            history = found[1]
+        chat_body, conversation = responses.to_chat(body, history)
+        result = await _unless_disconnected(request, chat_serving.chat(chat_body))
+        if isinstance(result, Response):
+            return result
+        if isinstance(result, dict):
+            return JSONResponse(responses.respond(body, result, conversation, model_name, response_store))
+        return _SSEResponse(responses.stream(body, result, conversation, model_name, response_store),
+                            media_type="text/event-stream", headers={"Cache-Control": "no-cache",
+                                                                     "X-Accel-Buffering": "no"})
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str) -> dict:
+        """A stored response (``store`` was true); 404 otherwise."""
+        found = response_store.get(response_id)
+        if found is None:
+            raise APIError(404, f"No response with id '{response_id}' found.", "response_id", code="not_found")
+        return found[0]
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> dict:
+        """Drop a stored response; 404 when there is none."""
+        if not response_store.delete(response_id):
+            raise APIError(404, f"No response with id '{response_id}' found.", "response_id", code="not_found")
+        return {"id": response_id, "object": "response", "deleted": True}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):

@@ -215,7 +215,7 @@ class OpenAIServingChat(OpenAIServingBase):
                 p.feed(c.text)
                 p.finish()
                 message, finish = response_message(p), finish_reason(p, c.finish)
-            out.append(ChatCompletionChoice(index=i, message=message, finish_reason=finish,
+            out.append(ChatCompletionChoice(index=i, message=message, finish_reason=finish, stop_reason=c.stop_reason,
                                             logprobs=None if top is None else chat_logprobs(c.logprobs, top)))
         usage = UsageInfo.of(prep.requests[0].num_prompt_tokens, sum(c.num_tokens for c in choices))
         extra = {}
@@ -227,11 +227,13 @@ class OpenAIServingChat(OpenAIServingBase):
                            parsers: list[StreamingParser | None], continuous_usage: bool = False) -> AsyncIterator[str]:
         created = now()
 
-        def chunk(i: int, delta: DeltaMessageOut, finish: str | None = None, logprobs=None) -> ChatCompletionChunk:
+        def chunk(i: int, delta: DeltaMessageOut, finish: str | None = None, logprobs=None,
+                  stop_reason=None) -> ChatCompletionChunk:
             # continuous_usage_stats (vLLM's): every chunk carries the usage so far
             extra = {"usage": UsageInfo.of(n_prompt, n_tokens)} if continuous_usage else {}
             return ChatCompletionChunk(id=rid, created=created, model=self.model_name, choices=[
-                ChatChunkChoice(index=i, delta=delta, logprobs=logprobs, finish_reason=finish)], **extra)
+                ChatChunkChoice(index=i, delta=delta, logprobs=logprobs, finish_reason=finish,
+                                stop_reason=stop_reason)], **extra)
 
         n_tokens = 0
         first = True
@@ -257,7 +259,7 @@ class OpenAIServingChat(OpenAIServingBase):
                 if delta.model_fields_set or lps or finish is not None:
                     if lps and not delta.model_fields_set:
                         delta = DeltaMessageOut(content="")  # logprobs of tokens whose text is still held back
-                    yield sse(chunk(i, delta, finish, lps))
+                    yield sse(chunk(i, delta, finish, lps, c.stop_reason if finish is not None else None))
             if include_usage:
                 yield sse(ChatCompletionChunk(id=rid, created=created, model=self.model_name, choices=[],
                                               usage=UsageInfo.of(n_prompt, n_tokens)))

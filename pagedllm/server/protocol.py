@@ -434,12 +434,14 @@ class ChatResponseMessage(_OmitUnset):
 
 
 class ChatCompletionChoice(BaseModel):
-    """One choice of a chat completion."""
+    """One choice of a chat completion; ``stop_reason`` (vLLM's field) is the stop string or
+    stop token id that ended it, if any."""
 
     index: int
     message: ChatResponseMessage
     logprobs: dict | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
 
 
 class ChatCompletionResponse(_OmitUnset):
@@ -466,12 +468,13 @@ class DeltaMessageOut(_OmitUnset):
 
 
 class ChatChunkChoice(BaseModel):
-    """One choice of a chat chunk."""
+    """One choice of a chat chunk (``stop_reason`` as in ``ChatCompletionChoice``, on the last chunk)."""
 
     index: int
     delta: DeltaMessageOut
     logprobs: dict | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
 
 
 class ChatCompletionChunk(_OmitUnset):

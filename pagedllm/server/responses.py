@@ -1,0 +1,379 @@
+"""``POST /v1/responses``, ``GET`` and ``DELETE /v1/responses/{id}``: OpenAI's Responses API over the
+chat completions handler.
+
+A Responses request is translated into a ``ChatCompletionRequest``: ``instructions`` become the
+system message, ``input`` (text, or message / ``function_call`` / ``function_call_output`` items)
+the conversation, after the stored conversation of ``previous_response_id``; ``tools`` (function
+tools), ``tool_choice``, ``max_output_tokens``, ``temperature``, ``top_p``, ``parallel_tool_calls``
+and ``text.format`` (structured output) map to their chat fields. The answer comes back as output
+items (``reasoning`` when a reasoning parser split it, ``message`` with ``output_text``,
+``function_call``), or streamed as the Responses events (``response.created``,
+``response.output_item.added``, ``response.output_text.delta``,
+``response.function_call_arguments.delta``, ``..._done``, ``response.completed``).
+
+With ``store`` (the default, as OpenAI's), a response and its conversation are kept in a bounded
+in-memory store (``ResponseStore``, least recently used out first), so that ``previous_response_id``
+continues it and ``GET`` / ``DELETE`` find it. Follows OpenAI's Responses API reference.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections import OrderedDict
+from typing import Any, AsyncIterator, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from pagedllm.server.errors import APIError, validation_error
+from pagedllm.server.guards import MAX_MESSAGES, MAX_TOOLS
+from pagedllm.server.protocol import Bool, ChatCompletionRequest, Float, Int, RequestBody
+
+STORE_SIZE = 1024  # stored responses kept (each holds its conversation's text)
+
+
+def _id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+class FunctionTool(BaseModel):
+    type: Literal["function"]
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: Bool | None = None
+
+
+class NamedFunction(BaseModel):
+    type: Literal["function"]
+    name: str
+
+
+class TextFormat(BaseModel):
+    model_config = ConfigDict(populate_by_name=True)
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: Bool | None = None
+
+
+class TextConfig(BaseModel):
+    format: TextFormat | None = None
+
+
+class ResponsesRequest(RequestBody):
+    """``POST /v1/responses`` body (OpenAI's names)."""
+
+    model_config = ConfigDict(allow_inf_nan=False)
+    model: str | None = None
+    input: str | list[dict[str, Any]] = Field(max_length=MAX_MESSAGES)
+    instructions: str | None = None
+    tools: list[FunctionTool] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: Literal["auto", "none", "required"] | NamedFunction | None = None
+    parallel_tool_calls: Bool = True
+    max_output_tokens: Int | None = Field(default=None, ge=1)
+    temperature: Float | None = None
+    top_p: Float | None = None
+    text: TextConfig | None = None
+    store: Bool = True
+    previous_response_id: str | None = None
+    stream: Bool = False
+    metadata: dict[str, Any] | None = None
+    user: str | None = None
+    reasoning: dict[str, Any] | None = None  # effort: handed to the template as reasoning_effort
+    truncation: Literal["disabled"] | None = None
+
+
+class ResponseStore:
+    """Stored responses and their conversations (chat messages), least recently used out first."""
+
+    def __init__(self, size: int = STORE_SIZE) -> None:
+        self.size = size
+        self._items: OrderedDict[str, tuple[dict, list[dict]]] = OrderedDict()
+
+    def put(self, response: dict, conversation: list[dict]) -> None:
+        """Keep a response and the full conversation that led to and includes it."""
+        self._items[response["id"]] = (response, conversation)
+        self._items.move_to_end(response["id"])
+        while len(self._items) > self.size:
+            self._items.popitem(last=False)
+
+    def get(self, rid: str) -> tuple[dict, list[dict]] | None:
+        """``(response, conversation)`` or ``None``."""
+        item = self._items.get(rid)
+        if item is not None:
+            self._items.move_to_end(rid)
+        return item
+
+    def delete(self, rid: str) -> bool:
+        """Drop a response; False when it was not stored."""
+        return self._items.pop(rid, None) is not None
+
+
+def parse(raw: Any) -> ResponsesRequest:
+    """Validate a raw body.
+
+    Raises:
+        APIError: 400 naming the field.
+    """
+    try:
+        return ResponsesRequest.model_validate(raw)
+    except ValidationError as e:
+        raise validation_error(e) from None
+
+
+def _content_text(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise APIError(400, f"{where}: expected text or a list of content parts", where)
+    out = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in ("input_text", "output_text", "text"):
+            raise APIError(400, f"{where}[{j}].type: only text parts are served, got {kind!r}", f"{where}[{j}].type")
+        out.append(str(part.get("text", "")))
+    return "".join(out)
+
+
+def input_messages(req: ResponsesRequest) -> list[dict]:
+    """The request's own input as chat messages (without instructions or the stored conversation).
+
+    Raises:
+        APIError: 400 for an item of an unknown type or role.
+    """
+    if isinstance(req.input, str):
+        return [{"role": "user", "content": req.input}]
+    msgs: list[dict] = []
+    for i, item in enumerate(req.input):
+        where = f"input[{i}]"
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "assistant", "system", "developer"):
+                raise APIError(400, f"{where}.role: expected user, assistant, system or developer", f"{where}.role")
+            msgs.append({"role": role, "content": _content_text(item.get("content", ""), f"{where}.content")})
+        elif kind == "function_call":
+            call = {"id": item.get("call_id"), "type": "function",
+                    "function": {"name": item.get("name"), "arguments": item.get("arguments", "{}")}}
+            if msgs and msgs[-1]["role"] == "assistant" and "tool_calls" in msgs[-1]:
+                msgs[-1]["tool_calls"].append(call)
+            else:
+                msgs.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            out = item.get("output", "")
+            msgs.append({"role": "tool", "tool_call_id": item.get("call_id"),
+                         "content": out if isinstance(out, str) else json.dumps(out)})
+        elif kind == "reasoning":
+            continue  # earlier reasoning is not shown to the model again
+        else:
+            raise APIError(400, f"{where}.type: unsupported input item {kind!r}", f"{where}.type")
+    return msgs
+
+
+def to_chat(req: ResponsesRequest, history: list[dict]) -> tuple[ChatCompletionRequest, list[dict]]:
+    """The equivalent ``ChatCompletionRequest``, and the conversation it renders (for the store)."""
+    conversation = history + input_messages(req)
+    msgs = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + conversation
+    body: dict = {"model": req.model, "messages": msgs, "max_tokens": req.max_output_tokens, "stream": req.stream,
+                  "temperature": req.temperature, "top_p": req.top_p, "parallel_tool_calls": req.parallel_tool_calls}
+    if req.stream:
+        body["stream_options"] = {"include_usage": True}
+    if req.tools:
+        body["tools"] = [{"type": "function", "function": {"name": t.name, "description": t.description,
+                                                           "parameters": t.parameters}} for t in req.tools]
+    if req.tool_choice is not None:
+        body["tool_choice"] = req.tool_choice if isinstance(req.tool_choice, str) else {
+            "type": "function", "function": {"name": req.tool_choice.name}}
+    fmt = req.text.format if req.text else None
+    if fmt is not None and fmt.type != "text":
+        body["response_format"] = ({"type": "json_object"} if fmt.type == "json_object" else
+                                   {"type": "json_schema", "json_schema": {"name": fmt.name or "response",
+                                                                           "schema": fmt.json_schema,
+                                                                           "strict": fmt.strict}})
+    if req.reasoning and req.reasoning.get("effort"):
+        body["reasoning_effort"] = req.reasoning["effort"]
+    try:
+        chat = ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
+    except ValidationError as e:
+        raise validation_error(e) from None
+    return chat, conversation
+
+
+def _message_item(text: str) -> dict:
+    return {"type": "message", "id": _id("msg"), "status": "completed", "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": []}]}
+
+
+def _reasoning_item(text: str) -> dict:
+    return {"type": "reasoning", "id": _id("rs"), "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}]}
+
+
+def _call_item(call_id: str, name: str, arguments: str) -> dict:
+    return {"type": "function_call", "id": _id("fc"), "call_id": call_id, "name": name, "arguments": arguments,
+            "status": "completed"}
+
+
+def response_object(req: ResponsesRequest, rid: str, model: str, output: list[dict], usage: dict | None,
+                    finish: str | None, status: str = "completed") -> dict:
+    """The ``response`` object (OpenAI's fields)."""
+    incomplete = finish == "length"
+    fmt = req.text.format.model_dump(by_alias=True, exclude_none=True) if req.text and req.text.format else \
+        {"type": "text"}
+    return {"id": rid, "object": "response", "created_at": int(time.time()), "model": model,
+            "status": "incomplete" if incomplete and status == "completed" else status,
+            "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None, "error": None,
+            "instructions": req.instructions, "output": output, "parallel_tool_calls": req.parallel_tool_calls,
+            "previous_response_id": req.previous_response_id, "store": req.store,
+            "temperature": req.temperature, "top_p": req.top_p, "max_output_tokens": req.max_output_tokens,
+            "tool_choice": req.tool_choice if isinstance(req.tool_choice, str) or req.tool_choice is None
+            else req.tool_choice.model_dump(),
+            "tools": [t.model_dump(exclude_none=True) for t in req.tools or []], "text": {"format": fmt},
+            "metadata": req.metadata or {}, "truncation": "disabled",
+            "usage": None if usage is None else {
+                "input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"],
+                "total_tokens": usage["total_tokens"], "input_tokens_details": {"cached_tokens": 0},
+                "output_tokens_details": {"reasoning_tokens": 0}}}
+
+
+def _assistant_turn(output: list[dict]) -> list[dict]:
+    """The chat messages of a response's output (kept for ``previous_response_id``)."""
+    text = "".join(p["text"] for it in output if it["type"] == "message" for p in it["content"])
+    calls = [{"id": it["call_id"], "type": "function", "function": {"name": it["name"], "arguments": it["arguments"]}}
+             for it in output if it["type"] == "function_call"]
+    msg: dict = {"role": "assistant", "content": text}
+    if calls:
+        msg["tool_calls"] = calls
+    return [msg]
+
+
+def output_of(chat: dict) -> tuple[list[dict], str | None]:
+    """Output items from a chat completion response dict, and its finish reason."""
+    choice = chat["choices"][0]
+    msg = choice["message"]
+    out: list[dict] = []
+    if msg.get("reasoning_content"):
+        out.append(_reasoning_item(msg["reasoning_content"]))
+    if msg.get("content"):
+        out.append(_message_item(msg["content"]))
+    for tc in msg.get("tool_calls") or []:
+        out.append(_call_item(tc["id"], tc["function"]["name"], tc["function"]["arguments"]))
+    return out, choice["finish_reason"]
+
+
+def respond(req: ResponsesRequest, chat: dict, conversation: list[dict], model: str, store: ResponseStore) -> dict:
+    """The non-streamed answer (stored when ``store``)."""
+    output, finish = output_of(chat)
+    resp = response_object(req, _id("resp"), model, output, chat["usage"], finish)
+    if req.store:
+        store.put(resp, conversation + _assistant_turn(output))
+    return resp
+
+
+class _Events:
+    """Numbers the streamed events (``sequence_number``) and formats them as SSE."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def __call__(self, kind: str, **data) -> str:
+        body = {"type": kind, "sequence_number": self.n, **data}
+        self.n += 1
+        return f"event: {kind}\ndata: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+async def stream(req: ResponsesRequest, chunks: AsyncIterator[str], conversation: list[dict], model: str,
+                 store: ResponseStore) -> AsyncIterator[str]:
+    """The Responses events from the chat handler's SSE lines (one choice)."""
+    ev = _Events()
+    rid = _id("resp")
+    yield ev("response.created", response=response_object(req, rid, model, [], None, None, "in_progress"))
+    yield ev("response.in_progress", response=response_object(req, rid, model, [], None, None, "in_progress"))
+    output: list[dict] = []
+    open_item: dict | None = None
+    texts: dict[str, str] = {}
+    calls: dict[int, dict] = {}
+    usage, finish = None, None
+
+    def close(item: dict) -> list[str]:
+        idx = output.index(item)
+        out = []
+        if item["type"] in ("message", "reasoning"):
+            text = texts[item["id"]]
+            kind = "output_text" if item["type"] == "message" else "reasoning_text"
+            if item["type"] == "message":
+                item["content"] = [{"type": "output_text", "text": text, "annotations": []}]
+            else:
+                item["content"] = [{"type": "reasoning_text", "text": text}]
+            out.append(ev(f"response.{kind}.done", item_id=item["id"], output_index=idx, content_index=0, text=text))
+            out.append(ev("response.content_part.done", item_id=item["id"], output_index=idx, content_index=0,
+                          part=item["content"][0]))
+        else:
+            out.append(ev("response.function_call_arguments.done", item_id=item["id"], output_index=idx,
+                          arguments=item["arguments"]))
+        item["status"] = "completed"
+        out.append(ev("response.output_item.done", output_index=idx, item=item))
+        return out
+
+    def start(item: dict) -> list[str]:
+        output.append(item)
+        idx = len(output) - 1
+        shown = dict(item, status="in_progress")
+        out = [ev("response.output_item.added", output_index=idx, item=shown)]
+        if item["type"] in ("message", "reasoning"):
+            texts[item["id"]] = ""
+            part = ({"type": "output_text", "text": "", "annotations": []} if item["type"] == "message"
+                    else {"type": "reasoning_text", "text": ""})
+            out.append(ev("response.content_part.added", item_id=item["id"], output_index=idx, content_index=0,
+                          part=part))
+        return out
+
+    async for line in chunks:
+        if not line.startswith("data: ") or line.startswith("data: [DONE]"):
+            continue
+        chunk = json.loads(line[6:])
+        if "error" in chunk:
+            yield ev("error", code=None, message=chunk["error"]["message"], param=None)
+            return
+        if chunk.get("usage"):
+            usage = chunk["usage"]
+        for ch in chunk.get("choices", []):
+            delta = ch.get("delta", {})
+            finish = ch.get("finish_reason") or finish
+            for field, kind in (("reasoning_content", "reasoning"), ("content", "message")):
+                piece = delta.get(field)
+                if not piece:
+                    continue
+                if open_item is None or open_item["type"] != kind:
+                    if open_item is not None:
+                        for e in close(open_item):
+                            yield e
+                    open_item = _message_item("") if kind == "message" else _reasoning_item("")
+                    for e in start(open_item):
+                        yield e
+                texts[open_item["id"]] += piece
+                name = "output_text" if kind == "message" else "reasoning_text"
+                yield ev(f"response.{name}.delta", item_id=open_item["id"], output_index=len(output) - 1,
+                         content_index=0, delta=piece)
+            for tc in delta.get("tool_calls") or []:
+                if tc["index"] not in calls:
+                    if open_item is not None:
+                        for e in close(open_item):
+                            yield e
+                    open_item = calls[tc["index"]] = _call_item(tc["id"], tc["function"]["name"], "")
+                    for e in start(open_item):
+                        yield e
+                piece = tc["function"].get("arguments") or ""
+                if piece:
+                    calls[tc["index"]]["arguments"] += piece
+                    yield ev("response.function_call_arguments.delta", item_id=calls[tc["index"]]["id"],
+                             output_index=output.index(calls[tc["index"]]), delta=piece)
+    if open_item is not None:
+        for e in close(open_item):
+            yield e
+    resp = response_object(req, rid, model, output, usage, finish)
+    if req.store:
+        store.put(resp, conversation + _assistant_turn(output))
+    yield ev("response.completed" if resp["status"] == "completed" else "response.incomplete", response=resp)
