@@ -49,8 +49,6 @@ _SIGNATURES = {
     "pl_apply_bitmask": [_P, _L, _P, _L, _P, _L, _L, _I],
     "pl_qgemm": [_I, _P, _L, _P, _P, _P, _P, _P, _L, _L, _I],
     "pl_qdequant": [_I, _P, _P, _P, _P, _L, _L, _I],
-    "pl_quantize_rows_q8": [_P, _L, _L, _P, _P, _P],
-    "pl_qgemm_i8": [_I, _P, _P, _P, _L, _P, _P, _P, _P, _P, _L, _L, _I],
 }
 QGEMM_MAX_ROWS = 16  # as in cpu_kernels.c
 QUANT_FORMATS = {"Q4_1": 0, "Q8_0": 1, "Q4_0": 2}  # pl_qgemm's fmt codes
@@ -172,28 +170,6 @@ def qgemm(fmt: int, x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch
     y = torch.empty(rows, n, dtype=torch.float32)
     _lib.pl_qgemm(fmt, x.data_ptr(), rows, qs.data_ptr(), d.data_ptr(), _ptr(m), _ptr(bias), y.data_ptr(), n, k,
                   torch.get_num_threads())
-    return y
-
-
-def quantize_rows_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Int8 blocks of ``x`` ``[M, K]`` float32: ``(qx [M, K] int8, dx [M, K/32] scales, sx [M, K/32] block sums)``."""
-    rows, k = x.shape
-    qx = torch.empty(rows, k, dtype=torch.int8)
-    dx = torch.empty(rows, k // 32, dtype=torch.float32)
-    sx = torch.empty_like(dx)
-    _lib.pl_quantize_rows_q8(x.data_ptr(), rows, k, qx.data_ptr(), dx.data_ptr(), sx.data_ptr())
-    return qx, dx, sx
-
-
-def qgemm_i8(fmt: int, xq: tuple[torch.Tensor, torch.Tensor, torch.Tensor], qs: torch.Tensor, d: torch.Tensor,
-             m: torch.Tensor | None, bias: torch.Tensor | None, n: int) -> torch.Tensor:
-    """``x W^T (+ bias)`` from ``quantize_rows_q8(x)`` and a packed GGUF weight, in integer dot products.
-    Returns ``[M, N]`` float32."""
-    qx, dx, sx = xq
-    rows, k = qx.shape
-    y = torch.empty(rows, n, dtype=torch.float32)
-    _lib.pl_qgemm_i8(fmt, qx.data_ptr(), dx.data_ptr(), sx.data_ptr(), rows, qs.data_ptr(), d.data_ptr(), _ptr(m),
-                     _ptr(bias), y.data_ptr(), n, k, torch.get_num_threads())
     return y
 
 

@@ -445,23 +445,6 @@ void pl_apply_bitmask(float *logits, long stride, const int64_t *rows, long R, c
 #define QBLOCK 32
 #define QGEMM_MAX_ROWS 16
 
-static inline void q_unpack(int fmt, const uint8_t *qs, const float *d, const float *mn, long n, long b, long nb,
-                            float *w) {
-    long i = n * nb + b;
-    float s = d[i];
-    if (fmt == 1) {
-        const int8_t *q = (const int8_t *)qs + i * QBLOCK;
-        for (int j = 0; j < QBLOCK; j++) w[j] = (float)q[j] * s;
-        return;
-    }
-    const uint8_t *q = qs + i * (QBLOCK / 2);
-    float off = fmt == 0 ? mn[i] : -8.0f * s;
-    for (int j = 0; j < QBLOCK / 2; j++) {
-        w[j] = (float)(q[j] & 15) * s + off;
-        w[j + QBLOCK / 2] = (float)(q[j] >> 4) * s + off;
-    }
-}
-
 static inline float hsum(vec v) {
     float t[VEC_LEN];
     memcpy(t, &v, sizeof v);
@@ -579,70 +562,9 @@ void pl_qdequant(int fmt, const uint8_t *qs, const float *d, const float *mn, fl
     long nb = K / QBLOCK;
     #pragma omp parallel for num_threads(nt) schedule(static)
     for (long n = 0; n < N; n++)
-        for (long b = 0; b < nb; b++) q_unpack(fmt, qs, d, mn, n, b, nb, out + n * K + b * QBLOCK);
-}
-
-/* Int8 activations (llama.cpp's scheme): each 32-block of a row of x is quantized to int8 with its
- * own scale (dx = max|x| / 127), the block dot products run in integers (they vectorize exactly,
- * unlike float reductions without -ffast-math), and y += d_w dx sum(q_w q_x) (+ m_w sum(x) for Q4_1,
- * with sum(x) in float). Faster, and not bit-equal to the float32 path: checked by perplexity. */
-void pl_quantize_rows_q8(const float *x, long M, long K, int8_t *qx, float *dx, float *sx) {
-    long nb = K / QBLOCK;
-    for (long r = 0; r < M; r++)
         for (long b = 0; b < nb; b++) {
-            const float *v = x + r * K + b * QBLOCK;
-            float amax = 0.0f, s = 0.0f;
-            for (int j = 0; j < QBLOCK; j++) {
-                float a = fabsf(v[j]);
-                amax = a > amax ? a : amax;
-                s += v[j];
-            }
-            float scale = amax / 127.0f, inv = scale > 0.0f ? 1.0f / scale : 0.0f;
-            int8_t *q = qx + r * K + b * QBLOCK;
-            for (int j = 0; j < QBLOCK; j++) q[j] = (int8_t)lrintf(v[j] * inv);
-            dx[r * nb + b] = scale;
-            sx[r * nb + b] = s;
+            vec w[QBLOCK / VEC_LEN];
+            q_unpack_vec(fmt, qs, d, mn, n * nb + b, w);
+            memcpy(out + n * K + b * QBLOCK, w, sizeof w);
         }
-}
-
-static inline int32_t dot_q4(const uint8_t *qw, const int8_t *qx) {
-    int32_t s = 0;
-    for (int j = 0; j < QBLOCK / 2; j++) s += (int32_t)(qw[j] & 15) * qx[j] + (int32_t)(qw[j] >> 4) * qx[j + 16];
-    return s;
-}
-
-static inline int32_t dot_q8(const int8_t *qw, const int8_t *qx) {
-    int32_t s = 0;
-    for (int j = 0; j < QBLOCK; j++) s += (int32_t)qw[j] * qx[j];
-    return s;
-}
-
-static inline int32_t sum_q8(const int8_t *qx) {
-    int32_t s = 0;
-    for (int j = 0; j < QBLOCK; j++) s += qx[j];
-    return s;
-}
-
-void pl_qgemm_i8(int fmt, const int8_t *qx, const float *dx, const float *sx, long M, const uint8_t *qs,
-                 const float *d, const float *mn, const float *bias, float *y, long N, long K, int nt) {
-    long nb = K / QBLOCK;
-    #pragma omp parallel for num_threads(nt) schedule(static)
-    for (long n = 0; n < N; n++) {
-        for (long r = 0; r < M; r++) {
-            const int8_t *xr = qx + r * K;
-            float acc = 0.0f;
-            for (long b = 0; b < nb; b++) {
-                long i = n * nb + b;
-                float xs = dx[r * nb + b];
-                if (fmt == 1) {
-                    acc += d[i] * xs * (float)dot_q8((const int8_t *)qs + i * QBLOCK, xr + b * QBLOCK);
-                } else {
-                    int32_t dot = dot_q4(qs + i * (QBLOCK / 2), xr + b * QBLOCK);
-                    if (fmt == 0) acc += d[i] * xs * (float)dot + mn[i] * sx[r * nb + b];
-                    else acc += d[i] * xs * (float)(dot - 8 * sum_q8(xr + b * QBLOCK));
-                }
-            }
-            y[r * N + n] = acc + (bias ? bias[n] : 0.0f);
-        }
-    }
 }
