@@ -158,7 +158,10 @@ def to_chat(req: MessagesRequest) -> ChatCompletionRequest:
         body["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}.get(
             tc.type, {"type": "function", "function": {"name": tc.name}})
         body["parallel_tool_calls"] = not tc.disable_parallel_tool_use
-    return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
+    try:
+        return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
+    except ValidationError as e:
+        raise validation_error(e) from None
 
 
 def _stop_reason(finish: str | None, stop_reason, called: bool) -> tuple[str, str | None]:
@@ -194,8 +197,17 @@ def _event(name: str, data: dict) -> str:
     return f"event: {name}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-async def stream_of(chunks: AsyncIterator[str], model: str) -> AsyncIterator[str]:
-    """Anthropic's streaming events from the chat handler's SSE lines (one choice)."""
+async def stream_of(chunks, model: str) -> AsyncIterator[str]:
+    """Anthropic's streaming events from the chat handler's SSE lines (one choice). Closing this
+    closes ``chunks`` (a ``HeldStream``: its engine request is aborted, its admission released)."""
+    try:
+        async for event in _events_of(chunks, model):
+            yield event
+    finally:
+        await chunks.aclose()
+
+
+async def _events_of(chunks: AsyncIterator[str], model: str) -> AsyncIterator[str]:
     mid = f"msg_{uuid.uuid4().hex[:24]}"
     yield _event("message_start", {"type": "message_start", "message": {
         "id": mid, "type": "message", "role": "assistant", "model": model, "content": [], "stop_reason": None,

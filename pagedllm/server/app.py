@@ -201,6 +201,7 @@ def build_app(llm: AsyncLLM, model_name: str, chat_template: str | None = None, 
     metrics = ServerMetrics(llm, model_name, rejections)
     app.state.llm = llm
     app.state.metrics = metrics
+    app.state.admission = ctx.admission  # for tests: requests in flight must come back to 0
     # innermost first: the catch-all sees what the routes raise; the body limit runs before any
     # handler reads a byte; the key check before that, so that an unknown client costs nothing
     app.add_middleware(CatchAllMiddleware)

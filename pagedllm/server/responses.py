@@ -284,9 +284,19 @@ class _Events:
         return f"event: {kind}\ndata: {json.dumps(body, ensure_ascii=False)}\n\n"
 
 
-async def stream(req: ResponsesRequest, chunks: AsyncIterator[str], conversation: list[dict], model: str,
+async def stream(req: ResponsesRequest, chunks, conversation: list[dict], model: str,
                  store: ResponseStore) -> AsyncIterator[str]:
-    """The Responses events from the chat handler's SSE lines (one choice)."""
+    """The Responses events from the chat handler's SSE lines (one choice). Closing this closes
+    ``chunks`` (a ``HeldStream``: its engine request is aborted, its admission released)."""
+    try:
+        async for event in _events(req, chunks, conversation, model, store):
+            yield event
+    finally:
+        await chunks.aclose()
+
+
+async def _events(req: ResponsesRequest, chunks: AsyncIterator[str], conversation: list[dict], model: str,
+                  store: ResponseStore) -> AsyncIterator[str]:
     ev = _Events()
     rid = _id("resp")
     yield ev("response.created", response=response_object(req, rid, model, [], None, None, "in_progress"))

@@ -209,7 +209,12 @@ def stack(smollm2_tokenizer):
             scripted.set(ids)  # one reference swap: the engine thread never sees half a script
             return ids
 
-        yield SimpleNamespace(llm=llm, url=url, script=script, tokenizer=smollm2_tokenizer)
+        def app_of(reasoning: str | None = None, tools: str | None = None, auto: bool = True,
+                   template: str | None = None):
+            url(reasoning, tools, auto, template)
+            return servers[(reasoning, tools, auto, template)].server.config.app
+
+        yield SimpleNamespace(llm=llm, url=url, script=script, tokenizer=smollm2_tokenizer, app_of=app_of)
     finally:
         for s in servers.values():
             s.stop()
@@ -547,6 +552,26 @@ def test_two_choices_each_parse_their_own_calls(stack):
 
 
 # ---------------------------------------------------------------- API rules
+
+
+def test_streams_of_the_other_apis_release_their_requests(stack):
+    """Streamed Messages and Responses answers, read to the end or dropped early, give back their
+    admission slots and engine requests (the wrapped chat stream is closed)."""
+    stack.script("Paris is the capital of France, a city of many bridges and museums.")
+    url, app = stack.url(), stack.app_of()
+    body = {"model": MODEL, "max_tokens": 40, "messages": [{"role": "user", "content": "Capital?"}], "stream": True}
+    for path, payload in (("/v1/messages", body),
+                          ("/v1/responses", {"model": MODEL, "input": "Capital?", "max_output_tokens": 40,
+                                             "stream": True})):
+        with httpx.stream("POST", url + path, json=payload, timeout=60) as r:
+            assert r.status_code == 200
+            assert sum(1 for _ in r.iter_lines()) > 5  # read to the end
+        with httpx.stream("POST", url + path, json=payload, timeout=60) as r:
+            next(r.iter_lines())  # dropped after the first line
+    deadline = time.monotonic() + 30
+    while app.state.admission.in_flight and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert app.state.admission.in_flight == 0
 
 
 def test_named_tool_choice_must_name_a_given_tool(stack):
