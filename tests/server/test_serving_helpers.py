@@ -86,7 +86,7 @@ def test_response_bodies_keep_openai_shapes():
         ChatChunkChoice(index=0, delta=DeltaMessageOut(content="hi"))])
     assert chunk.model_dump() == {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m",
                                   "choices": [{"index": 0, "delta": {"content": "hi"}, "logprobs": None,
-                                               "finish_reason": None}]}
+                                               "finish_reason": None, "stop_reason": None}]}
     usage = ChatCompletionChunk(id="c", created=1, model="m", choices=[], usage=UsageInfo.of(3, 4)).model_dump()
     assert usage["choices"] == [] and usage["usage"] == {"prompt_tokens": 3, "completion_tokens": 4,
                                                          "total_tokens": 7}
