@@ -199,7 +199,7 @@ class OpenAIServingChat(OpenAIServingBase):
             parsers = [make_parser(**prep.extra) if prep.extra else None for _ in prep.requests]
             return self._chat_stream(rid, merged, prep.requests[0].num_prompt_tokens,
                                      bool(opts and opts.include_usage), params.logprobs, parsers,
-                                     bool(opts and opts.continuous_usage_stats))
+                                     bool(opts and opts.include_usage and opts.continuous_usage_stats))
 
         def respond(prep: Prepared, choices: list[Choice]) -> dict:
             return self._response(rid, prep, choices, params.logprobs).model_dump()

@@ -82,7 +82,8 @@ class OpenAIServingCompletion(OpenAIServingBase):
         offsets = [0] * len(echo)   # characters covered by the tokens sent so far per choice (text_offset)
         started = [False] * len(echo)
 
-        continuous = bool(body.stream_options and body.stream_options.continuous_usage_stats)
+        opts = body.stream_options  # as vLLM: continuous usage only together with include_usage
+        continuous = bool(opts and opts.include_usage and opts.continuous_usage_stats)
 
         def chunk(i: int, text: str, finish: str | None, logprobs=None) -> CompletionResponse:
             # continuous_usage_stats (vLLM's): every chunk carries the usage so far

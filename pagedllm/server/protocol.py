@@ -48,7 +48,8 @@ def random_id(prefix: str) -> str:
 
 class StreamOptions(BaseModel):
     """``stream_options`` of a streamed request: ``include_usage`` (a last chunk with the usage),
-    ``continuous_usage_stats`` (vLLM's: every chunk carries the usage so far, cumulative)."""
+    ``continuous_usage_stats`` (vLLM's: with ``include_usage``, every chunk carries the usage so far,
+    cumulative)."""
 
     include_usage: Bool | None = False
     continuous_usage_stats: Bool | None = False

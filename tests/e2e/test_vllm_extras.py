@@ -57,8 +57,12 @@ def test_continuous_usage_stats(server_url, served_model):
     assert all(u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"] for u in usages)
     cmpl = events(server_url, "/v1/completions", {"model": served_model, "prompt": "1, 2, 3,", "max_tokens": 6,
                                                   "ignore_eos": True, "temperature": 0,
-                                                  "stream_options": {"continuous_usage_stats": True}})
+                                                  "stream_options": {"include_usage": True,
+                                                                     "continuous_usage_stats": True}})
     assert all("usage" in e for e in cmpl) and cmpl[-1]["usage"]["completion_tokens"] == 6
+    alone = events(server_url, "/v1/completions", {"model": served_model, "prompt": "1, 2, 3,", "max_tokens": 3,
+                                                   "stream_options": {"continuous_usage_stats": True}})
+    assert not any("usage" in e for e in alone)  # as vLLM: only together with include_usage
 
 
 def test_prompt_logprobs(server_url, served_model):
