@@ -63,6 +63,8 @@ class SchedulerStats(_Indexable):
         num_prompt_tokens, num_generation_tokens: token totals so far.
         num_steps: steps applied so far; max_num_running: most requests in one step.
         cpu_kernels: whether steps use the C CPU kernels.
+        weight_formats: layers per weight format, e.g. ``{"Q4_1": 120, "Q8_0": 1}`` with
+            ``quantization="gguf"``; empty when every weight is in the model's dtype.
         step_timings: the per-phase times.
         core_pid: the core process's pid (``None`` in process).
     """
@@ -80,6 +82,7 @@ class SchedulerStats(_Indexable):
     num_steps: int = 0
     max_num_running: int = 0
     cpu_kernels: bool = False
+    weight_formats: dict[str, int] = msgspec.field(default_factory=dict)
     step_timings: StepTimings = msgspec.field(default_factory=StepTimings)
     core_pid: int | None = None
 

@@ -130,6 +130,7 @@ class EngineCore:
         # whether steps use the C CPU kernels, as chosen once at load with the attention backend
         # (reported in the stats: a served core logs in its own process)
         self.cpu_kernels = self.runner.attention_backend.uses_cpu_kernels
+        self.weight_formats = dict(getattr(self.runner.model, "quantization", None) or {})
         self._tokenizer_path = args.tokenizer or model_dir
         self._structured: StructuredOutputManager | None = None  # made with the first constrained request
 
@@ -260,4 +261,5 @@ class EngineCore:
                               num_prompt_tokens=self.num_prompt_tokens,
                               num_generation_tokens=self.num_generation_tokens, num_steps=self.num_steps,
                               max_num_running=self.max_num_running, cpu_kernels=self.cpu_kernels,
+                              weight_formats=self.weight_formats,
                               step_timings=self.timer.summary())

@@ -84,6 +84,7 @@ def test_served_greedy_tokens_equal_the_dequantized_model(kernels):
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     packed = LLM(quantization="gguf", num_kv_blocks=64)
     assert packed.llm_engine.runner.model.quantization == {"Q4_1": 120, "Q8_0": 1}
+    assert packed.llm_engine.get_stats().weight_formats == {"Q4_1": 120, "Q8_0": 1}  # /stats shows it
     got = [o.outputs[0].token_ids for o in packed.generate(prompts, params, use_tqdm=False)]
     del packed
     ref = LLM(quantization="none", num_kv_blocks=64)
