@@ -22,7 +22,8 @@ from typing import Callable
 
 from pagedllm.parsers.delta import DeltaMessage, DeltaToolCall, ParsedMessage, ToolCall
 from pagedllm.parsers.reasoning import REASONING_PARSERS, ReasoningParser
-from pagedllm.parsers.tools import TOOL_PARSERS, CallState, ForcedFunctionParser, ToolParser
+from pagedllm.parsers.forced import ForcedFunctionParser
+from pagedllm.parsers.tools import TOOL_PARSERS, CallState, ToolParser
 
 logger = logging.getLogger(__name__)
 
