@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 
-from pagedllm.config import EngineArgs
+from pagedllm.config import QUANTIZATIONS, EngineArgs
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -39,9 +39,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="reuse cached KV blocks of shared prefixes (--no-enable-prefix-caching turns it off)")
     p.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling")
     p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
-    p.add_argument("--quantization", choices=["auto", "gguf", "none"], default="auto",
-                   help="gguf: serve a GGUF's Q4_0/Q4_1/Q8_0 blocks packed (C kernels); none: dequantize to "
-                        "--dtype; auto (default): none for now")
+    p.add_argument("--quantization", choices=list(QUANTIZATIONS), default="auto",
+                   help="gguf: serve a GGUF's blocks packed (C kernels); int8: int8 weights per output channel; "
+                        "none: dequantize to --dtype; auto (default): gguf for a GGUF model, else none")
     p.add_argument("--model-impl", choices=["auto", "native", "transformers"], default="auto",
                    help="native implementation, the Transformers backend, or auto (native when one exists)")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,

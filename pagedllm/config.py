@@ -64,6 +64,9 @@ def parse_dtype(value: str | torch.dtype) -> torch.dtype:
         raise ValueError(f"unknown dtype {value!r}; choose from {sorted(set(_DTYPES))}") from None
 
 
+QUANTIZATIONS = ("auto", "gguf", "int8", "none")  # EngineArgs.quantization / --quantization
+
+
 @dataclass
 class EngineArgs:
     """Every knob of the engine, with vLLM's names and (CPU-appropriate) defaults.
@@ -90,12 +93,13 @@ class EngineArgs:
             token ids with empty text; chat, text prompts, stop strings and structured outputs
             are then refused. A model directory without tokenizer files needs it.
         num_threads: torch intra-op threads (default: torch's choice).
-        quantization: how a GGUF model's weights are served (vLLM's ``--quantization``):
-            ``gguf`` keeps the file's Q4_0 / Q4_1 / Q8_0 blocks packed and multiplies them with
-            the C kernels (``models/quant_linear.py``; other formats and layers stay float32);
-            ``none`` dequantizes everything into ``dtype`` (the float32 reference);
-            ``auto`` (the default) is ``none`` for now: the packed kernels do not yet beat the
-            float32 path's decode speed on every CPU (measured in ``benchmarks/quantized.py``).
+        quantization: how the weights are served (vLLM's ``--quantization``): ``gguf`` keeps a GGUF
+            file's blocks packed (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) and multiplies them
+            with the C kernels (``models/quant_linear.py``; layers of other formats stay float32);
+            ``int8`` quantizes a float model's linear layers to int8 per output channel through the
+            same kernels; ``none`` dequantizes everything into ``dtype`` (the float32 reference);
+            ``auto`` (the default) is ``gguf`` for a GGUF-born model served natively with the C
+            kernels, as llama.cpp, ollama and vLLM keep a GGUF's quantization, else ``none``.
         model_impl: ``auto`` (native when one exists, else the Transformers backend),
             ``native`` or ``transformers`` (vLLM's ``--model-impl``).
         enable_multiprocessing: run the engine core (scheduler, KV cache, model) in its own
@@ -141,8 +145,8 @@ class EngineArgs:
             self.enable_multiprocessing = os.environ.get("PAGEDLLM_ENABLE_MULTIPROCESSING", "0") == "1"
         if self.async_scheduling is None:
             self.async_scheduling = os.environ.get("PAGEDLLM_ASYNC_SCHEDULING", "1") == "1"
-        if self.quantization not in ("auto", "gguf", "none"):
-            raise ValueError(f"quantization must be auto, gguf or none, got {self.quantization!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         if self.model_impl not in ("auto", "native", "transformers"):
             raise ValueError(f"model_impl must be auto, native or transformers, got {self.model_impl!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

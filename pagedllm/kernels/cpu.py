@@ -51,7 +51,7 @@ _SIGNATURES = {
     "pl_qdequant": [_I, _P, _P, _P, _P, _L, _L, _I],
 }
 QGEMM_MAX_ROWS = 16  # as in cpu_kernels.c
-QUANT_FORMATS = {"Q4_1": 0, "Q8_0": 1, "Q4_0": 2}  # pl_qgemm's fmt codes
+QUANT_LAYOUTS = {"U4M": 0, "S8": 1, "U4": 2, "S8H": 3, "S8M": 4}  # pl_qgemm's layout codes (models/gguf_blocks.py)
 _lib: ctypes.CDLL | None = None
 _tried = False
 
@@ -158,10 +158,10 @@ def qgemm(fmt: int, x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch
     """``x W^T (+ bias)`` with a packed GGUF weight (layouts in ``cpu_kernels.c``).
 
     Args:
-        fmt: ``QUANT_FORMATS`` code.
+        fmt: ``QUANT_LAYOUTS`` code.
         x: ``[M, K]`` float32, contiguous, ``M <= QGEMM_MAX_ROWS``.
-        qs: packed quants (uint8 / int8); d, m: ``[N, K / 32]`` float32 scales and mins (``m``
-            only for Q4_1); bias: ``[N]`` float32 or ``None``.
+        qs: packed quants (uint8 / int8); d, m: ``[N, K / 32]`` (``[N, K / 16]`` for ``S8H``) float32
+            scales and mins (``m`` only for ``U4M`` and ``S8M``); bias: ``[N]`` float32 or ``None``.
         n: output features ``N``.
     Returns:
         ``[M, N]`` float32.

@@ -434,13 +434,15 @@ void pl_apply_bitmask(float *logits, long stride, const int64_t *rows, long R, c
 }
 
 /* ---- GGUF quantized weights, kept packed (issue 18) ----------------------------------------
- * Layout after the load-time repack (models/quant_linear.py), per weight matrix [N, K], K % 32 == 0,
- * blocks of 32 weights along K:
- *   fmt 0, Q4_1: qs uint8 [N, K/2] (block b of row n: 16 bytes, byte j = weight j (low nibble) and
- *                weight j + 16 (high nibble), GGUF's order), d, m float32 [N, K/32]: w = q * d + m;
- *   fmt 1, Q8_0: qs int8 [N, K], d float32 [N, K/32]: w = q * d;
- *   fmt 2, Q4_0: as Q4_1 without m: w = (q - 8) * d.
- * Activations stay float32: each block is dequantized into registers and multiplied in float32,
+ * Layouts after the load-time repack (models/gguf_blocks.py), per weight matrix [N, K], K % 32 == 0,
+ * groups of 32 weights along K unless said:
+ *   0 U4M: qs uint8 [N, K/2] (group b of row n: 16 bytes, byte j = weight j (low nibble) and
+ *          weight j + 16 (high nibble), GGUF's order), d, m float32 [N, K/32]: w = q * d + m (Q4_1, Q4_K);
+ *   1 S8:  qs int8 [N, K], d float32 [N, K/32]: w = q * d (Q8_0, Q5_0, int8 per channel);
+ *   2 U4:  as U4M without m: w = (q - 8) * d (Q4_0);
+ *   3 S8H: qs int8 [N, K], d float32 [N, K/16] (groups of 16): w = q * d (Q6_K);
+ *   4 S8M: qs int8 [N, K], d, m float32 [N, K/32]: w = q * d + m (Q5_1, Q5_K).
+ * Activations stay float32: each group is dequantized into registers and multiplied in float32,
  * so results equal gguf's dequantization followed by a float32 matmul up to rounding. */
 #define QBLOCK 32
 #define QGEMM_MAX_ROWS 16
@@ -489,12 +491,21 @@ static inline vec i32_to_f(i32v v) {
 
 /* the QBLOCK weights of block i as QBLOCK / VEC_LEN vectors, in order */
 static inline void q_unpack_vec(int fmt, const uint8_t *qs, const float *d, const float *mn, long i, vec *w) {
-    vec dv = (vec){} + d[i];
-    if (fmt == 1) {
+    if (fmt == 1 || fmt == 3 || fmt == 4) {
         const int8_t *q = (const int8_t *)qs + i * QBLOCK;
-        for (int c = 0; c < QBLOCK / VEC_LEN; c++) w[c] = widen_s8(q + c * VEC_LEN) * dv;
+        if (fmt == 1) {
+            vec dv = (vec){} + d[i];
+            for (int c = 0; c < QBLOCK / VEC_LEN; c++) w[c] = widen_s8(q + c * VEC_LEN) * dv;
+        } else if (fmt == 3) { /* S8H: two scales per block, one per 16 weights */
+            for (int c = 0; c < QBLOCK / VEC_LEN; c++)
+                w[c] = widen_s8(q + c * VEC_LEN) * ((vec){} + d[2 * i + c * VEC_LEN / 16]);
+        } else {
+            vec dv = (vec){} + d[i], off = (vec){} + mn[i];
+            for (int c = 0; c < QBLOCK / VEC_LEN; c++) w[c] = widen_s8(q + c * VEC_LEN) * dv + off;
+        }
         return;
     }
+    vec dv = (vec){} + d[i];
     const uint8_t *q = qs + i * (QBLOCK / 2);
     vec off = (vec){} + (fmt == 0 ? mn[i] : -8.0f * d[i]);
     for (int c = 0; c < QBLOCK / 2 / VEC_LEN; c++) {
@@ -537,23 +548,42 @@ void pl_qgemm(int fmt, const float *x, long M, const uint8_t *qs, const float *d
         }
         return;
     }
-    /* M > 1: groups of QROWS rows with a constant trip count (accumulators in registers); a short
-     * last group repeats its first row in the spare lanes and drops those results */
-    #pragma omp parallel for num_threads(nt) schedule(static)
-    for (long n = 0; n < N; n++) {
-        vec w[QBLOCK / VEC_LEN];
-        for (long r0 = 0; r0 < M; r0 += QROWS) {
-            long rc = M - r0 < QROWS ? M - r0 : QROWS;
-            const float *xr[QROWS];
-            for (int j = 0; j < QROWS; j++) xr[j] = x + (r0 + (j < rc ? j : 0)) * K;
-            vec acc[QROWS] = {};
-            for (long b = 0; b < nb; b++) {
-                q_unpack_vec(fmt, qs, d, mn, n * nb + b, w);
-                for (int c = 0; c < QBLOCK / VEC_LEN; c++)
-                    for (int j = 0; j < QROWS; j++) acc[j] += w[c] * load_vec(xr[j] + b * QBLOCK + c * VEC_LEN);
+    /* M > 1: tiles of QTILE weight rows are dequantized once into a per-thread float32 buffer (L1/L2
+     * sized), then multiplied by groups of QROWS input rows: QTILE x QROWS accumulators in registers,
+     * each loaded weight and input vector used QROWS / QTILE times. A short last group repeats its
+     * first row in the spare lanes and drops those results. */
+    long tiles = (N + QTILE - 1) / QTILE;
+    #pragma omp parallel num_threads(nt)
+    {
+        float *wb = malloc(sizeof(float) * QTILE * K);
+        #pragma omp for schedule(static)
+        for (long t = 0; t < tiles; t++) {
+            long n0 = t * QTILE, nc = N - n0 < QTILE ? N - n0 : QTILE;
+            for (long j = 0; j < QTILE; j++) /* a short last tile repeats its last row */
+                for (long b = 0; b < nb; b++) {
+                    vec w[QBLOCK / VEC_LEN];
+                    q_unpack_vec(fmt, qs, d, mn, (n0 + (j < nc ? j : nc - 1)) * nb + b, w);
+                    memcpy(wb + j * K + b * QBLOCK, w, sizeof w);
+                }
+            for (long r0 = 0; r0 < M; r0 += QROWS) {
+                long rc = M - r0 < QROWS ? M - r0 : QROWS;
+                const float *xr[QROWS];
+                for (int i = 0; i < QROWS; i++) xr[i] = x + (r0 + (i < rc ? i : 0)) * K;
+                vec acc[QTILE][QROWS] = {};
+                for (long k = 0; k < K; k += VEC_LEN) {
+                    vec xv[QROWS];
+                    for (int i = 0; i < QROWS; i++) xv[i] = load_vec(xr[i] + k);
+                    for (int j = 0; j < QTILE; j++) {
+                        vec wv = load_vec(wb + j * K + k);
+                        for (int i = 0; i < QROWS; i++) acc[j][i] += wv * xv[i];
+                    }
+                }
+                for (long i = 0; i < rc; i++)
+                    for (long j = 0; j < nc; j++)
+                        y[(r0 + i) * N + n0 + j] = hsum(acc[j][i]) + (bias ? bias[n0 + j] : 0.0f);
             }
-            for (long j = 0; j < rc; j++) y[(r0 + j) * N + n] = hsum(acc[j]) + (bias ? bias[n] : 0.0f);
         }
+        free(wb);
     }
 }
 

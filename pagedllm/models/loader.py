@@ -289,7 +289,7 @@ def _write_model(gguf_path: Path, out: Path) -> None:
     _write_tokenizer_files(gguf_path, out, config, template)
 
 
-def _record_source(target: Path, gguf_path: Path) -> None:
+def record_gguf_source(target: Path, gguf_path: Path) -> None:
     """Note in a converted directory which GGUF it came from (``quantization`` serves its blocks)."""
     from pagedllm.models.quant_linear import SOURCE_FILE
     marker = target / SOURCE_FILE
@@ -337,7 +337,7 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike | None
                              f"{expected_sha256}, got {digest}")
     target = Path(out_dir).expanduser() if out_dir is not None else cache_root() / "gguf" / digest
     if is_converted(target):
-        _record_source(target, gguf_path)
+        record_gguf_source(target, gguf_path)
         return target
 
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -361,5 +361,5 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike | None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     logger.info("Converted %s in %.1f s", gguf_path.name, time.perf_counter() - start)
-    _record_source(target, gguf_path)
+    record_gguf_source(target, gguf_path)
     return target

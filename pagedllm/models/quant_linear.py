@@ -1,25 +1,23 @@
-"""Linear layers that keep a GGUF file's quantized blocks (Q4_0, Q4_1, Q8_0) packed in memory.
+"""Linear layers that keep quantized weights packed in memory: a GGUF file's blocks
+(Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) or int8 per output channel.
 
 A GGUF-born model (its converted directory records the source file in ``gguf_source.json``)
 served with ``quantization`` ``auto`` or ``gguf`` replaces each linear layer whose GGUF tensors
-share one of these formats with a ``GGUFLinear``: the blocks are repacked once at load (quants,
-scales and mins apart, rows in the order our fused layers use) and multiplied by the C kernels
+decode into one kernel layout (``gguf_blocks``) with a ``GGUFLinear``; ``int8`` quantizes any
+float model's linear layers per output channel into the same layout as Q8_0. The blocks are
+repacked once at load (rows in the order our fused layers use) and multiplied by the C kernels
 (``kernels.cpu.qgemm``): up to ``QGEMM_MAX_ROWS`` input rows read the packed bytes directly
-(decode reads about a quarter of the float32 bytes for Q4_1), more rows multiply a float32
+(decode reads a quarter to a third of the float32 bytes), more rows multiply a float32
 dequantization of the weight (prefill is compute-bound; the float32 copy lives only during the
 call). Activations stay float32, so outputs equal gguf's dequantization followed by a float32
-matmul up to rounding. Other formats (the K-quants) keep the float32 path for now.
-
-Block layouts follow ``gguf.quants`` (llama.cpp's ``ggml-common.h``): Q4_0 is an fp16 scale and
-16 bytes of nibbles per 32 weights, ``w = (q - 8) d``; Q4_1 adds an fp16 min, ``w = q d + m``;
-Q8_0 is an fp16 scale and 32 int8, ``w = q d``. In each nibble byte ``j`` the low half is weight
-``j`` and the high half weight ``j + 16``.
+matmul up to rounding.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -28,11 +26,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.kernels import cpu as cpu_kernels
+from pagedllm.models.gguf_blocks import GGUF_LAYOUT, quantize_int8, repack
 
 logger = logging.getLogger(__name__)
 
 SOURCE_FILE = "gguf_source.json"  # written into a converted directory: the GGUF it came from
-_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 
 
 def gguf_source(model_dir: str | Path) -> Path | None:
@@ -45,49 +43,22 @@ def gguf_source(model_dir: str | Path) -> Path | None:
     return src if src.is_file() else None
 
 
-def repack(kind: str, raw: np.ndarray, n: int, k: int) -> dict[str, torch.Tensor]:
-    """Split GGUF blocks into the kernels' arrays.
-
-    Args:
-        kind: ``Q4_0``, ``Q4_1`` or ``Q8_0``.
-        raw: the tensor's bytes, ``n * k / 32`` blocks (uint8, any shape).
-        n, k: rows (output features) and columns (input features, a multiple of 32).
-    Returns:
-        ``{"qs": [n, k/2] uint8 or [n, k] int8, "d": [n, k/32] float32, "m": [n, k/32] float32 (Q4_1)}``.
-    Raises:
-        ValueError: a size that does not match the format.
-    """
-    nb = k // 32
-    blocks = np.asarray(raw, dtype=np.uint8).reshape(-1)
-    if k % 32 or blocks.size != n * nb * _BLOCK_BYTES[kind]:
-        raise ValueError(f"{kind} tensor of {blocks.size} bytes is not [{n}, {k}]")
-    blocks = blocks.reshape(n, nb, _BLOCK_BYTES[kind])
-    out = {"d": torch.from_numpy(blocks[:, :, 0:2].copy().view(np.float16).astype(np.float32).reshape(n, nb))}
-    if kind == "Q4_1":
-        out["m"] = torch.from_numpy(blocks[:, :, 2:4].copy().view(np.float16).astype(np.float32).reshape(n, nb))
-        out["qs"] = torch.from_numpy(np.ascontiguousarray(blocks[:, :, 4:]).reshape(n, nb * 16))
-    elif kind == "Q4_0":
-        out["qs"] = torch.from_numpy(np.ascontiguousarray(blocks[:, :, 2:]).reshape(n, nb * 16))
-    else:
-        out["qs"] = torch.from_numpy(np.ascontiguousarray(blocks[:, :, 2:]).view(np.int8).reshape(n, nb * 32))
-    return out
-
-
 class GGUFLinear(nn.Module):
     """``y = x W^T + b`` with ``W`` kept as packed GGUF blocks.
 
     Args:
-        kind: ``Q4_0``, ``Q4_1`` or ``Q8_0``.
+        layout: a ``gguf_blocks`` layout name (``U4M``, ``S8``, ``U4``, ``S8H``, ``S8M``).
         packed: ``repack``'s arrays (rows already in this layer's order).
         n, k: output and input features.
         bias: ``[n]`` float32 or ``None``.
+        kind: what the weights came from (``Q4_K``, ``Q5_0+Q8_0``, ``int8``), for logs and ``/stats``.
     Shapes: ``x`` ``[..., k]`` float32 -> ``[..., n]`` float32.
     """
 
-    def __init__(self, kind: str, packed: dict[str, torch.Tensor], n: int, k: int,
-                 bias: torch.Tensor | None = None) -> None:
+    def __init__(self, layout: str, packed: dict[str, torch.Tensor], n: int, k: int,
+                 bias: torch.Tensor | None = None, kind: str | None = None) -> None:
         super().__init__()
-        self.kind, self.fmt = kind, cpu_kernels.QUANT_FORMATS[kind]
+        self.layout, self.kind, self.fmt = layout, kind or layout, cpu_kernels.QUANT_LAYOUTS[layout]
         self.qs, self.d, self.m = packed["qs"], packed["d"], packed.get("m")
         self.out_features, self.in_features = n, k
         self.bias = bias
@@ -99,9 +70,9 @@ class GGUFLinear(nn.Module):
         """Bytes of the packed weight."""
         return sum(t.numel() * t.element_size() for t in (self.qs, self.d, self.m) if t is not None)
 
-    def dequantize(self) -> torch.Tensor:
-        """The ``[n, k]`` float32 weight."""
-        return cpu_kernels.qdequant(self.fmt, self.qs, self.d, self.m, self.out_features, self.in_features)
+    def dequantize(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The ``[n, k]`` float32 weight (into ``out`` when given)."""
+        return cpu_kernels.qdequant(self.fmt, self.qs, self.d, self.m, self.out_features, self.in_features, out)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[..., k]`` -> ``[..., n]`` (leading dimensions flattened into rows)."""
@@ -109,7 +80,34 @@ class GGUFLinear(nn.Module):
             return self.forward(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], self.out_features)
         if x.shape[0] <= cpu_kernels.QGEMM_MAX_ROWS:
             return cpu_kernels.qgemm(self.fmt, x.contiguous(), self.qs, self.d, self.m, self.bias, self.out_features)
-        return F.linear(x, self.dequantize(), self.bias)
+        # prefill: dequantize row chunks of at most _CHUNK floats into a reused buffer, multiply each
+        n, k = self.out_features, self.in_features
+        step = max(16, _CHUNK // k)
+        if step >= n:
+            return F.linear(x, self.dequantize(_scratch(n * k).view(n, k)), self.bias)
+        y = torch.empty(x.shape[0], n, dtype=torch.float32)
+        for n0 in range(0, n, step):
+            n1 = min(n, n0 + step)
+            w = cpu_kernels.qdequant(self.fmt, self.qs[n0:n1], self.d[n0:n1], None if self.m is None else self.m[n0:n1],
+                                     n1 - n0, k, _scratch((n1 - n0) * k).view(n1 - n0, k))
+            torch.matmul(x, w.T, out=y[:, n0:n1]) if self.bias is None else \
+                torch.addmm(self.bias[n0:n1], x, w.T, out=y[:, n0:n1])
+        return y
+
+
+_CHUNK = 1 << 22  # floats (16 MiB) of dequantized weight at a time
+
+
+_local = threading.local()
+
+
+def _scratch(numel: int) -> torch.Tensor:
+    """A float32 buffer of ``numel`` for a dequantized weight, reused by every layer the calling thread
+    runs (a fresh multi-MB tensor per call page-faults its memory in again: ten times the dequant time)."""
+    buf = getattr(_local, "buf", None)
+    if buf is None or buf.numel() < numel:
+        buf = _local.buf = torch.empty(numel, dtype=torch.float32)
+    return buf[:numel]
 
 
 def stack_descriptor(modules) -> torch.Tensor | None:
@@ -130,16 +128,34 @@ def _cat(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     return {key: torch.cat([p[key] for p in parts], 0) for key in parts[0]}
 
 
+def _count(counts: dict[str, int], key: str) -> None:
+    counts[key] = counts.get(key, 0) + 1
+
+
+def _fused_layers(model, config):
+    """``(owner, attribute, [(GGUF tensor name, heads to un-permute or None), ...])`` for every linear
+    layer of the native Llama/Qwen2 model, in the order of its fused rows."""
+    h, kvh = config.num_attention_heads, config.num_key_value_heads
+    for i, layer in enumerate(model.layers):
+        b = f"blk.{i}."
+        yield layer.self_attn, "qkv_proj", [(b + "attn_q.weight", h), (b + "attn_k.weight", kvh),
+                                            (b + "attn_v.weight", None)]
+        yield layer.self_attn, "o_proj", [(b + "attn_output.weight", None)]
+        yield layer.mlp, "gate_up_proj", [(b + "ffn_gate.weight", None), (b + "ffn_up.weight", None)]
+        yield layer.mlp, "down_proj", [(b + "ffn_down.weight", None)]
+
+
 def quantize_from_gguf(model, gguf_path: Path, config) -> dict[str, int]:
     """Replace the native Llama/Qwen2 model's linear layers (and tied LM head) by ``GGUFLinear``
-    where their GGUF tensors are all in one supported format.
+    where their GGUF tensors decode into one kernel layout.
 
     Args:
         model: ``models.llama.LlamaForCausalLM`` with float32 weights loaded.
         gguf_path: the GGUF file the model was converted from.
         config: its Hugging Face config (head counts, for the q/k row order).
     Returns:
-        ``{format: layers}`` of the replaced layers (``float32`` counts the ones kept).
+        ``{GGUF formats: layers}`` of the replaced layers (``"Q5_0+Q8_0"`` for a fused layer of two;
+        ``float32`` counts the ones kept).
     """
     from gguf import GGUFReader
 
@@ -156,41 +172,56 @@ def quantize_from_gguf(model, gguf_path: Path, config) -> dict[str, int]:
     def packed(name: str, unpermute_heads: int | None = None):
         t = tensors[name]
         kind = t.tensor_type.name
-        if kind not in _BLOCK_BYTES:
-            return None, kind
+        if kind not in GGUF_LAYOUT:
+            return kind, None, None
         n, k = rows_of(t)
-        p = repack(kind, t.data, n, k)
+        layout, p = repack(kind, t.data, n, k)
         if unpermute_heads is not None and arch == "llama":  # llama.cpp permutes q/k rows for its rotary
             order = torch.from_numpy(_unpermute(np.arange(n)[:, None], unpermute_heads)[:, 0].copy())
             p = {key: v.index_select(0, order) for key, v in p.items()}
-        return p, kind
+        return kind, layout, p
 
-    def replace(owner, attr: str, names: list[tuple[str, int | None]]) -> None:
+    for owner, attr, names in _fused_layers(model, config):
         old = getattr(owner, attr)
         parts = [packed(nm, heads) for nm, heads in names]
-        kinds = {kind for _, kind in parts}
-        if len(kinds) != 1 or parts[0][0] is None:
-            counts["float32"] = counts.get("float32", 0) + 1
-            return
-        kind = kinds.pop()
+        layouts = {layout for _, layout, _ in parts}
+        if len(layouts) != 1 or None in layouts:  # a float tensor, or layouts that do not concatenate
+            _count(counts, "float32")
+            continue
+        kind = "+".join(sorted({kind for kind, _, _ in parts}))
         bias = getattr(old, "bias", None)
-        new = GGUFLinear(kind, _cat([p for p, _ in parts]), old.weight.shape[0], old.weight.shape[1],
-                         None if bias is None else bias.detach())
-        setattr(owner, attr, new)
-        counts[kind] = counts.get(kind, 0) + 1
-
-    h, kvh = config.num_attention_heads, config.num_key_value_heads
-    for i, layer in enumerate(model.layers):
-        b = f"blk.{i}."
-        replace(layer.self_attn, "qkv_proj", [(b + "attn_q.weight", h), (b + "attn_k.weight", kvh),
-                                              (b + "attn_v.weight", None)])
-        replace(layer.self_attn, "o_proj", [(b + "attn_output.weight", None)])
-        replace(layer.mlp, "gate_up_proj", [(b + "ffn_gate.weight", None), (b + "ffn_up.weight", None)])
-        replace(layer.mlp, "down_proj", [(b + "ffn_down.weight", None)])
+        setattr(owner, attr, GGUFLinear(layouts.pop(), _cat([p for _, _, p in parts]), old.weight.shape[0],
+                                        old.weight.shape[1], None if bias is None else bias.detach(), kind))
+        _count(counts, kind)
     head = "output.weight" if "output.weight" in tensors else "token_embd.weight"
-    p, kind = packed(head)
+    kind, layout, p = packed(head)
     if p is not None:
         n, k = rows_of(tensors[head])
-        model.packed_head = GGUFLinear(kind, p, n, k)
-        counts[kind] = counts.get(kind, 0) + 1
+        model.packed_head = GGUFLinear(layout, p, n, k, kind=kind)
+        _count(counts, kind)
+    return counts
+
+
+def quantize_int8_layers(model, config) -> dict[str, int]:
+    """``--quantization int8``: every linear layer of the native model (and the LM head) whose input
+    features divide by 32 becomes an int8 ``GGUFLinear`` (per-output-channel symmetric scales).
+
+    Returns:
+        ``{"int8": layers, "float32": layers kept}``.
+    """
+    counts: dict[str, int] = {}
+    for owner, attr, _ in _fused_layers(model, config):
+        old = getattr(owner, attr)
+        n, k = old.weight.shape
+        if k % 32:
+            _count(counts, "float32")
+            continue
+        bias = getattr(old, "bias", None)
+        setattr(owner, attr, GGUFLinear("S8", quantize_int8(old.weight), n, k,
+                                        None if bias is None else bias.detach(), "int8"))
+        _count(counts, "int8")
+    head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+    if head.shape[1] % 32 == 0:
+        model.packed_head = GGUFLinear("S8", quantize_int8(head), head.shape[0], head.shape[1], kind="int8")
+        _count(counts, "int8")
     return counts

@@ -196,5 +196,8 @@ def resolve_named(spec: SplitGGUF) -> Path:
     find_parts(spec)
     converted = cache_root() / "gguf" / spec.sha256
     if loader.is_converted(converted):
+        joined = joined_gguf_path(spec)
+        if joined.is_file():  # verified when it was joined; quantization="gguf" serves its blocks
+            loader.record_gguf_source(converted, joined)
         return converted
     return loader.convert_gguf(join_gguf(spec), expected_sha256=spec.sha256)

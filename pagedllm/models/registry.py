@@ -109,9 +109,10 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
 
     Args:
         model_impl: ``auto``, ``native`` or ``transformers`` (see ``select_impl``).
-        quantization: ``gguf`` serves a GGUF-born native model's Q4_0 / Q4_1 / Q8_0 blocks packed
-            (``models/quant_linear.py``; float32 CPU with the C kernels only); ``auto`` and
-            ``none`` dequantize (see ``EngineArgs.quantization``).
+        quantization: ``gguf`` serves a GGUF-born native model's blocks packed, ``int8`` int8 weights
+            per output channel (``models/quant_linear.py``; float32 CPU with the C kernels only);
+            ``none`` dequantizes; ``auto`` picks (``resolve_quantization``). The choice is
+            ``model.quantization_method``.
     Returns:
         ``(model, config)`` with the model in eval mode; ``model.attention_backend`` is the
         attention backend chosen for ``device``/``dtype`` (``select_attention_backend``).
@@ -136,9 +137,10 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
     kernels_on = cpu_kernels.applies(device, dtype)
     backend = select_attention_backend(device, dtype)
     logger.info("attention backend: %s; CPU kernels: %s", backend.name, "on" if kernels_on else "off (torch ops)")
-    if quantization == "gguf" and impl == "transformers":
-        raise ValueError("quantization='gguf' serves the native implementation only; use model_impl='native' "
-                         "or quantization='none'")
+    quantization = resolve_quantization(quantization, model_dir, impl, kernels_on)
+    if quantization in ("gguf", "int8") and impl == "transformers":
+        raise ValueError(f"quantization={quantization!r} serves the native implementation only; use "
+                         "model_impl='native' or quantization='none'")
     if impl == "transformers":
         from pagedllm.models.transformers_backend import load_transformers_model
         model = load_transformers_model(model_dir, config, dtype, device, backend)
@@ -159,8 +161,11 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
 
     model.load_weights(tensors())
     model.eval()
+    model.quantization_method = quantization
     if quantization == "gguf":  # before prepacking: only the layers left in float32 get packed copies
         _serve_gguf_blocks(model, model_dir, config, kernels_on)
+    elif quantization == "int8":
+        _serve_int8(model, config, kernels_on)
     from pagedllm.models.cpu_linear import prepack_available
     if prepack_available(device, dtype):
         logger.info("oneDNN-packed weights: %d linear layers", model.prepack())
@@ -187,6 +192,31 @@ def _serve_gguf_blocks(model, model_dir: Path, config, kernels_on: bool) -> None
     model.quantization = counts
     logger.info("GGUF blocks served packed from %s: %s", src.name,
                 ", ".join(f"{k}: {v} layers" for k, v in sorted(counts.items())))
+
+
+def resolve_quantization(quantization: str, model_dir: Path, impl: str, kernels_on: bool) -> str:
+    """``auto`` -> ``gguf`` when the model was converted from a GGUF file that is still there, is
+    served natively and the C kernels are on (keep the file's quantization, as llama.cpp, ollama
+    and vLLM do), else ``none``; other values are returned as they are."""
+    if quantization != "auto":
+        return quantization
+    from pagedllm.models.quant_linear import gguf_source
+    return "gguf" if impl == "native" and kernels_on and gguf_source(model_dir) is not None else "none"
+
+
+def _serve_int8(model, config, kernels_on: bool) -> None:
+    """``quantization="int8"``: per-output-channel int8 weights through the GGUF kernels.
+
+    Raises:
+        ValueError: the C kernels are off.
+    """
+    from pagedllm.models.quant_linear import quantize_int8_layers
+    if not kernels_on:
+        raise ValueError("quantization='int8' needs the C CPU kernels (float32 on the CPU, a C compiler, "
+                         "PAGEDLLM_CPU_KERNELS not 0)")
+    model.quantization = quantize_int8_layers(model, config)
+    logger.info("int8 weights (per output channel): %s",
+                ", ".join(f"{k}: {v} layers" for k, v in sorted(model.quantization.items())))
 
 
 def read_generation_config(model_dir: str | Path) -> dict:

@@ -1,0 +1,167 @@
+"""GGUF block formats decoded once at load into the layouts the C kernels multiply.
+
+Every supported GGUF format is a list of groups of 16 or 32 weights along a row, each
+``w = q * d (+ m)`` with small integer quants ``q`` and a float scale ``d`` (and min ``m``). The
+K-quants nest their group scales in super-blocks of 256 (6-bit or int8 scales times an fp16 super
+scale); the product ``d_super * sc`` is exact in float32 (11 + 8 significant bits), so decoding
+them into one float32 scale (and min) per group changes no weight. The kernels' layouts
+(``cpu_kernels.c``, codes in ``LAYOUTS``):
+
+=======  ==========================================  ======================================
+layout   arrays (weight matrix ``[N, K]``)           GGUF formats served by it (exactly)
+=======  ==========================================  ======================================
+``U4M``  qs uint8 [N, K/2], d, m float32 [N, K/32]   Q4_1, Q4_K      (``w = q d + m``)
+``S8``   qs int8 [N, K], d float32 [N, K/32]         Q8_0, Q5_0 (q - 16), int8 per channel
+``U4``   qs uint8 [N, K/2], d float32 [N, K/32]      Q4_0            (``w = (q - 8) d``)
+``S8H``  qs int8 [N, K], d float32 [N, K/16]         Q6_K            (``w = q d``, q - 32)
+``S8M``  qs int8 [N, K], d, m float32 [N, K/32]      Q5_1, Q5_K      (``w = q d + m``)
+=======  ==========================================  ======================================
+
+In ``U4M``/``U4`` byte ``j`` of a 32-weight group holds weight ``j`` (low nibble) and ``j + 16``
+(high nibble). Block layouts follow llama.cpp's ``ggml-common.h`` as documented by ``gguf.quants``
+(which the tests use as the reference dequantization).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+LAYOUTS = {"U4M": 0, "S8": 1, "U4": 2, "S8H": 3, "S8M": 4}  # pl_qgemm's layout codes
+GGUF_LAYOUT = {"Q4_0": "U4", "Q4_1": "U4M", "Q8_0": "S8", "Q5_0": "S8", "Q5_1": "S8M",
+               "Q4_K": "U4M", "Q5_K": "S8M", "Q6_K": "S8H"}
+_BLOCK = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34), "Q5_0": (32, 22), "Q5_1": (32, 24),
+          "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}  # weights, bytes per block
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    """[..., 2] uint8 -> [...] float32."""
+    return np.ascontiguousarray(b).view(np.float16)[..., 0].astype(np.float32)
+
+
+def _nibbles(b: np.ndarray) -> np.ndarray:
+    """[..., L] uint8 -> [..., 2, L]: low nibbles, then high nibbles."""
+    return np.stack([b & 15, b >> 4], axis=-2)
+
+
+def _k_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K 12-byte scale fields [B, 12] -> 6-bit scales and mins [B, 8]: entries 0-3 are the low
+    6 bits of bytes 0-3 (scales) and 4-7 (mins); entries 4-7 take 4 bits from bytes 8-11 and their
+    top 2 bits from the top of bytes 0-3 (scales) and 4-7 (mins)."""
+    lo, hi, mix = s[:, 0:4], s[:, 4:8], s[:, 8:12]
+    sc = np.concatenate([lo & 63, (mix & 15) | ((lo >> 6) << 4)], axis=1)
+    mn = np.concatenate([hi & 63, (mix >> 4) | ((hi >> 6) << 4)], axis=1)
+    return sc.astype(np.float32), mn.astype(np.float32)
+
+
+def decode(kind: str, raw: np.ndarray, n: int, k: int):
+    """Integer quants and group scales of a GGUF tensor.
+
+    Args:
+        kind: a ``GGUF_LAYOUT`` key.
+        raw: the tensor's bytes (uint8, any shape).
+        n, k: rows and columns; ``k`` a multiple of the format's block size.
+    Returns:
+        ``(q, d, m, group)``: ``q`` int8 ``[n, k]``, ``d`` float32 ``[n, k / group]``, ``m`` the same or
+        ``None``, ``group`` 16 or 32; ``w = q d + m`` per group.
+    Raises:
+        ValueError: an unknown format, or a size that does not match ``[n, k]``.
+    """
+    if kind not in _BLOCK:
+        raise ValueError(f"GGUF format {kind} is not served packed")
+    bw, bb = _BLOCK[kind]
+    b = np.asarray(raw, dtype=np.uint8).reshape(-1)
+    if k % bw or b.size != n * (k // bw) * bb:
+        raise ValueError(f"{kind} tensor of {b.size} bytes is not [{n}, {k}]")
+    b = b.reshape(-1, bb)
+    nblk = b.shape[0]
+    m = None
+    if kind == "Q8_0":
+        d, q = _f16(b[:, 0:2]), b[:, 2:].view(np.int8)
+    elif kind in ("Q4_0", "Q4_1"):
+        off = 4 if kind == "Q4_1" else 2
+        d, q = _f16(b[:, 0:2]), _nibbles(b[:, off:]).reshape(nblk, 32).astype(np.int8)
+        if kind == "Q4_1":
+            m = _f16(b[:, 2:4])
+        else:
+            q -= 8
+    elif kind in ("Q5_0", "Q5_1"):
+        off = 4 if kind == "Q5_1" else 2
+        d = _f16(b[:, 0:2])
+        high = np.unpackbits(b[:, off:off + 4], axis=1, bitorder="little")  # bit j of the uint32: weight j
+        q = (_nibbles(b[:, off + 4:]).reshape(nblk, 32) | (high << 4)).astype(np.int8)
+        if kind == "Q5_1":
+            m = _f16(b[:, 2:4])
+        else:
+            q -= 16
+    elif kind in ("Q4_K", "Q5_K"):
+        sd, smin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
+        sc, mn = _k_scales(b[:, 4:16])
+        d, m = sd[:, None] * sc, -(smin[:, None] * mn)  # [B, 8]: one per 32 weights
+        qs = b[:, 48:] if kind == "Q5_K" else b[:, 16:]
+        q = _nibbles(qs.reshape(nblk, 4, 32)).reshape(nblk, 8, 32)  # 64 weights per 32 bytes: low, high
+        if kind == "Q5_K":  # bit j of qh byte l: the fifth bit of weight l of group j
+            high = (b[:, 16:48][:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1
+            q = q | (high << 4)
+        q = q.astype(np.int8)
+    else:  # Q6_K: ql [128], qh [64], int8 scales [16], fp16 d
+        ql, qh = b[:, 0:128].reshape(nblk, 2, 64), b[:, 128:192].reshape(nblk, 2, 32)
+        # weight 32 i + l of a half: i = 0, 1: low nibbles of ql[l], ql[l + 32]; 2, 3: their high
+        # nibbles; the top two bits are bits 2i, 2i + 1 of qh[l]
+        low = _nibbles(ql).reshape(nblk, 2, 4, 32)
+        two = (qh[:, :, None, :] >> np.array([0, 2, 4, 6], dtype=np.uint8)[None, None, :, None]) & 3
+        q = ((low | (two << 4)).astype(np.int16) - 32).astype(np.int8).reshape(nblk, 256)
+        d = _f16(b[:, 208:210])[:, None] * b[:, 192:208].view(np.int8).astype(np.float32)  # [B, 16]
+    group = 16 if kind == "Q6_K" else 32
+    q = np.ascontiguousarray(q).reshape(n, k)
+    d = np.ascontiguousarray(d, dtype=np.float32).reshape(n, k // group)
+    if m is not None:
+        m = np.ascontiguousarray(m, dtype=np.float32).reshape(n, k // 32)
+    return q, d, m, group
+
+
+def _pack_nibbles(q: np.ndarray) -> np.ndarray:
+    """int8 [n, k] in 0..15 -> uint8 [n, k/2], byte j of each 32-group = q[j] | q[j + 16] << 4."""
+    n, k = q.shape
+    g = q.astype(np.uint8).reshape(n, k // 32, 2, 16)
+    return np.ascontiguousarray(g[:, :, 0] | (g[:, :, 1] << 4)).reshape(n, k // 2)
+
+
+def repack(kind: str, raw: np.ndarray, n: int, k: int) -> tuple[str, dict[str, torch.Tensor]]:
+    """A GGUF tensor in the kernels' layout (``GGUF_LAYOUT[kind]``).
+
+    Returns:
+        ``(layout, {"qs", "d"[, "m"]})`` with the shapes of the module docstring's table.
+    Raises:
+        ValueError: as ``decode``.
+    """
+    q, d, m, _ = decode(kind, raw, n, k)
+    layout = GGUF_LAYOUT[kind]
+    if layout == "U4":
+        q = q + 8
+    qs = _pack_nibbles(q) if layout in ("U4", "U4M") else q
+    out = {"qs": torch.from_numpy(np.ascontiguousarray(qs)), "d": torch.from_numpy(d)}
+    if m is not None:
+        out["m"] = torch.from_numpy(m)
+    return layout, out
+
+
+def quantize_int8(w: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per-output-channel symmetric int8 of a float weight (``--quantization int8``), in the ``S8``
+    layout (the row's scale repeated per 32 columns, so the GGUF kernels serve it).
+
+    Args:
+        w: ``[n, k]`` float, ``k`` a multiple of 32.
+    Returns:
+        ``{"qs": int8 [n, k], "d": float32 [n, k / 32]}`` with ``w ~= q * d``, ``d = max|w_row| / 127``.
+    Raises:
+        ValueError: ``k`` not a multiple of 32.
+    """
+    n, k = w.shape
+    if k % 32:
+        raise ValueError(f"int8 weights need in_features divisible by 32, not {k}")
+    w = w.detach().float()
+    scale = w.abs().amax(dim=1, keepdim=True) / 127.0
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(w / scale).clamp_(-127, 127).to(torch.int8)
+    return {"qs": q.contiguous(), "d": scale.expand(n, k // 32).contiguous()}
