@@ -1,20 +1,26 @@
-"""Packed GGUF weights against the float32 path, side by side in one run (issue 18, first part).
+"""Quantized weights against the float32 path and against llama.cpp, side by side in one run (issue 18).
 
 On the embedded SmolLM2-135M-Instruct (Q4_1 linears, Q8_0 tied embedding / LM head), in process,
-greedy, EOS ignored, for ``quantization="none"`` (every weight dequantized to float32) and
-``"gguf"`` (the file's blocks kept packed, C kernels, float32 activations):
+greedy, EOS ignored, for ``quantization="none"`` (every weight dequantized to float32), ``"gguf"``
+(the file's blocks kept packed, C kernels, float32 activations; what ``auto`` picks) and ``"int8"``
+(the float32 weights quantized per output channel):
 
 * batch-1 decode: one 32-token prompt, 128 output tokens, decode tokens/s (the tokens after the
-  first over the time after the first), best of ``--repeats``;
+  first over the time after the first), best of ``--repeats``, and the share of that time spent
+  outside the model's forward and sampling (scheduling, preparing, outputs: the per-step overhead);
 * prefill: one 512-token prompt, 1 output token, prompt tokens/s (best of ``--repeats``);
 * batch 16: 16 prompts x 128 in / 128 out at once, output tokens/s;
-* the process's resident memory after each configuration's runs (``/proc/self/status`` VmRSS; the
-  float32 configuration runs first, so the second's figure includes what the allocator kept).
+* greedy tokens of ``gguf`` against ``none`` on the batch-16 prompts.
 
-Also checks that both configurations give the same greedy tokens on the batch-16 prompts.
+Then, when llama.cpp's own binaries exist (``peers/build_llama_cpp.sh`` builds ``llama-bench`` and
+``llama-server`` from the sources vendored in the llama-cpp-python sdist): ``llama-bench`` pp512 and
+tg128 on the same GGUF file and thread count, and both servers (``pagedllm serve`` with its
+defaults, ``llama-server --parallel 16``) driven by ``pagedllm bench serve``'s client at
+concurrency 1 and 16 on the same token-id prompts (128 in / 128 out): output tok/s, median TTFT
+and TPOT, and each server's resident memory against the GGUF file plus its KV pool.
 Results: ``results/quantized-<date>.json`` with the machine's CPU model and flags.
 
-Usage: ``python benchmarks/quantized.py [--repeats 3]``
+Usage: ``python benchmarks/quantized.py [--repeats 3] [--llama-cpp-bin /work/peers/llamacpp-bin]``
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import argparse
 import gc
 import json
 import random
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -50,7 +57,7 @@ def measure(quantization: str, repeats: int) -> dict:
     llm = LLM(quantization=quantization, max_num_seqs=16, kv_cache_memory="512MiB")
     eng = llm.llm_engine
     llm.generate(prompts(1, 8, 99), SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
-    decode, prefill = [], []
+    decode, prefill, overhead = [], [], []
     for r in range(repeats):
         eng.add_request(f"d{r}", prompts(1, 32, r)[0], SamplingParams(temperature=0, max_tokens=128, ignore_eos=True))
         first = None
@@ -58,7 +65,13 @@ def measure(quantization: str, repeats: int) -> dict:
             for out in eng.step():
                 if first is None and out.outputs[0].token_ids:
                     first = time.perf_counter()
-        decode.append(127 / (time.perf_counter() - first))
+                    before = eng.get_stats().step_timings
+        wall = time.perf_counter() - first
+        decode.append(127 / wall)
+        after = eng.get_stats().step_timings
+        # per-step work outside the model's forward and sampling (schedule, prepare, update, outputs)
+        device = (after.execute_s - before.execute_s) + (after.sample_s - before.sample_s)
+        overhead.append(1 - device / wall)
         t0 = time.perf_counter()
         llm.generate(prompts(1, 512, 100 + r), SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
         prefill.append(512 / (time.perf_counter() - t0))
@@ -66,7 +79,8 @@ def measure(quantization: str, repeats: int) -> dict:
     t0 = time.perf_counter()
     outs = llm.generate(batch, SamplingParams(temperature=0, max_tokens=128, ignore_eos=True), use_tqdm=False)
     wall = time.perf_counter() - t0
-    result = {"decode_tok_s": max(decode), "prefill_tok_s": max(prefill), "batch16_output_tok_s": 16 * 128 / wall,
+    result = {"decode_tok_s": max(decode), "decode_overhead_fraction": min(overhead), "prefill_tok_s": max(prefill),
+              "batch16_output_tok_s": 16 * 128 / wall,
               "rss_mib": rss_mb(), "layers": getattr(eng.runner.model, "quantization", None),
               "tokens": [o.outputs[0].token_ids for o in outs]}
     del llm, eng, outs
@@ -74,26 +88,94 @@ def measure(quantization: str, repeats: int) -> dict:
     return result
 
 
+def llama_bench(bin_dir: Path, gguf: Path, threads: int) -> dict:
+    """llama.cpp's own pp512 and tg128 (tokens/s, mean of 3 repetitions) on the GGUF file."""
+    out = subprocess.run([str(bin_dir / "llama-bench"), "-m", str(gguf), "-t", str(threads), "-p", "512", "-n", "128",
+                          "-r", "3", "-o", "json"], capture_output=True, text=True, check=True, timeout=900).stdout
+    rows = json.loads(out)
+    return {("pp512" if r["n_prompt"] else "tg128"): r["avg_ts"] for r in rows}
+
+
+def against_llama_cpp(bin_dir: Path, gguf_result: dict, requests: int) -> dict:
+    """The llama.cpp half of the run (module docstring); prints a table of pagedllm / llama.cpp ratios."""
+    import tempfile
+
+    import torch
+    from side_by_side import make_workloads, run_online
+    from transformers import AutoTokenizer
+
+    from pagedllm.models import loader
+    from pagedllm.models.resolve import resolve_model
+    gguf = loader.default_model_path()
+    threads = torch.get_num_threads()
+    bench = llama_bench(bin_dir, gguf, threads)
+    tok = AutoTokenizer.from_pretrained(resolve_model(None))
+    py = sys.executable
+    servers = {
+        "pagedllm": {"serve": lambda port: [py, "-m", "pagedllm.cli", "serve", "--port", str(port),
+                                            "--log-level", "warning"], "kv_pool_mib": 1024.0},
+        "llama.cpp": {"serve": lambda port: [str(bin_dir / "llama-server"), "-m", str(gguf), "--port", str(port),
+                                             "-t", str(threads), "--parallel", "16", "-c", "8192", "--no-webui"],
+                      # f16 K and V: 30 layers x 2 x 3 KV heads x 64 x 2 bytes per token, 8192 tokens
+                      "kv_pool_mib": 8192 * 30 * 2 * 3 * 64 * 2 / 2**20},
+    }
+    serve = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        w3 = make_workloads(tok, Path(tmp), requests)["w3"]  # a warm-up prompt, then fresh prompts per level
+        for name, eng in servers.items():
+            stats: dict = {}
+            runs = run_online(name, eng, w3, [1, 16], tok, Path(tmp), 600, stats=stats)
+            serve[name] = {"c1": runs[0] if runs else None, "c16": runs[1] if runs else None,
+                           "rss_mib": stats.get("rss_mib"), "kv_pool_mib": eng["kv_pool_mib"]}
+    gguf_mib = gguf.stat().st_size / 2**20
+    rows = [("batch-1 decode tok/s (pagedllm 32 in / 128 out; tg128)", gguf_result["decode_tok_s"], bench.get("tg128"), True),
+            ("prefill tok/s (512 in; pp512)", gguf_result["prefill_tok_s"], bench.get("pp512"), True)]
+    for c in ("c1", "c16"):
+        a, b = serve["pagedllm"][c] or {}, serve["llama.cpp"][c] or {}
+        rows += [(f"serve {c}: output tok/s", a.get("output_throughput"), b.get("output_throughput"), True),
+                 (f"serve {c}: median TTFT ms", a.get("median_ttft_ms"), b.get("median_ttft_ms"), False),
+                 (f"serve {c}: median TPOT ms", a.get("median_tpot_ms"), b.get("median_tpot_ms"), False)]
+    print(f"{'metric':<58} {'pagedllm':>9} {'llama.cpp':>9} {'ratio':>6}")
+    table = []
+    for label, a, b, higher in rows:
+        ratio = (a / b if higher else b / a) if a and b else None
+        table.append({"metric": label, "pagedllm": a, "llama_cpp": b, "advantage": ratio})
+        print(f"{label:<58} {a or float('nan'):>9.1f} {b or float('nan'):>9.1f} {ratio or float('nan'):>5.2f}x")
+    memory = {name: {"rss_mib": s["rss_mib"], "gguf_plus_kv_mib": gguf_mib + s["kv_pool_mib"],
+                     "ratio": (s["rss_mib"] or 0) / (gguf_mib + s["kv_pool_mib"])} for name, s in serve.items()}
+    for name, m in memory.items():
+        print(f"{name} server RSS {m['rss_mib']:.0f} MiB = {m['ratio']:.2f}x (GGUF + KV pool {m['gguf_plus_kv_mib']:.0f} MiB)")
+    print("ratio: pagedllm's advantage (>1 better; for latencies llama.cpp / pagedllm)")
+    return {"llama_bench": bench, "serve": serve, "table": table, "memory": memory,
+            "build_flags": (bin_dir / "build-flags.txt").read_text().split() if (bin_dir / "build-flags.txt").exists() else None}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json-out", default=None)
+    ap.add_argument("--llama-cpp-bin", default="/work/peers/llamacpp-bin",
+                    help="folder with llama-bench and llama-server (skipped when missing)")
+    ap.add_argument("--serve-requests", type=int, default=32, help="requests per concurrency level")
     args = ap.parse_args()
-    results = {q: measure(q, args.repeats) for q in ("none", "gguf")}
+    results = {q: measure(q, args.repeats) for q in ("none", "gguf", "int8")}
     same = results["none"].pop("tokens") == results["gguf"].pop("tokens")
+    results["int8"].pop("tokens")
     base = results["none"]
-    print(f"{'config':<6} {'decode tok/s':>12} {'prefill tok/s':>13} {'batch16 tok/s':>13} {'RSS MiB':>8}")
+    print(f"{'config':<6} {'decode tok/s':>12} {'overhead':>8} {'prefill tok/s':>13} {'batch16 tok/s':>13} {'RSS MiB':>8}")
     for name, r in results.items():
-        print(f"{name:<6} {r['decode_tok_s']:>12.1f} {r['prefill_tok_s']:>13.1f} {r['batch16_output_tok_s']:>13.1f} "
+        print(f"{name:<6} {r['decode_tok_s']:>12.1f} {r['decode_overhead_fraction']:>8.1%} {r['prefill_tok_s']:>13.1f} {r['batch16_output_tok_s']:>13.1f} "
               f"{r['rss_mib']:>8.0f}")
     ratios = {k: results["gguf"][k] / base[k] for k in ("decode_tok_s", "prefill_tok_s", "batch16_output_tok_s")}
     print("gguf / none: " + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
     print(f"greedy tokens identical: {same}")
+    peers = against_llama_cpp(Path(args.llama_cpp_bin), results["gguf"], args.serve_requests) if Path(args.llama_cpp_bin).is_dir() else None
     out = Path(args.json_out or Path(__file__).resolve().parent / "results" /
                f"quantized-{time.strftime('%Y-%m-%d')}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"machine": machine_facts(), "args": vars(args), "results": results,
-                               "ratios_gguf_to_none": ratios, "identical_tokens": same}, indent=2))
+                               "ratios_gguf_to_none": ratios, "identical_tokens": same, "llama_cpp": peers},
+                              indent=2))
     print(f"wrote {out}")
     return 0 if same else 1
 

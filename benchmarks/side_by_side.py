@@ -106,9 +106,26 @@ def run_offline(name: str, eng: dict, workload: Path, tmp: Path, timeout: int) -
     return json.loads(out.read_text())
 
 
+def rss_mib(pid: int) -> float:
+    """Resident memory of a process and its descendants in MiB (``/proc/<pid>/status`` VmRSS)."""
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            status = Path(f"/proc/{p}/status").read_text()
+            total += next(int(ln.split()[1]) for ln in status.splitlines() if ln.startswith("VmRSS:")) / 1024
+            for t in Path(f"/proc/{p}/task").iterdir():
+                todo += [int(c) for c in (t / "children").read_text().split()]
+        except (OSError, StopIteration, ValueError):
+            pass
+    return total
+
+
 def run_online(name: str, eng: dict, workload: Path, concurrencies: list[int], tokenizer, tmp: Path,
-               start_timeout: int, c1_requests: int | None = None) -> list[dict] | None:
-    """Start the engine's server, drive it with the bench client at each concurrency, stop it."""
+               start_timeout: int, c1_requests: int | None = None, stats: dict | None = None) -> list[dict] | None:
+    """Start the engine's server, drive it with the bench client at each concurrency, stop it.
+
+    ``stats``, when given, receives ``rss_mib``: the server's resident memory after the last level."""
     from pagedllm.bench.datasets import json_requests
     from pagedllm.bench.serve import run_serve, served_model
     port = _free_port()
@@ -140,6 +157,8 @@ def run_online(name: str, eng: dict, workload: Path, concurrencies: list[int], t
             if res["failed"]:
                 print(f"[{name}] w3: {res['failed']} requests failed: {res.get('errors')}", flush=True)
             runs.append(res)
+        if stats is not None:
+            stats["rss_mib"] = rss_mib(proc.pid)
         return runs
     finally:
         os.killpg(proc.pid, 15)

@@ -7,6 +7,8 @@ command lines between the two engines.
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 import re
 from dataclasses import dataclass, field, fields
@@ -48,6 +50,11 @@ _DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float
            "float16": torch.float16, "half": torch.float16, "fp16": torch.float16}
 
 
+@functools.lru_cache(maxsize=None)
+def _log_once(message: str) -> None:
+    logging.getLogger(__name__).info("%s", message)
+
+
 def parse_dtype(value: str | torch.dtype) -> torch.dtype:
     """Map a dtype name (``float32``, ``bfloat16``, ``float16``) to a ``torch.dtype``.
 
@@ -56,8 +63,11 @@ def parse_dtype(value: str | torch.dtype) -> torch.dtype:
     """
     if isinstance(value, torch.dtype):
         return value
-    if value == "auto":
-        return torch.float32  # CPU default: bf16/fp16 matmuls are very slow on AVX2 cores
+    if value == "auto":  # per CPU (kernels/cpu_features.py), said once at start-up
+        from pagedllm.kernels.cpu_features import auto_dtype
+        dtype, reason = auto_dtype()
+        _log_once(f"dtype auto: {reason}")
+        return dtype
     try:
         return _DTYPES[value.lower()]
     except KeyError:

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.kernels import cpu as cpu_kernels
+from pagedllm.kernels.cpu_features import prefill_dtype
 from pagedllm.models.gguf_blocks import GGUF_LAYOUT, quantize_int8, repack
 
 logger = logging.getLogger(__name__)
@@ -62,6 +63,7 @@ class GGUFLinear(nn.Module):
         self.qs, self.d, self.m = packed["qs"], packed["d"], packed.get("m")
         self.out_features, self.in_features = n, k
         self.bias = bias
+        self.prefill_dtype = prefill_dtype()  # bfloat16 where AMX is usable
 
     weight = None  # no float32 weight: the batch-1 decode stack reads ``stack_descriptor`` instead
 
@@ -82,6 +84,8 @@ class GGUFLinear(nn.Module):
             return cpu_kernels.qgemm(self.fmt, x.contiguous(), self.qs, self.d, self.m, self.bias, self.out_features)
         # prefill: dequantize row chunks of at most _CHUNK floats into a reused buffer, multiply each
         n, k = self.out_features, self.in_features
+        if self.prefill_dtype != torch.float32:
+            return self._forward_low_precision(x)
         step = max(16, _CHUNK // k)
         if step >= n:
             return F.linear(x, self.dequantize(_scratch(n * k).view(n, k)), self.bias)
@@ -93,6 +97,21 @@ class GGUFLinear(nn.Module):
             torch.matmul(x, w.T, out=y[:, n0:n1]) if self.bias is None else \
                 torch.addmm(self.bias[n0:n1], x, w.T, out=y[:, n0:n1])
         return y
+
+
+    def _forward_low_precision(self, x: torch.Tensor) -> torch.Tensor:
+        """Prefill in ``prefill_dtype`` (bfloat16 through oneDNN's AMX kernels): weight row chunks
+        dequantized, converted, multiplied with the converted input; float32 out."""
+        n, k = self.out_features, self.in_features
+        xl = x.to(self.prefill_dtype)
+        y = torch.empty(x.shape[0], n, dtype=torch.float32)
+        step = max(16, _CHUNK // k)
+        for n0 in range(0, n, step):
+            n1 = min(n, n0 + step)
+            w = cpu_kernels.qdequant(self.fmt, self.qs[n0:n1], self.d[n0:n1], None if self.m is None else self.m[n0:n1],
+                                     n1 - n0, k, _scratch((n1 - n0) * k).view(n1 - n0, k))
+            y[:, n0:n1] = F.linear(xl, w.to(self.prefill_dtype)).float()
+        return y if self.bias is None else y.add_(self.bias)
 
 
 _CHUNK = 1 << 22  # floats (16 MiB) of dequantized weight at a time
@@ -108,6 +127,30 @@ def _scratch(numel: int) -> torch.Tensor:
     if buf is None or buf.numel() < numel:
         buf = _local.buf = torch.empty(numel, dtype=torch.float32)
     return buf[:numel]
+
+
+class PackedEmbedding(nn.Module):
+    """A token embedding table kept as packed blocks (the GGUF's ``token_embd``): a lookup gathers the
+    rows' blocks and dequantizes only them.
+
+    Args:
+        table: a ``GGUFLinear`` over the ``[vocab, hidden]`` table (the tied LM head shares it).
+    Shapes: ``ids`` ``[T]`` int64 -> ``[T, hidden]`` float32, equal to the dequantized table's rows.
+    """
+
+    def __init__(self, table: GGUFLinear) -> None:
+        super().__init__()
+        self.table = table
+        self.num_embeddings, self.embedding_dim = table.out_features, table.in_features
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """``[T]`` -> ``[T, hidden]``."""
+        t = self.table
+        flat = ids.reshape(-1)
+        qs, d = t.qs.index_select(0, flat), t.d.index_select(0, flat)
+        m = None if t.m is None else t.m.index_select(0, flat)
+        out = cpu_kernels.qdequant(t.fmt, qs, d, m, flat.numel(), self.embedding_dim)
+        return out.view(*ids.shape, self.embedding_dim)
 
 
 def stack_descriptor(modules) -> torch.Tensor | None:
@@ -198,7 +241,17 @@ def quantize_from_gguf(model, gguf_path: Path, config) -> dict[str, int]:
     if p is not None:
         n, k = rows_of(tensors[head])
         model.packed_head = GGUFLinear(layout, p, n, k, kind=kind)
+        model.lm_head = None  # its float32 copy: the packed head serves every logit
         _count(counts, kind)
+    # the embedding table: shared with a tied head, else packed on its own (float32 when its format is not)
+    table = model.packed_head if head == "token_embd.weight" else None
+    if table is None:
+        kind, layout, p = packed("token_embd.weight")
+        if p is not None:
+            n, k = rows_of(tensors["token_embd.weight"])
+            table = GGUFLinear(layout, p, n, k, kind=kind)
+    if table is not None:
+        model.embed_tokens = PackedEmbedding(table)
     return counts
 
 

@@ -204,3 +204,38 @@ def test_int8_and_gguf_refuse_the_transformers_backend(smollm2_dir):
     from pagedllm import LLM
     with pytest.raises(ValueError, match="native implementation only"):
         LLM(str(smollm2_dir), quantization="int8", model_impl="transformers")
+
+
+def test_bfloat16_prefill_path_is_close(monkeypatch):
+    """The prefill path that AMX machines take (bfloat16 products), forced here: within bfloat16
+    rounding of the float32 product; decode-sized inputs stay float32 and exact."""
+    monkeypatch.setenv("PAGEDLLM_PREFILL_BF16", "1")
+    raw = _random_blocks("Q4_K", 64, 512, np.random.default_rng(3))
+    lin = _linear("Q4_K", raw, 64, 512, torch.randn(64))
+    assert lin.prefill_dtype == torch.bfloat16
+    x = torch.randn(40, 512)
+    ref = x @ lin.dequantize().T + lin.bias
+    got = lin(x)
+    assert got.dtype == torch.float32
+    assert (got - ref).abs().max() <= 0.02 * ref.abs().max()
+    assert (lin(x[:3]) - ref[:3]).abs().max() <= 1e-5 * ref.abs().max() + 1e-6
+
+
+def test_amx_needs_the_os_permission(monkeypatch):
+    """AMX flags alone are not enough: a refused ``arch_prctl`` means no AMX (float32 everywhere)."""
+    from pagedllm.kernels import cpu_features
+    monkeypatch.setattr(cpu_features, "cpu_flags", lambda: {"amx_tile", "amx_bf16", "avx512f"})
+
+    class RefusingLibc:
+        def syscall(self, *args):
+            return -1
+    monkeypatch.setattr(cpu_features.ctypes, "CDLL", lambda *a, **k: RefusingLibc())
+    cpu_features.amx_usable.cache_clear()
+    try:
+        assert cpu_features.amx_usable() is False
+        assert cpu_features.auto_dtype()[0] == torch.float32
+        monkeypatch.setattr(cpu_features, "cpu_flags", lambda: {"avx2"})
+        cpu_features.amx_usable.cache_clear()
+        assert cpu_features.amx_usable() is False
+    finally:
+        cpu_features.amx_usable.cache_clear()

@@ -1,0 +1,77 @@
+"""What this CPU can run, asked of the CPU and the OS at run time (never assumed from the build machine).
+
+AMX needs more than the ``amx_tile`` / ``amx_bf16`` flags of ``/proc/cpuinfo``: Linux enables
+the 8 KiB tile data state per process only after ``arch_prctl(ARCH_REQ_XCOMP_PERM,
+XFEATURE_XTILEDATA)`` (kernel 5.16+, ``Documentation/arch/x86/xstate.rst``); without it the first
+tile instruction dies with SIGILL. Seen in practice: a Sapphire Rapids VM listing AMX where
+llama.cpp's ``-march=native`` build crashed on its AMX path. ``amx_usable`` asks for the
+permission and then reads it back, and says no on any failure.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import platform
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SYS_ARCH_PRCTL = 158  # x86-64
+_ARCH_GET_XCOMP_PERM, _ARCH_REQ_XCOMP_PERM = 0x1022, 0x1023
+_XFEATURE_XTILEDATA = 18
+
+
+def cpu_flags() -> set[str]:
+    """The ``flags`` of the first CPU in ``/proc/cpuinfo`` (empty when unreadable)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((ln for ln in f if ln.startswith("flags")), "")
+    except OSError:
+        return set()
+    return set(line.split(":", 1)[1].split()) if ":" in line else set()
+
+
+@functools.lru_cache(maxsize=1)
+def amx_usable() -> bool:
+    """True when this process may execute AMX bf16 tile instructions: the CPU lists ``amx_tile`` and
+    ``amx_bf16`` and the kernel granted the tile data permission (requested here; idempotent)."""
+    if platform.machine() not in ("x86_64", "AMD64") or not {"amx_tile", "amx_bf16"} <= cpu_flags():
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA) != 0:
+            logger.info("AMX listed by the CPU but the kernel refused the tile permission (errno %d)",
+                        ctypes.get_errno())
+            return False
+        mask = ctypes.c_uint64(0)
+        if libc.syscall(_SYS_ARCH_PRCTL, _ARCH_GET_XCOMP_PERM, ctypes.byref(mask)) != 0:
+            return False
+        return bool(mask.value & (1 << _XFEATURE_XTILEDATA))
+    except (OSError, AttributeError):
+        return False
+
+
+def auto_dtype() -> tuple[torch.dtype, str]:
+    """``--dtype auto`` on the CPU: ``(dtype, reason)``.
+
+    float32 everywhere: it is the reference dtype, and bfloat16 matrix products run hundreds of
+    times slower than float32 without AMX. Where AMX is usable the large matrix products (prefill,
+    big batches) run in bfloat16 on their own (``prefill_dtype``) while the weights, the KV cache
+    and decode stay float32.
+    """
+    if amx_usable():
+        return torch.float32, "float32 (AMX usable: prefill and large batches multiply in bfloat16)"
+    return torch.float32, "float32 (no usable AMX: bfloat16 matrix products would be slower)"
+
+
+def prefill_dtype() -> torch.dtype:
+    """The dtype of large dequantized matrix products: bfloat16 where AMX is usable, else float32.
+    ``PAGEDLLM_PREFILL_BF16=1`` / ``0`` forces it (tests, measurements)."""
+    import os
+    forced = os.environ.get("PAGEDLLM_PREFILL_BF16")
+    if forced is not None:
+        return torch.bfloat16 if forced == "1" else torch.float32
+    return torch.bfloat16 if amx_usable() else torch.float32
