@@ -106,7 +106,7 @@ def against_llama_cpp(bin_dir: Path, gguf_result: dict, requests: int) -> dict:
 
     from pagedllm.models import loader
     from pagedllm.models.resolve import resolve_model
-    gguf = loader.default_model_path()
+    gguf = Path(loader.default_model_path())
     threads = torch.get_num_threads()
     bench = llama_bench(bin_dir, gguf, threads)
     tok = AutoTokenizer.from_pretrained(resolve_model(None))

@@ -49,7 +49,10 @@ _SIGNATURES = {
     "pl_apply_bitmask": [_P, _L, _P, _L, _P, _L, _L, _I],
     "pl_qgemm": [_I, _P, _L, _P, _P, _P, _P, _P, _L, _L, _I],
     "pl_qdequant": [_I, _P, _P, _P, _P, _L, _L, _I],
+    "pl_set_int8_activations": [_I],
+    "pl_has_vnni": [],
 }
+_INT_RESULT = {"pl_decode_stack", "pl_has_vnni"}
 QGEMM_MAX_ROWS = 16  # as in cpu_kernels.c
 QUANT_LAYOUTS = {"U4M": 0, "S8": 1, "U4": 2, "S8H": 3, "S8M": 4}  # pl_qgemm's layout codes (models/gguf_blocks.py)
 _lib: ctypes.CDLL | None = None
@@ -106,8 +109,22 @@ def load(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     for name, args in _SIGNATURES.items():
         fn = getattr(lib, name)
-        fn.argtypes, fn.restype = args, (ctypes.c_int if name == "pl_decode_stack" else None)
+        fn.argtypes, fn.restype = args, (ctypes.c_int if name in _INT_RESULT else None)
+    lib.pl_set_int8_activations(int(os.environ.get("PAGEDLLM_INT8_ACTIVATIONS", "1") != "0"))
     return lib
+
+
+def int8_activations() -> bool:
+    """True when batch-1 products of packed weights quantize the input row to int8 and use VNNI
+    integer dot products (the CPU has AVX-512 VNNI and ``PAGEDLLM_INT8_ACTIVATIONS`` is not ``0``)."""
+    return available() and bool(_lib.pl_has_vnni()) and os.environ.get("PAGEDLLM_INT8_ACTIVATIONS", "1") != "0"
+
+
+def set_int8_activations(on: bool) -> None:
+    """Turn the int8-activation path on or off for this process (tests; see ``int8_activations``)."""
+    os.environ["PAGEDLLM_INT8_ACTIVATIONS"] = "1" if on else "0"
+    if available():
+        _lib.pl_set_int8_activations(int(on))
 
 
 def available() -> bool:
