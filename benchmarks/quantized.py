@@ -141,10 +141,14 @@ def against_llama_cpp(bin_dir: Path, gguf_result: dict, requests: int) -> dict:
         ratio = (a / b if higher else b / a) if a and b else None
         table.append({"metric": label, "pagedllm": a, "llama_cpp": b, "advantage": ratio})
         print(f"{label:<58} {a or float('nan'):>9.1f} {b or float('nan'):>9.1f} {ratio or float('nan'):>5.2f}x")
-    memory = {name: {"rss_mib": s["rss_mib"], "gguf_plus_kv_mib": gguf_mib + s["kv_pool_mib"],
-                     "ratio": (s["rss_mib"] or 0) / (gguf_mib + s["kv_pool_mib"])} for name, s in serve.items()}
-    for name, m in memory.items():
-        print(f"{name} server RSS {m['rss_mib']:.0f} MiB = {m['ratio']:.2f}x (GGUF + KV pool {m['gguf_plus_kv_mib']:.0f} MiB)")
+    memory = {}
+    for name, s in serve.items():  # the engine process: the largest (pagedllm's core is a child of its front end)
+        procs = s["rss_mib"] or {0: 0.0}
+        core = max(procs.values())
+        memory[name] = {"processes_mib": list(procs.values()), "engine_rss_mib": core, "total_rss_mib": sum(procs.values()),
+                        "gguf_plus_kv_mib": gguf_mib + s["kv_pool_mib"], "ratio": core / (gguf_mib + s["kv_pool_mib"])}
+        print(f"{name}: engine process RSS {core:.0f} MiB = {memory[name]['ratio']:.2f}x GGUF + KV pool "
+              f"({gguf_mib + s['kv_pool_mib']:.0f} MiB); all its processes {sum(procs.values()):.0f} MiB")
     print("ratio: pagedllm's advantage (>1 better; for latencies llama.cpp / pagedllm)")
     return {"llama_bench": bench, "serve": serve, "table": table, "memory": memory,
             "build_flags": (bin_dir / "build-flags.txt").read_text().split() if (bin_dir / "build-flags.txt").exists() else None}

@@ -106,26 +106,27 @@ def run_offline(name: str, eng: dict, workload: Path, tmp: Path, timeout: int) -
     return json.loads(out.read_text())
 
 
-def rss_mib(pid: int) -> float:
-    """Resident memory of a process and its descendants in MiB (``/proc/<pid>/status`` VmRSS)."""
-    total, todo = 0.0, [pid]
+def rss_mib(pid: int) -> dict[int, float]:
+    """Resident memory in MiB (``/proc/<pid>/status`` VmRSS) of a process and each of its descendants."""
+    out, todo = {}, [pid]
     while todo:
         p = todo.pop()
         try:
             status = Path(f"/proc/{p}/status").read_text()
-            total += next(int(ln.split()[1]) for ln in status.splitlines() if ln.startswith("VmRSS:")) / 1024
+            out[p] = next(int(ln.split()[1]) for ln in status.splitlines() if ln.startswith("VmRSS:")) / 1024
             for t in Path(f"/proc/{p}/task").iterdir():
                 todo += [int(c) for c in (t / "children").read_text().split()]
         except (OSError, StopIteration, ValueError):
             pass
-    return total
+    return out
 
 
 def run_online(name: str, eng: dict, workload: Path, concurrencies: list[int], tokenizer, tmp: Path,
                start_timeout: int, c1_requests: int | None = None, stats: dict | None = None) -> list[dict] | None:
     """Start the engine's server, drive it with the bench client at each concurrency, stop it.
 
-    ``stats``, when given, receives ``rss_mib``: the server's resident memory after the last level."""
+    ``stats``, when given, receives ``rss_mib``: the resident memory of the server's processes after
+    the last level, ``{pid: MiB}`` (the server first)."""
     from pagedllm.bench.datasets import json_requests
     from pagedllm.bench.serve import run_serve, served_model
     port = _free_port()

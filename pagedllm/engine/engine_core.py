@@ -34,6 +34,7 @@ from pagedllm.core.scheduler_output import EngineCoreOutput
 from pagedllm.engine.messages import EngineCoreRequest
 from pagedllm.request import Request, RequestStatus
 from pagedllm.stats import SchedulerStats, StepTimings
+from pagedllm.memory import return_freed_memory
 from pagedllm.structured_output.manager import StructuredOutputManager
 from pagedllm.worker.model_runner import ModelRunner
 
@@ -239,6 +240,7 @@ class EngineCore:
         self.num_generation_tokens += sum(len(o.new_token_ids) for o in core_outputs)
         if not self.has_unfinished_requests():
             self.timer.pause()
+            return_freed_memory()  # idle now: give the steps' freed activations back to the OS
         return core_outputs
 
     def shutdown(self) -> None:

@@ -166,6 +166,9 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
         _serve_gguf_blocks(model, model_dir, config, kernels_on)
     elif quantization == "int8":
         _serve_int8(model, config, kernels_on)
+    if quantization in ("gguf", "int8"):
+        from pagedllm.memory import return_freed_memory
+        return_freed_memory()  # the float32 weights just replaced (glibc keeps ~170 MB of SmolLM2's mapped)
     from pagedllm.models.cpu_linear import prepack_available
     if prepack_available(device, dtype):
         logger.info("oneDNN-packed weights: %d linear layers", model.prepack())
