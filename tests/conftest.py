@@ -121,7 +121,11 @@ def check_no_leaks(engine) -> None:
     assert not engine.has_unfinished_requests()
     assert engine.kv_cache_manager.num_free_blocks == engine.num_blocks, "KV blocks leaked"
     assert engine.kv_cache_manager.req_to_blocks == {}
-    assert all(b.ref_cnt == 0 for b in engine.kv_cache_manager.pool.blocks)
+    pool = engine.kv_cache_manager.pool
+    assert all(b.ref_cnt == 0 for b in pool.blocks)
+    # the block map (/stats block_states) agrees with the blocks: free, or cached under a hash
+    want = bytes(pool.CACHED if b.block_hash is not None else pool.FREE for b in pool.blocks)
+    assert bytes(pool.states) == want, "block_states disagrees with the blocks"
     assert engine.scheduler.requests == {}
     assert not engine.scheduler.running and not engine.scheduler.waiting
     assert engine.output_processor.states == {}

@@ -45,11 +45,17 @@ class BlockPool:
     prefix can take it back; it loses the hash only when it is reused for
     other tokens (eviction), which happens least-recently-freed first.
 
+    ``states`` is one ASCII byte per block, kept as blocks change hands (O(1) each): ``FREE``,
+    ``USED`` (held by a block table) or ``CACHED`` (free, but still holding a hashed prefix that a
+    later request may take back); the web page's block map draws it.
+
     Args:
         num_blocks: total blocks in the pool (> 0).
     Raises:
         ValueError: ``num_blocks`` < 1.
     """
+
+    FREE, USED, CACHED = ord("0"), ord("1"), ord("2")
 
     def __init__(self, num_blocks: int) -> None:
         if num_blocks < 1:
@@ -59,6 +65,7 @@ class BlockPool:
         self._free: OrderedDict[int, KVCacheBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
         self.cached: dict[bytes, KVCacheBlock] = {}
         self.num_evictions = 0
+        self.states = bytearray(b"0" * num_blocks)
 
     @property
     def num_free_blocks(self) -> int:
@@ -87,6 +94,7 @@ class BlockPool:
             _, block = self._free.popitem(last=False)
             self._evict(block)
             block.ref_cnt = 1
+            self.states[block.block_id] = self.USED
             out.append(block)
         return out
 
@@ -96,6 +104,8 @@ class BlockPool:
                 del self.cached[block.block_hash]
             block.block_hash = None
             self.num_evictions += 1
+            if block.ref_cnt == 0:
+                self.states[block.block_id] = self.FREE
 
     def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
         """The block holding the tokens of ``block_hash``, if still cached."""
@@ -127,6 +137,7 @@ class BlockPool:
         for block in blocks:
             if block.ref_cnt == 0:
                 del self._free[block.block_id]
+                self.states[block.block_id] = self.USED
             block.ref_cnt += 1
 
     def free(self, blocks: list[KVCacheBlock]) -> None:
@@ -143,3 +154,4 @@ class BlockPool:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self._free[block.block_id] = block
+                self.states[block.block_id] = self.FREE if block.block_hash is None else self.CACHED

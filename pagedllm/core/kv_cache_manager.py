@@ -41,6 +41,10 @@ class KVCacheManager:
         """Blocks that can be allocated now (cached free blocks included: they are evictable)."""
         return self.pool.num_free_blocks
 
+    def block_states(self) -> str:
+        """One character per block, ``0`` free, ``1`` in use, ``2`` cached and evictable (``BlockPool.states``)."""
+        return self.pool.states.decode("ascii")
+
     def usage(self) -> float:
         """Fraction of KV blocks in use, in [0, 1]."""
         return self.pool.usage()

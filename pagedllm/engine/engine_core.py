@@ -264,4 +264,4 @@ class EngineCore:
                               num_generation_tokens=self.num_generation_tokens, num_steps=self.num_steps,
                               max_num_running=self.max_num_running, cpu_kernels=self.cpu_kernels,
                               weight_formats=self.weight_formats,
-                              step_timings=self.timer.summary())
+                              step_timings=self.timer.summary(), block_states=kv.block_states())

@@ -43,6 +43,7 @@ from pagedllm.server.completions import OpenAIServingCompletion
 from pagedllm.server.protocol import ChatCompletionRequest, CompletionRequest
 from pagedllm.server.protocol_extra import DetokenizeRequest, TokenizeRequest
 from pagedllm.server.tokenize import OpenAIServingTokenization
+from pagedllm.server.webpage import UI_PREFIX, add_web_page
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +84,7 @@ async def _unless_disconnected(request: Request, coro):
 # work bounded whatever the request holds (the OpenAPI schema is built once and cached).
 # Everything else, /tokenize and /detokenize included (they run the tokenizer and the chat
 # template on client input), needs the key; a new route is guarded unless listed here.
-OPEN_PATHS = frozenset({"/health", "/ping", "/version", "/metrics", "/stats", "/openapi.json"})
+OPEN_PATHS = frozenset({"/", "/health", "/ping", "/version", "/metrics", "/stats", "/openapi.json"})
 
 
 class _RequestIdMiddleware:
@@ -140,7 +141,7 @@ class _APIKeyMiddleware:
         root = scope.get("root_path", "")
         if root and path.startswith(root):  # a server mounted under a prefix guards its own paths
             path = path[len(root):]
-        return path not in OPEN_PATHS
+        return path not in OPEN_PATHS and not path.startswith(UI_PREFIX)
 
     async def __call__(self, scope, receive, send) -> None:
         """Pass the request on, or answer 401 itself."""
@@ -202,6 +203,7 @@ def build_app(llm: AsyncLLM, model_name: str, chat_template: str | None = None, 
     app.state.llm = llm
     app.state.metrics = metrics
     app.state.admission = ctx.admission  # for tests: requests in flight must come back to 0
+    add_web_page(app)
     # innermost first: the catch-all sees what the routes raise; the body limit runs before any
     # handler reads a byte; the key check before that, so that an unknown client costs nothing
     app.add_middleware(CatchAllMiddleware)

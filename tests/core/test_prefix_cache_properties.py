@@ -216,6 +216,9 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         for b in pool.blocks:
             assert b.ref_cnt == holders[b.block_id], f"{b}: {holders[b.block_id]} block tables hold it"
         assert set(pool._free) == {b.block_id for b in pool.blocks if b.ref_cnt == 0}
+        # the block map the web page draws: in use, free with a cached prefix, or free
+        assert bytes(pool.states) == bytes(pool.USED if b.ref_cnt else pool.CACHED if b.block_hash is not None
+                                           else pool.FREE for b in pool.blocks)
         assert kv.num_free_blocks + pool.num_used_blocks == NUM_BLOCKS
         assert sum(b.block_hash is not None for b in pool.blocks) == len(pool.cached)
         for h, b in pool.cached.items():
