@@ -329,6 +329,12 @@ def test_open_paths_without_key(secure_server):
     assert "pagedllm:num_requests_running" in httpx.get(url + "/metrics", timeout=10).text
     assert "core_pid" in httpx.get(url + "/stats", timeout=10).json()
     assert httpx.get(url + "/openapi.json", timeout=10).json()["info"]["title"] == "pagedllm"
+    # the web page's static files are open; the API calls it makes are not
+    page = httpx.get(url + "/", timeout=10)
+    assert page.status_code == 200 and "text/html" in page.headers["content-type"] and "/ui/app.js" in page.text
+    assert httpx.get(url + "/ui/app.js", timeout=10).status_code == 200
+    assert httpx.get(url + "/ui/missing.js", timeout=10).status_code == 404
+    assert httpx.get(url + "/ui-x", timeout=10).status_code == 401
     for path, body in (("/tokenize", {"prompt": "Hello world"}), ("/detokenize", {"tokens": [1, 2]})):
         r = httpx.post(url + path, json=body, timeout=10)
         assert_openai_error(r, 401, None, None)
