@@ -66,8 +66,9 @@ def _last_answer(browser):
 
 
 def _block_counts(browser) -> dict[str, int]:
-    canvas = browser.find_element(By.ID, "block-map")
-    return {k: int(canvas.get_attribute(f"data-{k}") or 0) for k in ("free", "used", "cached")}
+    """Blocks per state as the page last drew them (one attribute read: the page redraws every 500 ms)."""
+    states = browser.find_element(By.ID, "block-map").get_attribute("data-states") or ""
+    return {"free": states.count("0"), "used": states.count("1"), "cached": states.count("2")}
 
 
 def test_page_streams_an_answer_equal_to_the_api(browser, server_url, served_model):
