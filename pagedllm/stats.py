@@ -63,6 +63,8 @@ class SchedulerStats(_Indexable):
         num_prompt_tokens, num_generation_tokens: token totals so far.
         num_steps: steps applied so far; max_num_running: most requests in one step.
         cpu_kernels: whether steps use the C CPU kernels.
+        weight_kernels: what multiplies the packed weights (``quant_linear.quantized_kernels``),
+            empty when none are packed.
         weight_formats: layers per weight format, e.g. ``{"Q4_1": 120, "Q8_0": 1}`` with
             ``quantization="gguf"``; empty when every weight is in the model's dtype.
         step_timings: the per-phase times.
@@ -85,6 +87,7 @@ class SchedulerStats(_Indexable):
     max_num_running: int = 0
     cpu_kernels: bool = False
     weight_formats: dict[str, int] = msgspec.field(default_factory=dict)
+    weight_kernels: str = ""
     step_timings: StepTimings = msgspec.field(default_factory=StepTimings)
     core_pid: int | None = None
     block_states: str = ""

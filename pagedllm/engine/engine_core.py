@@ -35,6 +35,7 @@ from pagedllm.engine.messages import EngineCoreRequest
 from pagedllm.request import Request, RequestStatus
 from pagedllm.stats import SchedulerStats, StepTimings
 from pagedllm.memory import return_freed_memory
+from pagedllm.models.quant_linear import quantized_kernels
 from pagedllm.structured_output.manager import StructuredOutputManager
 from pagedllm.worker.model_runner import ModelRunner
 
@@ -132,6 +133,7 @@ class EngineCore:
         # (reported in the stats: a served core logs in its own process)
         self.cpu_kernels = self.runner.attention_backend.uses_cpu_kernels
         self.weight_formats = dict(getattr(self.runner.model, "quantization", None) or {})
+        self.weight_kernels = quantized_kernels() if self.weight_formats else ""
         self._tokenizer_path = args.tokenizer or model_dir
         self._structured: StructuredOutputManager | None = None  # made with the first constrained request
 
@@ -263,5 +265,5 @@ class EngineCore:
                               num_prompt_tokens=self.num_prompt_tokens,
                               num_generation_tokens=self.num_generation_tokens, num_steps=self.num_steps,
                               max_num_running=self.max_num_running, cpu_kernels=self.cpu_kernels,
-                              weight_formats=self.weight_formats,
+                              weight_formats=self.weight_formats, weight_kernels=self.weight_kernels,
                               step_timings=self.timer.summary(), block_states=kv.block_states())

@@ -163,6 +163,14 @@ class PackedEmbedding(nn.Module):
         return out.view(*ids.shape, self.embedding_dim)
 
 
+def quantized_kernels() -> str:
+    """What multiplies packed weights on this CPU, for ``/stats`` and the start-up log."""
+    one = ("int8 activations x packed weights (AVX-512 VNNI)" if cpu_kernels.int8_activations()
+           else "float32 activations x widened blocks")
+    big = "bfloat16 (AMX)" if prefill_dtype() == torch.bfloat16 else "float32"
+    return f"1 row: {one}; 2-16 rows: float32 tiles; prefill: dequantized chunks, oneDNN {big}"
+
+
 def stack_descriptor(modules) -> torch.Tensor | None:
     """The ``quant`` column of ``kernels.cpu.stack_table`` for one layer's qkv, o, gate_up and down
     modules: ``None`` when none is a ``GGUFLinear``, else int64 ``[16]`` of ``{fmt, qs, d, m}``."""

@@ -193,8 +193,9 @@ def _serve_gguf_blocks(model, model_dir: Path, config, kernels_on: bool) -> None
                          "PAGEDLLM_CPU_KERNELS not 0)")
     counts = quantize_from_gguf(model, src, config)
     model.quantization = counts
-    logger.info("GGUF blocks served packed from %s: %s", src.name,
-                ", ".join(f"{k}: {v} layers" for k, v in sorted(counts.items())))
+    from pagedllm.models.quant_linear import quantized_kernels
+    logger.info("GGUF blocks served packed from %s: %s; kernels: %s", src.name,
+                ", ".join(f"{k}: {v} layers" for k, v in sorted(counts.items())), quantized_kernels())
 
 
 def resolve_quantization(quantization: str, model_dir: Path, impl: str, kernels_on: bool) -> str:
@@ -218,8 +219,9 @@ def _serve_int8(model, config, kernels_on: bool) -> None:
         raise ValueError("quantization='int8' needs the C CPU kernels (float32 on the CPU, a C compiler, "
                          "PAGEDLLM_CPU_KERNELS not 0)")
     model.quantization = quantize_int8_layers(model, config)
-    logger.info("int8 weights (per output channel): %s",
-                ", ".join(f"{k}: {v} layers" for k, v in sorted(model.quantization.items())))
+    from pagedllm.models.quant_linear import quantized_kernels
+    logger.info("int8 weights (per output channel): %s; kernels: %s",
+                ", ".join(f"{k}: {v} layers" for k, v in sorted(model.quantization.items())), quantized_kernels())
 
 
 def read_generation_config(model_dir: str | Path) -> dict:

@@ -163,6 +163,7 @@ def test_served_greedy_tokens_equal_the_dequantized_model(kernels, alias, format
     assert packed.llm_engine.runner.model.quantization_method == "gguf"
     assert packed.llm_engine.runner.model.quantization == formats
     assert packed.llm_engine.get_stats().weight_formats == formats  # /stats shows it
+    assert "float32 activations" in packed.llm_engine.get_stats().weight_kernels  # the suite turns int8 off
     got = [o.outputs[0].token_ids for o in packed.generate(PROMPTS, params, use_tqdm=False)]
     del packed
     ref = LLM(model, quantization="none", num_kv_blocks=64)
