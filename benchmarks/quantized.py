@@ -3,7 +3,8 @@
 On the embedded SmolLM2-135M-Instruct (Q4_1 linears, Q8_0 tied embedding / LM head), in process,
 greedy, EOS ignored, for ``quantization="none"`` (every weight dequantized to float32), ``"gguf"``
 (the file's blocks kept packed, C kernels, float32 activations; what ``auto`` picks) and ``"int8"``
-(the float32 weights quantized per output channel):
+(the float32 weights quantized per output channel), and ``"gguf"`` with int8 activations
+(``PAGEDLLM_INT8_ACTIVATIONS=1``, VNNI byte dot products for batch-1 products):
 
 * batch-1 decode: one 32-token prompt, 128 output tokens, decode tokens/s (the tokens after the
   first over the time after the first), best of ``--repeats``, and the share of that time spent
@@ -15,7 +16,7 @@ greedy, EOS ignored, for ``quantization="none"`` (every weight dequantized to fl
 Then, when llama.cpp's own binaries exist (``peers/build_llama_cpp.sh`` builds ``llama-bench`` and
 ``llama-server`` from the sources vendored in the llama-cpp-python sdist): ``llama-bench`` pp512 and
 tg128 on the same GGUF file and thread count, and both servers (``pagedllm serve`` with its
-defaults, ``llama-server --parallel 16``) driven by ``pagedllm bench serve``'s client at
+defaults, and again with int8 activations; ``llama-server --parallel 16``) driven by ``pagedllm bench serve``'s client at
 concurrency 1 and 16 on the same token-id prompts (128 in / 128 out): output tok/s, median TTFT
 and TPOT, and each server's resident memory against the GGUF file plus its KV pool.
 Results: ``results/quantized-<date>.json`` with the machine's CPU model and flags.
@@ -52,8 +53,11 @@ def prompts(n: int, length: int, seed: int) -> list[list[int]]:
     return [[rng.randint(100, 49000) for _ in range(length)] for _ in range(n)]
 
 
-def measure(quantization: str, repeats: int) -> dict:
+def measure(quantization: str, repeats: int, int8_activations: bool = False) -> dict:
     """One configuration's numbers (see the module docstring)."""
+    from pagedllm.kernels import cpu
+    cpu.available()
+    cpu.set_int8_activations(int8_activations)
     llm = LLM(quantization=quantization, max_num_seqs=16, kv_cache_memory="512MiB")
     eng = llm.llm_engine
     llm.generate(prompts(1, 8, 99), SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
@@ -96,7 +100,7 @@ def llama_bench(bin_dir: Path, gguf: Path, threads: int) -> dict:
     return {("pp512" if r["n_prompt"] else "tg128"): r["avg_ts"] for r in rows}
 
 
-def against_llama_cpp(bin_dir: Path, gguf_result: dict, requests: int) -> dict:
+def against_llama_cpp(bin_dir: Path, offline: dict[str, dict], requests: int) -> dict:
     """The llama.cpp half of the run (module docstring); prints a table of pagedllm / llama.cpp ratios."""
     import tempfile
 
@@ -112,8 +116,11 @@ def against_llama_cpp(bin_dir: Path, gguf_result: dict, requests: int) -> dict:
     tok = AutoTokenizer.from_pretrained(resolve_model(None))
     py = sys.executable
     servers = {
-        "pagedllm": {"serve": lambda port: [py, "-m", "pagedllm.cli", "serve", "--port", str(port),
-                                            "--log-level", "warning"], "kv_pool_mib": 1024.0},
+        "pagedllm": {"serve": lambda port: ["env", "PAGEDLLM_INT8_ACTIVATIONS=0", py, "-m", "pagedllm.cli", "serve",
+                                            "--port", str(port), "--log-level", "warning"], "kv_pool_mib": 1024.0},
+        "pagedllm-i8act": {"serve": lambda port: ["env", "PAGEDLLM_INT8_ACTIVATIONS=1", py, "-m", "pagedllm.cli",
+                                                  "serve", "--port", str(port), "--log-level", "warning"],
+                           "kv_pool_mib": 1024.0},
         "llama.cpp": {"serve": lambda port: [str(bin_dir / "llama-server"), "-m", str(gguf), "--port", str(port),
                                              "-t", str(threads), "--parallel", "16", "-c", "8192", "--no-webui"],
                       # f16 K and V: 30 layers x 2 x 3 KV heads x 64 x 2 bytes per token, 8192 tokens
@@ -128,19 +135,29 @@ def against_llama_cpp(bin_dir: Path, gguf_result: dict, requests: int) -> dict:
             serve[name] = {"c1": runs[0] if runs else None, "c16": runs[1] if runs else None,
                            "rss_mib": stats.get("rss_mib"), "kv_pool_mib": eng["kv_pool_mib"]}
     gguf_mib = gguf.stat().st_size / 2**20
-    rows = [("batch-1 decode tok/s (pagedllm 32 in / 128 out; tg128)", gguf_result["decode_tok_s"], bench.get("tg128"), True),
-            ("prefill tok/s (512 in; pp512)", gguf_result["prefill_tok_s"], bench.get("pp512"), True)]
+    # columns: pagedllm's default (float32 activations), with int8 activations, llama.cpp
+    cols = [("pagedllm", offline["gguf"], serve["pagedllm"]), ("pagedllm-i8act", offline["gguf-i8act"],
+                                                                 serve["pagedllm-i8act"])]
+    llama = {"tg128": bench.get("tg128"), "pp512": bench.get("pp512"), **{c: serve["llama.cpp"][c] or {} for c in ("c1", "c16")}}
+    metrics = [("batch-1 decode tok/s (32 in / 128 out; tg128)", lambda o, s: o["decode_tok_s"], llama["tg128"], True),
+               ("prefill tok/s (512 in; pp512)", lambda o, s: o["prefill_tok_s"], llama["pp512"], True)]
     for c in ("c1", "c16"):
-        a, b = serve["pagedllm"][c] or {}, serve["llama.cpp"][c] or {}
-        rows += [(f"serve {c}: output tok/s", a.get("output_throughput"), b.get("output_throughput"), True),
-                 (f"serve {c}: median TTFT ms", a.get("median_ttft_ms"), b.get("median_ttft_ms"), False),
-                 (f"serve {c}: median TPOT ms", a.get("median_tpot_ms"), b.get("median_tpot_ms"), False)]
-    print(f"{'metric':<58} {'pagedllm':>9} {'llama.cpp':>9} {'ratio':>6}")
+        for key, label, higher in (("output_throughput", "output tok/s", True), ("median_ttft_ms", "median TTFT ms", False),
+                                   ("median_tpot_ms", "median TPOT ms", False)):
+            metrics.append((f"serve {c}: {label}", lambda o, s, c=c, key=key: (s[c] or {}).get(key),
+                            llama[c].get(key), higher))
+    print(f"{'metric':<50} " + " ".join(f"{n:>15}" for n, _, _ in cols) + f" {'llama.cpp':>9}")
     table = []
-    for label, a, b, higher in rows:
-        ratio = (a / b if higher else b / a) if a and b else None
-        table.append({"metric": label, "pagedllm": a, "llama_cpp": b, "advantage": ratio})
-        print(f"{label:<58} {a or float('nan'):>9.1f} {b or float('nan'):>9.1f} {ratio or float('nan'):>5.2f}x")
+    for label, get, ref, higher in metrics:
+        row = {"metric": label, "llama_cpp": ref}
+        cells = []
+        for name, off, srv in cols:
+            v = get(off, srv)
+            ratio = (v / ref if higher else ref / v) if v and ref else None
+            row[name], row[name + "_advantage"] = v, ratio
+            cells.append(f"{v or float('nan'):>8.1f} {ratio or float('nan'):>5.2f}x")
+        table.append(row)
+        print(f"{label:<50} " + " ".join(f"{c:>15}" for c in cells) + f" {ref or float('nan'):>9.1f}")
     memory = {}
     for name, s in serve.items():  # the engine process: the largest (pagedllm's core is a child of its front end)
         procs = s["rss_mib"] or {0: 0.0}
@@ -149,7 +166,8 @@ def against_llama_cpp(bin_dir: Path, gguf_result: dict, requests: int) -> dict:
                         "gguf_plus_kv_mib": gguf_mib + s["kv_pool_mib"], "ratio": core / (gguf_mib + s["kv_pool_mib"])}
         print(f"{name}: engine process RSS {core:.0f} MiB = {memory[name]['ratio']:.2f}x GGUF + KV pool "
               f"({gguf_mib + s['kv_pool_mib']:.0f} MiB); all its processes {sum(procs.values()):.0f} MiB")
-    print("ratio: pagedllm's advantage (>1 better; for latencies llama.cpp / pagedllm)")
+    print("ratios: pagedllm's advantage over llama.cpp (>1 better; for latencies llama.cpp / pagedllm); "
+          "pagedllm-i8act: PAGEDLLM_INT8_ACTIVATIONS=1")
     return {"llama_bench": bench, "serve": serve, "table": table, "memory": memory,
             "build_flags": (bin_dir / "build-flags.txt").read_text().split() if (bin_dir / "build-flags.txt").exists() else None}
 
@@ -163,17 +181,19 @@ def main() -> int:
     ap.add_argument("--serve-requests", type=int, default=32, help="requests per concurrency level")
     args = ap.parse_args()
     results = {q: measure(q, args.repeats) for q in ("none", "gguf", "int8")}
+    results["gguf-i8act"] = measure("gguf", args.repeats, int8_activations=True)
     same = results["none"].pop("tokens") == results["gguf"].pop("tokens")
     results["int8"].pop("tokens")
+    results["gguf-i8act"].pop("tokens")
     base = results["none"]
-    print(f"{'config':<6} {'decode tok/s':>12} {'overhead':>8} {'prefill tok/s':>13} {'batch16 tok/s':>13} {'RSS MiB':>8}")
+    print(f"{'config':<10} {'decode tok/s':>12} {'overhead':>8} {'prefill tok/s':>13} {'batch16 tok/s':>13} {'RSS MiB':>8}")
     for name, r in results.items():
-        print(f"{name:<6} {r['decode_tok_s']:>12.1f} {r['decode_overhead_fraction']:>8.1%} {r['prefill_tok_s']:>13.1f} {r['batch16_output_tok_s']:>13.1f} "
+        print(f"{name:<10} {r['decode_tok_s']:>12.1f} {r['decode_overhead_fraction']:>8.1%} {r['prefill_tok_s']:>13.1f} {r['batch16_output_tok_s']:>13.1f} "
               f"{r['rss_mib']:>8.0f}")
     ratios = {k: results["gguf"][k] / base[k] for k in ("decode_tok_s", "prefill_tok_s", "batch16_output_tok_s")}
     print("gguf / none: " + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
     print(f"greedy tokens identical: {same}")
-    peers = against_llama_cpp(Path(args.llama_cpp_bin), results["gguf"], args.serve_requests) if Path(args.llama_cpp_bin).is_dir() else None
+    peers = against_llama_cpp(Path(args.llama_cpp_bin), results, args.serve_requests) if Path(args.llama_cpp_bin).is_dir() else None
     out = Path(args.json_out or Path(__file__).resolve().parent / "results" /
                f"quantized-{time.strftime('%Y-%m-%d')}.json")
     out.parent.mkdir(parents=True, exist_ok=True)

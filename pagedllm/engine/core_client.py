@@ -128,8 +128,17 @@ class InprocClient:
         self.core.shutdown()
 
 
+def _log_setup() -> tuple[int, str | None]:
+    """The front end's root log level and its first handler's format, for the core process (a
+    spawned process starts with logging unconfigured: its start-up lines would be lost)."""
+    root = logging.getLogger()
+    fmt = root.handlers[0].formatter._fmt if root.handlers and root.handlers[0].formatter else None
+    return root.level, fmt
+
+
 def run_engine_core(args: EngineArgs, model_dir: str, max_model_len: int, eos_token_ids: set[int],
-                    input_addr: str, output_addr: str, parent_pid: int) -> None:
+                    input_addr: str, output_addr: str, parent_pid: int,
+                    log_setup: tuple[int, str | None] = (logging.WARNING, None)) -> None:
     """The core process: load the model, then step whenever there is work.
 
     Inputs are drained without blocking while requests run, so a slow front end
@@ -143,6 +152,8 @@ def run_engine_core(args: EngineArgs, model_dir: str, max_model_len: int, eos_to
     import signal
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    level, fmt = log_setup
+    logging.basicConfig(level=level, **({"format": fmt} if fmt else {}))  # as the front end logs
     linger_ms = 1000  # a failure report must get out; after Shutdown nobody reads what is left
     ctx = zmq.Context()
     inp = ctx.socket(zmq.PULL)
@@ -232,7 +243,8 @@ class MPEngineCoreClient:
         # spawn, not fork: torch and its thread pools do not survive a fork
         self.proc = mp.get_context("spawn").Process(
             target=run_engine_core, name="pagedllm-engine-core", daemon=True,
-            args=(args, str(model_dir), max_model_len, set(eos_token_ids), in_addr, out_addr, os.getpid()))
+            args=(args, str(model_dir), max_model_len, set(eos_token_ids), in_addr, out_addr, os.getpid(),
+                  _log_setup()))
         self.proc.start()
         self.stats = SchedulerStats()
         self._pending: list[EngineCoreOutput] = []  # outputs read while waiting for a utility answer

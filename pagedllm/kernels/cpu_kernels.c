@@ -523,9 +523,9 @@ static inline void q_unpack_vec(int fmt, const uint8_t *qs, const float *d, cons
  * nibble layouts are 0..15 already; signed int8 (S8*) is offset by +128 (an XOR), and every offset
  * (+128, the -8 of U4, the min of U4M / S8M) is a per-block constant times sum(xq) of the block,
  * added once per row from the row's block sums. Not bitwise float32: tests bound it against the
- * exact product of the quantized row, and perplexity within 1% of float32. pl_set_int8_activations(0)
- * (PAGEDLLM_INT8_ACTIVATIONS=0) keeps the float32 path. */
-static int int8_activations = 1;
+ * exact product of the quantized row, and perplexity within 1% of float32. Opt-in:
+ * pl_set_int8_activations(1) (PAGEDLLM_INT8_ACTIVATIONS=1). */
+static int int8_activations = 0; /* set from PAGEDLLM_INT8_ACTIVATIONS at load (kernels/cpu.py) */
 void pl_set_int8_activations(int on) { int8_activations = on; }
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 int pl_has_vnni(void) { return 1; }
