@@ -175,6 +175,7 @@ async function complete() {
   }
   state.messages.push(message);
   setBusy(false);
+  div.scrollIntoView({ block: "end" });
 }
 
 function send(event) {
