@@ -26,11 +26,8 @@ _XFEATURE_XTILEDATA = 18
 
 def cpu_flags() -> set[str]:
     """The ``flags`` of the first CPU in ``/proc/cpuinfo`` (empty when unreadable)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            line = next((ln for ln in f if ln.startswith("flags")), "")
-    except OSError:
-        return set()
+    from pagedllm.kernels.cpu import _cpu_flags  # the one reader of the flags line
+    line = _cpu_flags()
     return set(line.split(":", 1)[1].split()) if ":" in line else set()
 
 
