@@ -515,35 +515,71 @@ static inline void q_unpack_vec(int fmt, const uint8_t *qs, const float *d, cons
     }
 }
 
+/* Weight bytes stream from memory once per step: each row's stream is prefetched PF_BYTES ahead
+ * (the hardware prefetchers alone left batch-1 products at about a third of the memory bandwidth). */
+#define PF_BYTES 2048
+static inline void prefetch_block(int fmt, const uint8_t *qs, long i) {
+    __builtin_prefetch(qs + i * (fmt == 0 || fmt == 2 ? QBLOCK / 2 : QBLOCK) + PF_BYTES, 0, 3);
+}
+
 /* ---- int8 activations with VNNI integer dot products (batch-1 decode) ------------------------
  * Where the CPU has AVX-512 VNNI (vpdpbusd: 32 unsigned x signed byte products summed into 8 int32
  * lanes per 256-bit op), the input row is quantized to int8 per 32-block (xq = round(x / dx),
  * dx = max|x| / 127, as llama.cpp's Q8 activations) and each weight block is multiplied as bytes:
  * about half the instructions of widening it to float32. Weight bytes go in as unsigned: the
- * nibble layouts are 0..15 already; signed int8 (S8*) is offset by +128 (an XOR), and every offset
- * (+128, the -8 of U4, the min of U4M / S8M) is a per-block constant times sum(xq) of the block,
- * added once per row from the row's block sums. Not bitwise float32: tests bound it against the
- * exact product of the quantized row, and perplexity within 1% of float32. Opt-in:
+ * nibble layouts are 0..15 already; signed int8 (S8*) is offset by +128 (an XOR); those byte offsets
+ * start each lane's accumulator (qgemv_i8), and the mins of U4M / S8M are one dot product per row
+ * with the blocks' activation sums. Outlier blocks get a second level (quantize_row_i8). Not
+ * bitwise float32: tests bound it against the exact product of the quantized row, and perplexity
+ * within 1% of float32. Opt-in:
  * pl_set_int8_activations(1) (PAGEDLLM_INT8_ACTIVATIONS=1). */
 static int int8_activations = 0; /* set from PAGEDLLM_INT8_ACTIVATIONS at load (kernels/cpu.py) */
 void pl_set_int8_activations(int on) { int8_activations = on; }
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 int pl_has_vnni(void) { return 1; }
 
-/* x [K] -> xq int8 [K], dx [K/32], sxd [K/32] = dx * sum(xq of the block), sxd16 [K/16] per half block */
-static void quantize_row_i8(const float *x, long K, int8_t *xq, float *dx, float *sxd, float *sxd16) {
-    for (long b = 0; b < K / QBLOCK; b++) {
-        __m512 v0 = _mm512_loadu_ps(x + b * QBLOCK), v1 = _mm512_loadu_ps(x + b * QBLOCK + 16);
-        float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-        float id = amax > 0.0f ? 127.0f / amax : 0.0f;
-        __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(id))); /* round to nearest even */
-        __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(id)));
-        _mm_storeu_si128((__m128i *)(xq + b * QBLOCK), _mm512_cvtepi32_epi8(q0));
-        _mm_storeu_si128((__m128i *)(xq + b * QBLOCK + 16), _mm512_cvtepi32_epi8(q1));
-        float dxb = amax / 127.0f;
-        int s0 = _mm512_reduce_add_epi32(q0), s1 = _mm512_reduce_add_epi32(q1);
-        dx[b] = dxb, sxd[b] = dxb * (float)(s0 + s1), sxd16[2 * b] = dxb * (float)s0, sxd16[2 * b + 1] = dxb * (float)s1;
+/* 32 floats -> int8 with scale amax / 127 (round to nearest even); returns the scale, *sum = sum(q) */
+static inline float quantize_block_i8(const float *x, int8_t *q, int *sum) {
+    __m512 v0 = _mm512_loadu_ps(x), v1 = _mm512_loadu_ps(x + 16);
+    float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+    float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+    __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(id)));
+    __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(id)));
+    _mm_storeu_si128((__m128i *)q, _mm512_cvtepi32_epi8(q0));
+    _mm_storeu_si128((__m128i *)(q + 16), _mm512_cvtepi32_epi8(q1));
+    *sum = _mm512_reduce_add_epi32(q0) + _mm512_reduce_add_epi32(q1);
+    return amax / 127.0f;
+}
+
+/* Blocks whose max |x| is past I8_OUTLIER times the row's mean block max (the few huge channels
+ * of an MLP's intermediate activation: SmolLM2's reach hundreds) get a second int8 level for the
+ * rounding residual, about 15 bits: one level there crushed the block's other 31 values and moved
+ * SmolLM2's perplexity by 1.4%; two levels keep it within 0.1% (tests/kernels/test_quant_kernels). */
+#define I8_OUTLIER 4.0f
+
+/* x [K] -> xq int8 [K], dx [K/32], sxd [K/32] = the block's sum as quantized; blocks flagged in
+ * two [K/32] (>= 0: index into xq2 [.., 32] / dx2 of their residual level); returns the count */
+static long quantize_row_i8(const float *x, long K, int8_t *xq, float *dx, float *sxd, int *two, int8_t *xq2,
+                            float *dx2) {
+    long nb = K / QBLOCK, n2 = 0;
+    float mean = 0.0f;
+    for (long b = 0; b < nb; b++) {
+        int sum;
+        dx[b] = quantize_block_i8(x + b * QBLOCK, xq + b * QBLOCK, &sum);
+        sxd[b] = dx[b] * (float)sum;
+        mean += dx[b] / (float)nb;
     }
+    for (long b = 0; b < nb; b++) {
+        two[b] = -1;
+        if (dx[b] <= I8_OUTLIER * mean) continue;
+        float r[QBLOCK];
+        for (int c = 0; c < QBLOCK; c++) r[c] = x[b * QBLOCK + c] - (float)xq[b * QBLOCK + c] * dx[b];
+        int sum;
+        dx2[n2] = quantize_block_i8(r, xq2 + n2 * QBLOCK, &sum);
+        sxd[b] += dx2[n2] * (float)sum;
+        two[b] = (int)n2++;
+    }
+    return n2;
 }
 
 /* the 32 weights of block i as unsigned bytes in weight order (S8*: q + 128) */
@@ -555,56 +591,81 @@ static inline __m256i block_u8(int fmt, const uint8_t *qs, long i) {
     return _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(qs + i * QBLOCK)), _mm256_set1_epi8((char)0x80));
 }
 
-/* sum over blocks of coef(n, b) * sxd(b): the offsets of the unsigned weight bytes and the mins */
-static inline float row_offset(int fmt, const float *d, const float *mn, long n, long nb, const float *sxd,
-                               const float *sxd16) {
-    float s = 0.0f;
-    if (fmt == 3) {
-        for (long j = 0; j < 2 * nb; j++) s += d[n * 2 * nb + j] * sxd16[j];
-        return -128.0f * s;
+/* sum over b < n of a[b] * c[b] (the block mins against the blocks' activation sums) */
+static inline float dot_f32(const float *a, const float *c, long n) {
+    __m512 s = _mm512_setzero_ps();
+    for (long b = 0; b < n; b += 16) {
+        __mmask16 m = n - b >= 16 ? 0xFFFF : (__mmask16)((1u << (n - b)) - 1);
+        s = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + b), _mm512_maskz_loadu_ps(m, c + b), s);
     }
-    float c = fmt == 0 ? 0.0f : fmt == 2 ? -8.0f : -128.0f;
-    for (long b = 0; b < nb; b++) {
-        float t = c * d[n * nb + b];
-        if (fmt == 0 || fmt == 4) t += mn[n * nb + b];
-        s += t * sxd[b];
-    }
-    return s;
+    return _mm512_reduce_add_ps(s);
 }
 
+/* Per input row, once: each int32 lane of a block's byte dot product covers 4 weights, and the
+ * unsigned weight bytes carry a constant offset (+128 for S8*, +8 for U4, none for U4M); the lane's
+ * start value -offset * (sum of its 4 activation bytes) cancels it, so the inner loop does no
+ * offset work. Per tile row: the block scales d * dx in a small array, read as broadcasts. */
 static void qgemv_i8(int fmt, const float *x, const uint8_t *qs, const float *d, const float *mn,
                      const float *bias, float *y, long N, long K, int nt) {
-    long nb = K / QBLOCK;
-    int8_t *xq = malloc(K);
-    float *dx = malloc(sizeof(float) * nb * 4), *sxd = dx + nb, *sxd16 = dx + 2 * nb;
-    quantize_row_i8(x, K, xq, dx, sxd, sxd16);
+    long nb = K / QBLOCK, ns = fmt == 3 ? 2 * nb : nb; /* scales per row */
+    int8_t *xq = malloc(2 * K + sizeof(int32_t) * (K / 2) + sizeof(float) * 3 * nb + sizeof(int) * nb);
+    int32_t *corr = (int32_t *)(xq + 2 * K), *corr2 = corr + K / 4;
+    float *dx = (float *)(corr2 + K / 4), *sxd = dx + nb, *dx2 = sxd + nb;
+    int *two = (int *)(dx2 + nb);
+    int8_t *xq2 = xq + K;
+    long n2 = quantize_row_i8(x, K, xq, dx, sxd, two, xq2, dx2);
+    char off = fmt == 0 ? 0 : fmt == 2 ? 8 : (char)0x80;
+    for (long k = 0; k < K + n2 * QBLOCK; k += 32) /* offset * sum4(xq) per lane; 0x80 read unsigned is 128 */
+        _mm256_storeu_si256((__m256i *)(corr + k / 4),
+                            _mm256_sub_epi32(_mm256_setzero_si256(),
+                                             _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_set1_epi8(off),
+                                                                 _mm256_loadu_si256((const __m256i *)(xq + k)))));
     long tiles = (N + QTILE - 1) / QTILE;
-    #pragma omp parallel for num_threads(nt) schedule(static)
-    for (long t = 0; t < tiles; t++) {
-        long n0 = t * QTILE, nc = N - n0 < QTILE ? N - n0 : QTILE;
-        long rows[QTILE];
-        for (int j = 0; j < QTILE; j++) rows[j] = n0 + (j < nc ? j : 0); /* a short tile repeats its first row */
-        __m256 acc[QTILE];
-        for (int j = 0; j < QTILE; j++) acc[j] = _mm256_setzero_ps();
-        for (long b = 0; b < nb; b++) {
-            __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + b * QBLOCK));
-            for (int j = 0; j < QTILE; j++) {
-                long i = rows[j] * nb + b;
-                __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), block_u8(fmt, qs, i), xv);
-                __m256 scale = fmt == 3 ? _mm256_set_m128(_mm_set1_ps(d[2 * i + 1] * dx[b]), _mm_set1_ps(d[2 * i] * dx[b]))
-                                        : _mm256_set1_ps(d[i] * dx[b]);
-                acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[j]);
+    #pragma omp parallel num_threads(nt)
+    {
+        float *dd = malloc(sizeof(float) * QTILE * ns);
+        #pragma omp for schedule(static)
+        for (long t = 0; t < tiles; t++) {
+            long n0 = t * QTILE, nc = N - n0 < QTILE ? N - n0 : QTILE;
+            long rows[QTILE];
+            for (int j = 0; j < QTILE; j++) { /* a short tile repeats its first row */
+                rows[j] = n0 + (j < nc ? j : 0);
+                const float *dr = d + rows[j] * ns;
+                for (long s = 0; s < ns; s++) dd[j * ns + s] = dr[s] * dx[fmt == 3 ? s / 2 : s];
+            }
+            __m256 acc[QTILE];
+            for (int j = 0; j < QTILE; j++) acc[j] = _mm256_setzero_ps();
+            for (long b = 0; b < nb; b++) {
+                for (int j = 0; j < QTILE; j++) prefetch_block(fmt, qs, rows[j] * nb + b);
+                __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + b * QBLOCK));
+                __m256i cv = _mm256_loadu_si256((const __m256i *)(corr + b * 8));
+                for (int j = 0; j < QTILE; j++) {
+                    __m256i wv = block_u8(fmt, qs, rows[j] * nb + b);
+                    __m256i dot = _mm256_dpbusd_epi32(cv, wv, xv);
+                    const float *sc = dd + j * ns;
+                    __m256 scale = fmt == 3 ? _mm256_set_m128(_mm_broadcast_ss(sc + 2 * b + 1), _mm_broadcast_ss(sc + 2 * b))
+                                            : _mm256_broadcast_ss(sc + b);
+                    acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[j]);
+                    if (two[b] >= 0) { /* the residual level: same weight bytes, scales times dx2 / dx */
+                        long r = two[b];
+                        __m256i dot2 = _mm256_dpbusd_epi32(_mm256_loadu_si256((const __m256i *)(corr + (nb + r) * 8)), wv,
+                                                           _mm256_loadu_si256((const __m256i *)(xq2 + r * QBLOCK)));
+                        acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot2), _mm256_mul_ps(scale, _mm256_set1_ps(dx2[r] / dx[b])),
+                                                 acc[j]);
+                    }
+                }
+            }
+            for (long j = 0; j < nc; j++) {
+                __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[j]), _mm256_extractf128_ps(acc[j], 1));
+                h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+                float v = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+                if (fmt == 0 || fmt == 4) v += dot_f32(mn + (n0 + j) * nb, sxd, nb);
+                y[n0 + j] = v + (bias ? bias[n0 + j] : 0.0f);
             }
         }
-        for (long j = 0; j < nc; j++) {
-            __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[j]), _mm256_extractf128_ps(acc[j], 1));
-            h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-            float v = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
-            y[n0 + j] = v + row_offset(fmt, d, mn, n0 + j, nb, sxd, sxd16) + (bias ? bias[n0 + j] : 0.0f);
-        }
+        free(dd);
     }
     free(xq);
-    free(dx);
 }
 #else
 int pl_has_vnni(void) { return 0; }
@@ -633,6 +694,7 @@ void pl_qgemm(int fmt, const float *x, long M, const uint8_t *qs, const float *d
                 vec xv[QBLOCK / VEC_LEN];
                 for (int c = 0; c < QBLOCK / VEC_LEN; c++) xv[c] = load_vec(xb + c * VEC_LEN);
                 for (int j = 0; j < QTILE; j++) {
+                    prefetch_block(fmt, qs, (n0 + j) * nb + b);
                     q_unpack_vec(fmt, qs, d, mn, (n0 + j) * nb + b, w);
                     for (int c = 0; c < QBLOCK / VEC_LEN; c++) acc[j] += w[c] * xv[c];
                 }
@@ -663,6 +725,7 @@ void pl_qgemm(int fmt, const float *x, long M, const uint8_t *qs, const float *d
             for (long j = 0; j < QTILE; j++) /* a short last tile repeats its last row */
                 for (long b = 0; b < nb; b++) {
                     vec w[QBLOCK / VEC_LEN];
+                    prefetch_block(fmt, qs, (n0 + (j < nc ? j : nc - 1)) * nb + b);
                     q_unpack_vec(fmt, qs, d, mn, (n0 + (j < nc ? j : nc - 1)) * nb + b, w);
                     memcpy(wb + j * K + b * QBLOCK, w, sizeof w);
                 }
