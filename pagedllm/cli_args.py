@@ -47,6 +47,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule step N+1 while step N runs (default: on; PAGEDLLM_ASYNC_SCHEDULING=0 "
                         "turns it off)")
+    p.add_argument("--speculative-config", default=None,
+                   help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
+                        '(methods: ngram, suffix; see docs/speculative-decoding.md)')
     p.add_argument("--log-level", default="info")
 
 
@@ -69,4 +72,4 @@ def engine_args_from_cli(a: argparse.Namespace) -> EngineArgs:
                       seed=a.seed, served_model_name=getattr(a, "served_model_name", None),
                       num_threads=a.num_threads, model_impl=a.model_impl, quantization=a.quantization,
                       enable_multiprocessing=getattr(a, "enable_multiprocessing", None),
-                      async_scheduling=a.async_scheduling)
+                      async_scheduling=a.async_scheduling, speculative_config=a.speculative_config)

@@ -120,6 +120,10 @@ class EngineArgs:
             ``--async-scheduling``; on by default here). ``None`` reads
             ``PAGEDLLM_ASYNC_SCHEDULING`` (``1``/``0``), else True. Greedy outputs are the
             same either way.
+        speculative_config: speculative decoding (vLLM's ``--speculative-config``), a dict or JSON
+            string such as ``{"method": "ngram", "num_speculative_tokens": 4}``; parsed into a
+            ``pagedllm.spec_decode.config.SpeculativeConfig`` (its docstring lists the keys).
+            ``None``: no speculation.
     """
 
     model: str | None = None
@@ -142,6 +146,7 @@ class EngineArgs:
     quantization: str = "auto"
     enable_multiprocessing: bool | None = None
     async_scheduling: bool | None = None
+    speculative_config: Any = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -161,6 +166,8 @@ class EngineArgs:
             raise ValueError(f"model_impl must be auto, native or transformers, got {self.model_impl!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        from pagedllm.spec_decode.config import SpeculativeConfig
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         parse_size(self.kv_cache_memory)
         parse_dtype(self.dtype)
         torch.device(self.device)

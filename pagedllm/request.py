@@ -50,6 +50,9 @@ class Request:
         num_output_placeholders: tokens being sampled by steps in flight, not yet known
             (async scheduling schedules the next step before the previous one's tokens arrive).
         structured: the request's ``GrammarState`` (structured outputs), else ``None``.
+        spec_token_ids: draft tokens scheduled after its decode token by the step in flight
+            (empty when none); spec_num_draft_tokens, spec_num_accepted_tokens: its drafts so far
+            and how many were kept.
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
@@ -71,6 +74,9 @@ class Request:
         self.num_output_placeholders = 0
         self.block_hashes: list[bytes] = []  # hashes of full blocks, filled by the KV cache manager
         self.structured = None
+        self.spec_token_ids: list[int] = []
+        self.spec_num_draft_tokens = 0
+        self.spec_num_accepted_tokens = 0
 
     @property
     def num_prompt_tokens(self) -> int:

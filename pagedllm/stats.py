@@ -71,6 +71,10 @@ class SchedulerStats(_Indexable):
         core_pid: the core process's pid (``None`` in process).
         block_states: one character per KV block: ``0`` free, ``1`` held by a request, ``2`` free
             but caching a prefix (evictable); the web page's block map.
+        spec_num_drafts: verified steps of a request that carried drafts (speculative decoding);
+            spec_num_draft_tokens, spec_num_accepted_tokens: their draft tokens and the kept ones;
+            spec_accepted_per_position: kept drafts by draft position (0-based; the acceptance at
+            position i is ``spec_accepted_per_position[i] / spec_num_drafts``-ish, vLLM's metric).
     """
 
     num_running: int = 0
@@ -91,6 +95,10 @@ class SchedulerStats(_Indexable):
     step_timings: StepTimings = msgspec.field(default_factory=StepTimings)
     core_pid: int | None = None
     block_states: str = ""
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_position: list[int] = msgspec.field(default_factory=list)
 
 
 class RequestMetrics(msgspec.Struct):
@@ -102,6 +110,8 @@ class RequestMetrics(msgspec.Struct):
         finished_time: when it finished (same clock), ``None`` while it runs.
         num_prompt_tokens: prompt length in tokens.
         num_generation_tokens: output tokens so far.
+        spec_num_draft_tokens, spec_num_accepted_tokens: draft tokens verified for it so far and how
+            many were kept (speculative decoding; 0 without it).
     """
 
     arrival_time: float
@@ -109,3 +119,5 @@ class RequestMetrics(msgspec.Struct):
     finished_time: float | None = None
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0

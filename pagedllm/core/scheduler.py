@@ -17,6 +17,11 @@ the sampled token in itself). A request whose placeholders alone reach its
 late result frees the request; the token the step in flight computes for it
 is dropped on arrival.
 
+Speculative decoding (``spec``, a ``SpecDecoding``): a decoding request may get draft tokens
+after its decode token (``SchedulerOutput.spec_token_ids``); they count against the budget and
+get KV slots. The verdict moves ``num_computed_tokens`` back past the rejected drafts (their
+slots are overwritten by later tokens; the blocks stay the request's until it ends).
+
 Structured outputs: a request whose grammar is still compiling waits in the queue without
 holding up the requests behind it; one whose grammar failed to compile finishes with
 ``error``. Each kept token advances the request's matcher; a grammar that reaches its end
@@ -32,6 +37,7 @@ from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.scheduler_output import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput,
                                             NewRequestData, SchedulerOutput)
 from pagedllm.request import Request, RequestStatus
+from pagedllm.spec_decode.scheduler import HOLD, SpecDecoding
 
 logger = logging.getLogger(__name__)
 
@@ -45,10 +51,11 @@ class Scheduler:
         max_num_batched_tokens: token budget of one step.
         max_model_len: longest sequence (prompt + output) in tokens.
         enable_chunked_prefill: when False a prompt is admitted only whole.
+        spec: speculative decoding's planner, or ``None`` (no drafts).
     """
 
     def __init__(self, kv_cache_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, enable_chunked_prefill: bool = True) -> None:
+                 max_model_len: int, enable_chunked_prefill: bool = True, spec: SpecDecoding | None = None) -> None:
         self.kv = kv_cache_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -61,6 +68,7 @@ class Scheduler:
         self._finished_ids: set[str] = set()
         self._error_outputs: list[EngineCoreOutput] = []
         self.num_preemptions = 0
+        self.spec = spec
 
     # ---- request lifecycle -------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -86,6 +94,8 @@ class Scheduler:
 
     def _free(self, req: Request) -> None:
         self.kv.free(req)
+        if self.spec is not None:
+            self.spec.finish(req)
         self.requests.pop(req.request_id, None)
         if req.request_id in self._runner_knows:
             self._runner_knows.discard(req.request_id)
@@ -114,7 +124,7 @@ class Scheduler:
             n = out.num_scheduled_tokens.get(req.request_id)
             if n:
                 req.num_computed_tokens += n
-                if req.num_computed_tokens == req.num_tokens + req.num_output_placeholders:
+                if req.num_computed_tokens == req.num_tokens + req.num_output_placeholders + len(req.spec_token_ids):
                     req.num_output_placeholders += 1  # this step samples the next token
         return out
 
@@ -133,9 +143,11 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = self._num_new_tokens(req, budget)
-            if n <= 0:
+            drafts = self._drafts(req, n, budget) if n > 0 else []
+            if n <= 0 or drafts is HOLD:
                 i += 1
                 continue
+            n += len(drafts)
             new_blocks = self.kv.allocate_slots(req, n)
             while new_blocks is None:
                 victim = self.running.pop()
@@ -147,9 +159,18 @@ class Scheduler:
             if new_blocks is None:
                 break
             self._record(out, req, n, new_blocks)
+            if drafts:
+                req.spec_token_ids = drafts
+                out.spec_token_ids[req.request_id] = drafts
             budget -= n
             i += 1
         return preempted_any
+
+    def _drafts(self, req: Request, n: int, budget: int) -> list[int] | None:
+        """Draft tokens for ``req`` this step (``[]``: none; ``HOLD``: skip it this step)."""
+        if self.spec is None:
+            return []
+        return self.spec.drafts_for(req, n, budget, len(self.running))
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         """Admit waiting requests (FIFO) while budget, seats and blocks last.
@@ -233,21 +254,42 @@ class Scheduler:
             if req is None or req.is_finished():
                 continue  # aborted, or stopped by an earlier step's token: drop it
             req.num_output_placeholders -= 1
-            req.append_output_token(token)
-            status = self._check_stop(req, token, None if req.structured is None else req.structured.accept(token))
-            if status is not None:
-                req.status = status
-                # a request preempted while its step ran waits in the queue
-                (self.running if req in self.running else self.waiting).remove(req)
-                self._free(req)
-            lp = runner_out.logprobs.get(rid)
-            outputs.append(EngineCoreOutput(rid, [token], req.status.finish_reason, req.stop_reason,
-                                            None if lp is None else [lp], runner_out.prompt_logprobs.get(rid)))
+            tokens = runner_out.accepted_token_ids.get(rid) or [token]
+            lps = runner_out.accepted_logprobs.get(rid)
+            if lps is None and rid in runner_out.logprobs:
+                lps = [runner_out.logprobs[rid]]
+            if req.spec_token_ids:
+                self._settle_drafts(req, len(tokens) - 1)
+            kept = 0
+            for t in tokens:
+                kept += 1
+                req.append_output_token(t)
+                status = self._check_stop(req, t, None if req.structured is None else req.structured.accept(t))
+                if status is not None:
+                    req.status = status
+                    # a request preempted while its step ran waits in the queue
+                    (self.running if req in self.running else self.waiting).remove(req)
+                    self._free(req)
+                    break
+            outputs.append(EngineCoreOutput(rid, tokens[:kept], req.status.finish_reason, req.stop_reason,
+                                            None if lps is None else lps[:kept], runner_out.prompt_logprobs.get(rid),
+                                            (req.spec_num_draft_tokens, req.spec_num_accepted_tokens)
+                                            if req.spec_num_draft_tokens else None))
         for rid, plp in runner_out.prompt_logprobs.items():
             req = self.requests.get(rid)
             if rid not in runner_out.sampled_token_ids and req is not None and not req.is_finished():
                 outputs.append(EngineCoreOutput(rid, [], prompt_logprobs=plp))
         return outputs
+
+    def _settle_drafts(self, req: Request, num_accepted: int) -> None:
+        """Apply a verdict: count it, and move ``num_computed_tokens`` back past the rejected
+        drafts (unless the request was preempted meanwhile: it restarts from 0 anyway)."""
+        num_drafts = len(req.spec_token_ids)
+        req.spec_token_ids = []
+        if req.status == RequestStatus.RUNNING:
+            req.num_computed_tokens -= num_drafts - num_accepted
+        if self.spec is not None:
+            self.spec.record(req, num_drafts, num_accepted)
 
     def _check_stop(self, req: Request, token: int, grammar: str | None = None) -> RequestStatus | None:
         """The status a kept token ends the request with (``grammar``: what its matcher said), or ``None``."""

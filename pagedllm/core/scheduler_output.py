@@ -59,6 +59,8 @@ class SchedulerOutput:
         num_scheduled_tokens: tokens to compute per request id, in batch order.
         total_num_scheduled_tokens: sum of the above (<= the step's token budget).
         finished_req_ids: requests whose runner state can be dropped.
+        spec_token_ids: request id -> draft tokens scheduled after its one decode token (they
+            count in ``num_scheduled_tokens``; speculative decoding).
     """
 
     new_reqs: list[NewRequestData] = field(default_factory=list)
@@ -66,6 +68,7 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     total_num_scheduled_tokens: int = 0
     finished_req_ids: set[str] = field(default_factory=set)
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -99,11 +102,18 @@ class ModelRunnerOutput:
         logprobs: request id -> logprobs of its sampled token (requests that asked).
         prompt_logprobs: request id -> ``(first, entries)``: logprobs of prompt tokens
             ``first, first + 1, ...`` computed this step (requests with ``prompt_logprobs``).
+        accepted_token_ids: request id -> every token emitted for a request that had drafts
+            (the kept drafts, then the target's own token; ``sampled_token_ids`` has the last).
+        accepted_logprobs: request id -> logprobs of those tokens (requests that asked).
+        execute_s: seconds the step's forward and sampling took.
     """
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
+    accepted_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    accepted_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    execute_s: float = 0.0
 
 
 @dataclass
@@ -117,6 +127,7 @@ class EngineCoreOutput:
         stop_reason: stop token id that ended the request, if any.
         new_logprobs: logprobs of ``new_token_ids`` (when requested).
         prompt_logprobs: ``(first, entries)`` as ``ModelRunnerOutput.prompt_logprobs``.
+        spec_counts: ``(draft tokens, accepted drafts)`` of the request so far, when it has had drafts.
     """
 
     request_id: str
@@ -125,3 +136,4 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None
     new_logprobs: list[TokenLogprobs] | None = None
     prompt_logprobs: tuple[int, list[TokenLogprobs]] | None = None
+    spec_counts: tuple[int, int] | None = None

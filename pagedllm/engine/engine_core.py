@@ -33,6 +33,7 @@ from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.scheduler_output import EngineCoreOutput
 from pagedllm.engine.messages import EngineCoreRequest
 from pagedllm.request import Request, RequestStatus
+from pagedllm.spec_decode.scheduler import SpecDecoding
 from pagedllm.stats import SchedulerStats, StepTimings
 from pagedllm.memory import return_freed_memory
 from pagedllm.models.quant_linear import quantized_kernels
@@ -119,8 +120,14 @@ class EngineCore:
         logger.info("KV cache: %d blocks x %d tokens (%.1f MiB)", num_blocks, args.block_size,
                     num_blocks * per_block / 2**20)
         self.kv_cache_manager = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
+        spec = (None if args.speculative_config is None
+                else SpecDecoding(args.speculative_config, max_model_len))
+        if spec is not None:
+            logger.info("speculative decoding: %s, up to %d draft tokens (%s depth)", args.speculative_config.method,
+                        args.speculative_config.num_speculative_tokens,
+                        "dynamic" if args.speculative_config.dynamic else "fixed")
         self.scheduler = Scheduler(self.kv_cache_manager, args.max_num_seqs, args.max_num_batched_tokens,
-                                   max_model_len, args.enable_chunked_prefill)
+                                   max_model_len, args.enable_chunked_prefill, spec)
         self.runner = self._exec.submit(
             ModelRunner, model, num_blocks, args.block_size, dtype, device, args.seed, eos_token_ids=eos_token_ids,
             max_num_reqs=args.max_num_seqs, max_model_len=max_model_len, executor=self._exec,
@@ -233,6 +240,10 @@ class EngineCore:
     def _apply(self, so, handle) -> list[EngineCoreOutput]:
         """Wait for an issued step and apply its tokens to the scheduler."""
         runner_out = handle.result()
+        spec = self.scheduler.spec
+        if spec is not None and so.num_scheduled_tokens and so.total_num_scheduled_tokens == len(
+                so.num_scheduled_tokens) + sum(map(len, so.spec_token_ids.values())):
+            spec.observe_step(so.total_num_scheduled_tokens, runner_out.execute_s)  # a decode-only step
         t2 = time.perf_counter()
         core_outputs = self.scheduler.update_from_output(so, runner_out)
         self.timer.totals.update += time.perf_counter() - t2
@@ -266,4 +277,14 @@ class EngineCore:
                               num_generation_tokens=self.num_generation_tokens, num_steps=self.num_steps,
                               max_num_running=self.max_num_running, cpu_kernels=self.cpu_kernels,
                               weight_formats=self.weight_formats, weight_kernels=self.weight_kernels,
-                              step_timings=self.timer.summary(), block_states=kv.block_states())
+                              step_timings=self.timer.summary(), block_states=kv.block_states(),
+                              **self._spec_stats())
+
+    def _spec_stats(self) -> dict:
+        """The speculation counters of ``SchedulerStats`` (zeros without speculative decoding)."""
+        spec = self.scheduler.spec
+        if spec is None:
+            return {}
+        return dict(spec_num_drafts=spec.num_drafts, spec_num_draft_tokens=spec.num_draft_tokens,
+                    spec_num_accepted_tokens=spec.num_accepted_tokens,
+                    spec_accepted_per_position=list(spec.accepted_per_position))

@@ -33,6 +33,7 @@ class RequestState:
     cumulative_logprob: float = 0.0
     lp_sent: int = 0    # delta mode: logprob entries handed out so far
     lp_chars: int = 0   # characters of text those entries' tokens cover
+    spec_counts: tuple[int, int] = (0, 0)  # draft tokens verified, accepted (speculative decoding)
 
 
 class OutputProcessor:
@@ -168,8 +169,10 @@ class OutputProcessor:
                 lps = None if lps is None else list(lps)
             comp = CompletionOutput(0, text, toks, finish_reason, stop_reason, lps,
                                     st.cumulative_logprob if st.logprobs is not None else None)
+            if eo.spec_counts is not None:
+                st.spec_counts = eo.spec_counts
             metrics = RequestMetrics(st.arrival, st.first_token_time or now, now if finished else None,
-                                     len(st.prompt_token_ids), len(st.token_ids))
+                                     len(st.prompt_token_ids), len(st.token_ids), *st.spec_counts)
             if finished:
                 del self.states[eo.request_id]
             # prompt logprobs go out once, with the first output that carries tokens

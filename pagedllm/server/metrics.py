@@ -7,7 +7,10 @@ engine step):
   ``pagedllm:kv_cache_usage_perc`` (a fraction in [0, 1], as vLLM's despite the name);
 * counters ``pagedllm:prompt_tokens_total``, ``pagedllm:generation_tokens_total``,
   ``pagedllm:prefix_cache_queries_total``, ``pagedllm:prefix_cache_hits_total`` (both
-  in tokens) and ``pagedllm:num_preemptions_total``.
+  in tokens), ``pagedllm:num_preemptions_total``, and with speculative decoding
+  ``pagedllm:spec_decode_num_drafts_total``, ``pagedllm:spec_decode_num_draft_tokens_total``,
+  ``pagedllm:spec_decode_num_accepted_tokens_total`` and
+  ``pagedllm:spec_decode_num_accepted_tokens_per_pos_total`` labelled ``position`` (vLLM's names).
 
 Observed once per finished request (aborted requests are not observed):
 
@@ -53,6 +56,9 @@ _COUNTERS = (
     ("pagedllm:prefix_cache_queries", "prefix_cache_queries", "Prefix-cache lookups, in tokens."),
     ("pagedllm:prefix_cache_hits", "prefix_cache_hits", "Prefix-cache hits, in tokens."),
     ("pagedllm:num_preemptions", "num_preemptions", "Number of request preemptions."),
+    ("pagedllm:spec_decode_num_drafts", "spec_num_drafts", "Verified request steps that carried draft tokens."),
+    ("pagedllm:spec_decode_num_draft_tokens", "spec_num_draft_tokens", "Draft tokens verified."),
+    ("pagedllm:spec_decode_num_accepted_tokens", "spec_num_accepted_tokens", "Draft tokens accepted."),
 )
 
 
@@ -75,6 +81,11 @@ class _EngineStatsCollector:
             c = CounterMetricFamily(name, doc, labels=["model_name"])
             c.add_metric([self.model_name], float(getattr(stats, key)))
             yield c
+        c = CounterMetricFamily("pagedllm:spec_decode_num_accepted_tokens_per_pos",
+                                "Draft tokens accepted, by draft position (0-based).", labels=["model_name", "position"])
+        for pos, n in enumerate(stats.spec_accepted_per_position):
+            c.add_metric([self.model_name, str(pos)], float(n))
+        yield c
 
 
 REJECTION_REASONS = ("body_too_large", "queue_full")

@@ -137,6 +137,14 @@ class InputBatch:
             self.token_ids[idx, self.num_tokens[idx]] = tokens
             self.num_tokens[idx] += 1
 
+    def extend_tokens(self, req_id: str, tokens: list[int]) -> None:
+        """Record the tokens a verified step emitted for one request (unknown ids are ignored)."""
+        s = self.slot_of.get(req_id)
+        if s is not None:
+            n = int(self.num_tokens[s])
+            self.token_ids[s, n:n + len(tokens)] = tokens
+            self.num_tokens[s] = n + len(tokens)
+
     # ---- one step's inputs ----------------------------------------------------------
     def sampling_metadata(self, slots: np.ndarray, pending_rows: np.ndarray,
                           pending_src: np.ndarray) -> SamplingMetadata:

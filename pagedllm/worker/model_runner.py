@@ -33,6 +33,7 @@ from pagedllm.structured_output.backend import apply_bitmask
 from pagedllm.structured_output.manager import GrammarMask
 from pagedllm.worker.input_batch import InputBatch, SamplingMetadata
 from pagedllm.worker.sampler import Sampler, gather_logprobs
+from pagedllm.worker.spec_verify import verify
 from pagedllm.worker.scripted import ScriptedOutput
 
 
@@ -55,7 +56,11 @@ class PreparedStep:
         slot_row: ``[max_num_reqs]`` int64, the sample row of each batch slot this step (-1: none).
         grammar: the token bitmask of the rows with structured outputs, filled by the engine
             core while the forward runs (``None``: no such row).
-        sampled: ``[R]`` int64 sampled ids, set once the step has run.
+        sampled: ``[R]`` int64 sampled ids, set once the step has run (a request with drafts:
+            its last emitted token).
+        drafts: per sampled request, its draft tokens (``None``: no request has any); a request
+            with ``k`` drafts has ``k + 1`` rows in ``logits_rows``.
+        emitted: per sampled request with drafts, every token the verification emitted.
     """
 
     input_ids: torch.Tensor
@@ -71,6 +76,8 @@ class PreparedStep:
     grammar: GrammarMask | None = None
     sampled: torch.Tensor | None = None
     sampled_list: list[int] = field(default_factory=list)
+    drafts: list[list[int]] | None = None
+    emitted: dict[str, list[int]] = field(default_factory=dict)
 
 
 class StepHandle:
@@ -93,7 +100,15 @@ class StepHandle:
         if self._future is not None:
             self._output, self._future = self._future.result(), None
         if self._step is not None:
-            self._runner.input_batch.append_tokens(self._step.sample_ids, self._step.sampled_list)
+            batch = self._runner.input_batch
+            if self._step.emitted:
+                for rid, toks in self._step.emitted.items():
+                    batch.extend_tokens(rid, toks)
+                rest = [(r, t) for r, t in zip(self._step.sample_ids, self._step.sampled_list)
+                        if r not in self._step.emitted]
+                batch.append_tokens([r for r, _ in rest], [t for _, t in rest])
+            else:
+                batch.append_tokens(self._step.sample_ids, self._step.sampled_list)
             self._step = None
         return self._output
 
@@ -170,16 +185,32 @@ class ModelRunner:
         qsl = np.zeros(len(rids) + 1, dtype=np.int64)
         np.cumsum(n, out=qsl[1:])
         end = start + n
+        spec = self._write_drafts(rids, slots, so.spec_token_ids)
         input_ids, positions, meta = self._prepare_inputs(slots, n, start, end, qsl)
-        sample, pend, pending_src, slot_row, sampling = self._prepare_sampling(slots, end)
-        rows, prompt_lp = self._prepare_prompt_logprobs(rids, slots, start, end, qsl, sample)
+        sample, pend, pending_src, slot_row, sampling = self._prepare_sampling(slots, end, spec)
+        rows, prompt_lp = self._prepare_prompt_logprobs(rids, slots, start, end, qsl, sample, spec)
         dev = self.device
         return PreparedStep(
             input_ids=input_ids, positions=positions, meta=meta,
             logits_rows=torch.from_numpy(rows).to(dev), sample_ids=[rids[i] for i in sample.tolist()],
             sampling=sampling, prompt_lp=prompt_lp,
             pending_idx=torch.from_numpy(qsl[1:][pend] - 1).to(dev), pending_src=torch.from_numpy(pending_src).to(dev),
-            slot_row=slot_row, grammar=self._grammar_rows(rids, sample, sampling))
+            slot_row=slot_row, grammar=self._grammar_rows(rids, sample, sampling),
+            drafts=None if not so.spec_token_ids else [so.spec_token_ids.get(rids[i], []) for i in sample.tolist()])
+
+    def _write_drafts(self, rids: list[str], slots: np.ndarray, drafts: dict[str, list[int]]) -> np.ndarray:
+        """Put each request's draft tokens after its known tokens (they are inputs of this step, not
+        known tokens); returns ``[R]`` int64 draft counts."""
+        spec = np.zeros(len(rids), dtype=np.int64)
+        if drafts:
+            b = self.input_batch
+            for i, rid in enumerate(rids):
+                d = drafts.get(rid)
+                if d:
+                    s, known = int(slots[i]), int(b.num_tokens[slots[i]])
+                    b.token_ids[s, known:known + len(d)] = d
+                    spec[i] = len(d)
+        return spec
 
     @staticmethod
     def _grammar_rows(rids: list[str], sample: np.ndarray, sampling: SamplingMetadata | None) -> GrammarMask | None:
@@ -212,14 +243,15 @@ class ModelRunner:
             block_table=b.block_table, rows=slots, block_size=bs))
         return torch.from_numpy(input_ids).to(dev), torch.from_numpy(pos).to(dev), meta
 
-    def _prepare_sampling(self, slots: np.ndarray, end: np.ndarray):
+    def _prepare_sampling(self, slots: np.ndarray, end: np.ndarray, spec: np.ndarray):
         """Which requests sample a token this step, and where their pending inputs come from.
 
         A request whose last scheduled token is still being sampled by the previous step
         takes that token from the previous step's samples.
 
         Args:
-            slots: ``[R]`` int64 batch slots; end: ``[R]`` int64 tokens computed after this step.
+            slots: ``[R]`` int64 batch slots; end: ``[R]`` int64 tokens computed after this step;
+            spec: ``[R]`` int64 draft tokens each computes after its known tokens.
         Returns:
             ``(sample, pend, pending_src, slot_row, sampling)``: ``[S]`` indices (into the ``R``
             requests) of those that sample; ``[P]`` indices of those with a pending token, and
@@ -227,7 +259,7 @@ class ModelRunner:
             each slot (-1: none); their ``SamplingMetadata`` (``None`` when ``S == 0``).
         """
         b = self.input_batch
-        known = b.num_tokens[slots]
+        known = b.num_tokens[slots] + spec
         pend = np.flatnonzero(end > known)
         sample = np.flatnonzero(end >= known)  # reached the sequence's end: sample the next token
         pending_src = np.zeros(0, dtype=np.int64)
@@ -242,15 +274,19 @@ class ModelRunner:
         return sample, pend, pending_src, slot_row, sampling
 
     def _prepare_prompt_logprobs(self, rids: list[str], slots: np.ndarray, start: np.ndarray, end: np.ndarray,
-                                 qsl: np.ndarray, sample: np.ndarray) -> tuple[np.ndarray, list]:
-        """The rows whose logits are needed: the sampled ones, then the prompt-logprob positions.
+                                 qsl: np.ndarray, sample: np.ndarray, spec: np.ndarray) -> tuple[np.ndarray, list]:
+        """The rows whose logits are needed: the sampled ones (a request with ``k`` drafts: its
+        last ``k + 1``), then the prompt-logprob positions.
 
         Returns:
-            ``[R + P]`` int64 rows of the flattened batch, and per request with prompt logprobs
+            ``[R' + P]`` int64 rows of the flattened batch, and per request with prompt logprobs
             computed this step ``(request id, first prompt token index, targets [n] int64, k)``.
         """
         b = self.input_batch
-        rows = [qsl[1:][sample] - 1]
+        counts = 1 + spec[sample]
+        ends = qsl[1:][sample]
+        firsts = np.repeat(ends - counts, counts)
+        rows = [firsts + np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)]
         prompt_lp = []
         for i in np.flatnonzero(b.prompt_logprobs[slots] >= 0).tolist():
             # the row at position p predicts prompt token p + 1 (token 0 has no logprob)
@@ -302,37 +338,62 @@ class ModelRunner:
         t2 = time.perf_counter()
         out = ModelRunnerOutput()
         num_sampled = len(step.sample_ids)
+        num_rows = num_sampled + sum(len(d) for d in step.drafts or ())
         if num_sampled:
             md = step.sampling
             prev_tokens = prev.sampled_list if md.pending_rows.size else None
-            sample_logits = logits[:num_sampled]
+            sample_logits = logits[:num_rows]
             if step.grammar is not None:
-                sample_logits = self._constrain(sample_logits, step.grammar)
-            sampled = self.sampler(sample_logits, md, prev_tokens)
-            tokens = (sampled.token_ids if self._script is None
-                      else self._script.tokens(md.output_lens.tolist(), self._eos))
+                sample_logits = self._constrain(sample_logits, step.grammar, step.drafts)
+            if step.drafts is not None:
+                tokens = self._verify(step, sample_logits, md, prev_tokens, out)
+            else:
+                sampled = self.sampler(sample_logits, md, prev_tokens)
+                tokens = (sampled.token_ids if self._script is None
+                          else self._script.tokens(md.output_lens.tolist(), self._eos))
+                for rid, lp in zip(step.sample_ids, sampled.logprobs):
+                    if lp is not None:
+                        out.logprobs[rid] = lp
             step.sampled_list = tokens
             step.sampled = torch.tensor(tokens, dtype=torch.int64, device=self.device)
             out.sampled_token_ids = dict(zip(step.sample_ids, tokens))
-            for rid, lp in zip(step.sample_ids, sampled.logprobs):
-                if lp is not None:
-                    out.logprobs[rid] = lp
         if step.prompt_lp:
-            self._prompt_logprobs(logits[num_sampled:], step.prompt_lp, out)
+            self._prompt_logprobs(logits[num_rows:], step.prompt_lp, out)
         t3 = time.perf_counter()
+        out.execute_s = t3 - t1
         if timer is not None:
             timer.exec_ended(t3)
             timer.totals.execute += t2 - t1
             timer.totals.sample += t3 - t2
         return out
 
+    def _verify(self, step: PreparedStep, logits: torch.Tensor, md: SamplingMetadata, prev_tokens,
+                out: ModelRunnerOutput) -> list[int]:
+        """Judge the step's drafts (``spec_verify.verify``); returns each request's last emitted
+        token (the next step's pending input, were it pending) and fills ``out``'s accepted lists."""
+        emitted, logprobs = verify(self.sampler, logits, md, step.drafts, prev_tokens)
+        for rid, d, toks, lps in zip(step.sample_ids, step.drafts, emitted, logprobs):
+            if d:
+                out.accepted_token_ids[rid] = toks
+                step.emitted[rid] = toks
+                if lps is not None:
+                    out.accepted_logprobs[rid] = lps
+            elif lps is not None:
+                out.logprobs[rid] = lps[0]
+        return [toks[-1] for toks in emitted]
+
     @staticmethod
-    def _constrain(logits: torch.Tensor, grammar: GrammarMask) -> torch.Tensor:
+    def _constrain(logits: torch.Tensor, grammar: GrammarMask, drafts: list[list[int]] | None = None) -> torch.Tensor:
         """Wait for the step's token bitmask and mask the constrained rows' logits in place
-        (``[R, V]`` float32, the model's own output: nothing else reads them unmasked)."""
+        (``[R', V]`` float32, the model's own output: nothing else reads them unmasked). With drafts
+        in the step, request ``i``'s row is its first (constrained requests get no drafts)."""
         bitmask = grammar.wait()
         if bitmask is not None:
-            apply_bitmask(logits, grammar.rows, bitmask)
+            rows = grammar.rows
+            if drafts is not None:
+                firsts = np.concatenate([[0], np.cumsum([1 + len(d) for d in drafts])])
+                rows = [int(firsts[r]) for r in rows]
+            apply_bitmask(logits, rows, bitmask)
         return logits
 
     def _prompt_logprobs(self, logits: torch.Tensor, prompt_lp, out: ModelRunnerOutput) -> None:

@@ -218,11 +218,7 @@ class Sampler:
         output_lens = md.output_lens.tolist()
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         raw = logits.index_select(0, torch.tensor(lp_rows, device=logits.device)) if lp_rows else None
-        if md.any_min_tokens:
-            logits = self._ban_stop_tokens(logits, params, output_lens)
-        if md.any_logit_bias:
-            logits = self._logit_bias(logits, params)
-        logits = self._penalties(logits, md, prev_tokens)
+        logits = self.process(logits, md, prev_tokens)
         tokens = logits.argmax(-1) if md.all_greedy else self._sample(logits, params, output_lens)
         out = SamplerOutput(tokens.tolist(), [None] * len(params))
         if lp_rows:
@@ -232,6 +228,36 @@ class Sampler:
                 kk = params[i].logprobs
                 out.logprobs[i] = TokenLogprobs(e.token_ids[:kk + 1], e.logprobs[:kk + 1], e.rank)
         return out
+
+    def process(self, logits: torch.Tensor, md, prev_tokens: list[int] | None = None) -> torch.Tensor:
+        """The logits the draw sees: EOS / stop tokens banned below ``min_tokens``, ``logit_bias``
+        and ``allowed_token_ids``, then the penalties (``[R, V]`` float32; maybe ``logits`` itself)."""
+        if md.any_min_tokens:
+            logits = self._ban_stop_tokens(logits, md.params, md.output_lens.tolist())
+        if md.any_logit_bias:
+            logits = self._logit_bias(logits, md.params)
+        return self._penalties(logits, md, prev_tokens)
+
+    @staticmethod
+    def target_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """``[R, V]`` float32 probabilities the draw samples from: processed logits divided by the
+        temperature, cut by min-p / top-k / top-p, softmaxed (rows must not be greedy)."""
+        dev = logits.device
+        temps = torch.tensor([p.temperature for p in params], device=dev, dtype=logits.dtype)
+        top_k = torch.tensor([p.top_k if p.top_k > 0 else logits.shape[-1] for p in params], device=dev)
+        top_p = torch.tensor([p.top_p for p in params], device=dev, dtype=logits.dtype)
+        min_p = torch.tensor([p.min_p for p in params], device=dev, dtype=logits.dtype)
+        return _apply_top_k_top_p_min_p(logits / temps.unsqueeze(1), top_k, top_p, min_p).softmax(-1)
+
+    def generator_for(self, params: SamplingParams, position: int, stream: int = 0,
+                      device: torch.device | str = "cpu") -> torch.Generator:
+        """The generator of a draw: the request's own, seeded from ``(seed, position, stream)`` when it
+        has a seed (``stream`` separates draws made at one position), else the engine's shared one."""
+        if params.seed is None:
+            return self.generator
+        g = torch.Generator(device=device)
+        g.manual_seed((params.seed * _SEED_MIX + position + stream * 0x5851F42D4C957F2D) % (1 << 63))
+        return g
 
     def sample(self, logits: torch.Tensor, params: list[SamplingParams], output_lens: list[int]) -> torch.Tensor:
         """Sample without history: min-tokens ban, logit bias, then the draw (no penalties, no logprobs).
@@ -254,21 +280,13 @@ class Sampler:
             return greedy
         dev = logits.device
         sel = torch.tensor(rows, device=dev)
-        sub = logits.index_select(0, sel)
-        temps = torch.tensor([params[i].temperature for i in rows], device=dev, dtype=sub.dtype)
-        top_k = torch.tensor([params[i].top_k if params[i].top_k > 0 else sub.shape[-1] for i in rows], device=dev)
-        top_p = torch.tensor([params[i].top_p for i in rows], device=dev, dtype=sub.dtype)
-        min_p = torch.tensor([params[i].min_p for i in rows], device=dev, dtype=sub.dtype)
-        sub = _apply_top_k_top_p_min_p(sub / temps.unsqueeze(1), top_k, top_p, min_p)
-        probs = sub.softmax(-1)
+        probs = self.target_probs(logits.index_select(0, sel), [params[i] for i in rows])
         noise = torch.empty_like(probs)
         for j, i in enumerate(rows):
             p = params[i]
-            if p.seed is None:
-                noise[j].exponential_(generator=self.generator) if dev.type == "cpu" else noise[j].exponential_()
+            if p.seed is None and dev.type != "cpu":
+                noise[j].exponential_()
             else:
-                g = torch.Generator(device=dev)
-                g.manual_seed((p.seed * _SEED_MIX + output_lens[i]) % (1 << 63))
-                noise[j].exponential_(generator=g)
+                noise[j].exponential_(generator=self.generator_for(p, output_lens[i], device=dev))
         sampled = (probs / noise).argmax(-1)
         return greedy.index_copy(0, sel, sampled)

@@ -1,0 +1,108 @@
+"""Dynamic speculation depth: how many drafts each request gets this step, down to 0.
+
+The rule: a step's expected output tokens per second of execute time, maximised (the
+speculation trade-off of Leviathan et al. 2023, section 3.3, with the step cost measured
+instead of assumed).
+
+* ``t(T)``: the execute time of a decode-only step of ``T`` tokens, measured online from the
+  engine's own steps (``observe``: per ``T``, an exponential average), linear between measured
+  ``T``; past the largest measured ``T`` it grows by ``PRIOR_SLOPE`` of its last value per token
+  (optimistic on purpose: a probe then measures it).
+* A request whose drafts are accepted with probability ``alpha`` each (an exponential average of
+  its own verdicts, from ``PRIOR_ALPHA``) expects ``E(k) = alpha + ... + alpha ** k`` extra tokens
+  from ``k`` drafts. In a step of ``B`` decodes it gets the ``k`` maximising
+  ``(B + E(k)) / t(B + k)``, 0 when none beats ``B / t(B)``.
+
+So a lone request on a memory-bound device (where ``t`` barely grows with ``T``) speculates as deep
+as its acceptance pays for, and stops when its drafts are refused; on a compute-bound step
+(large batches; a CPU whose multi-token steps cost several single ones) nothing is worth its
+compute and ``k`` stays 0. A request at 0 probes once every ``PROBE_EVERY`` steps with the full
+depth, but only while the measured costs say full acceptance would pay: a change of regime
+(the output starts quoting its prompt) is noticed, and a device where speculation cannot win
+stops paying for probes once it has measured that.
+"""
+
+from __future__ import annotations
+
+PRIOR_ALPHA = 0.6     # a new request's acceptance before any verdict
+ALPHA_DECAY = 0.7     # weight of the past in the acceptance average, per judged draft
+PRIOR_SLOPE = 0.05    # unmeasured step growth per extra token, relative (memory-bound guess)
+STEP_DECAY = 0.8      # weight of the past in each token count's step time
+MIN_SAMPLES = 2       # steps before a token count's time is trusted
+PROBE_EVERY = 16
+
+
+class DepthController:
+    """Per request acceptance and the measured step cost (module docstring).
+
+    Args:
+        max_k: ``num_speculative_tokens``.
+        dynamic: ``False``: always ``max_k``.
+    """
+
+    def __init__(self, max_k: int, dynamic: bool = True) -> None:
+        self.max_k, self.dynamic = max_k, dynamic
+        self.alpha: dict[str, float] = {}
+        self._since_probe: dict[str, int] = {}
+        self._times: dict[int, list[float]] = {}  # tokens per step -> [mean seconds, samples]
+
+    def step_time(self, num_tokens: int) -> float:
+        """Estimated execute seconds of a decode-only step of ``num_tokens`` (1.0 per step before
+        any measurement: only ratios matter)."""
+        known = sorted((t, s[0]) for t, s in self._times.items() if s[1] >= MIN_SAMPLES)
+        if not known:
+            return 1.0 + PRIOR_SLOPE * (num_tokens - 1)
+        lo = max(((t, y) for t, y in known if t <= num_tokens), default=None)
+        hi = min(((t, y) for t, y in known if t >= num_tokens), default=None)
+        if lo is not None and hi is not None:
+            if hi[0] == lo[0]:
+                return lo[1]
+            return lo[1] + (hi[1] - lo[1]) * (num_tokens - lo[0]) / (hi[0] - lo[0])
+        if lo is None:  # below every measured count: scale the smallest down by the prior slope
+            t0, y0 = known[0]
+            return y0 / (1 + PRIOR_SLOPE * (t0 - num_tokens))
+        t0, y0 = known[-1]
+        return y0 * (1 + PRIOR_SLOPE * (num_tokens - t0))
+
+    def _best(self, alpha: float, batch_size: int) -> int:
+        best_k, best = 0, batch_size / self.step_time(batch_size)
+        gain = 0.0
+        for k in range(1, self.max_k + 1):
+            gain += alpha ** k
+            value = (batch_size + gain) / self.step_time(batch_size + k)
+            if value > best:
+                best_k, best = k, value
+        return best_k
+
+    def depth(self, request_id: str, batch_size: int) -> int:
+        """Drafts to ask for this step (0 .. ``max_k``) for a request in a step of ``batch_size`` decodes."""
+        if not self.dynamic:
+            return self.max_k
+        k = self._best(self.alpha.get(request_id, PRIOR_ALPHA), batch_size)
+        if k:
+            return k
+        n = self._since_probe.get(request_id, 0) + 1
+        self._since_probe[request_id] = n
+        if n >= PROBE_EVERY and self._best(1.0, batch_size) > 0:
+            self._since_probe[request_id] = 0
+            return self.max_k
+        return 0
+
+    def record(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
+        """Update the request's acceptance with one verified step (``num_accepted`` of ``num_drafts``:
+        the first ``num_accepted`` were accepted, the next, if any, rejected; later ones unjudged)."""
+        alpha = self.alpha.get(request_id, PRIOR_ALPHA)
+        for i in range(min(num_drafts, num_accepted + 1)):
+            alpha = ALPHA_DECAY * alpha + (1 - ALPHA_DECAY) * (1.0 if i < num_accepted else 0.0)
+        self.alpha[request_id] = alpha
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        """One decode-only step of ``num_tokens`` tokens took ``seconds`` to execute."""
+        s = self._times.setdefault(num_tokens, [seconds, 0])
+        s[0] = seconds if s[1] == 0 else STEP_DECAY * s[0] + (1 - STEP_DECAY) * seconds
+        s[1] += 1
+
+    def finish(self, request_id: str) -> None:
+        """Forget a finished request."""
+        self.alpha.pop(request_id, None)
+        self._since_probe.pop(request_id, None)

@@ -1,0 +1,90 @@
+"""Speculative decoding's configuration, proposers and depth rule, without a model."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedllm.config import EngineArgs
+from pagedllm.spec_decode.config import SpeculativeConfig
+from pagedllm.spec_decode.depth import PROBE_EVERY, DepthController
+from pagedllm.spec_decode.proposers import NgramProposer, ProposeItem, SuffixProposer
+
+
+def test_config_parses_vllm_shapes():
+    cfg = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}')
+    assert (cfg.method, cfg.num_speculative_tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max) == ("ngram", 4, 3, 3)
+    assert SpeculativeConfig.parse({"method": "suffix", "num_speculative_tokens": 2}).dynamic is True
+    assert EngineArgs(speculative_config={"method": "ngram", "num_speculative_tokens": 2}).speculative_config.method == "ngram"
+    assert EngineArgs().speculative_config is None
+
+
+@pytest.mark.parametrize("value, words", [
+    ("{not json", "not valid JSON"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "typo": 1}, "unknown key(s) ['typo']"),
+    ({"method": "eagle", "num_speculative_tokens": 2}, "method must be one of"),
+    ({"method": "ngram"}, "num_speculative_tokens is required"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "prompt_lookup_min"),
+    ({"method": "suffix", "num_speculative_tokens": 2, "suffix_decoding_min_token_prob": 2}, "min_token_prob"),
+    ({"model": "some/draft", "num_speculative_tokens": 2}, "draft_model' is not served yet"),
+    ([1, 2], "must be a JSON object"),
+])
+def test_config_refuses_with_the_key_named(value, words):
+    with pytest.raises(ValueError) as e:
+        SpeculativeConfig.parse(value)
+    assert words in str(e.value)
+
+
+def test_ngram_takes_the_latest_match_of_the_longest_ngram():
+    p = NgramProposer(1, 3)
+    #        0  1  2  3  4  5  6  7  8  9
+    toks = [5, 6, 7, 1, 5, 6, 7, 2, 5, 6, 7]
+    assert p.propose([ProposeItem("a", toks, 2, 3)]) == {"a": [2, 5, 6]}  # latest "5 6 7" is at 4
+    assert p.propose([ProposeItem("a", [1, 2, 3, 4], 2, 3)]) == {}          # nothing recurs
+    assert NgramProposer(2, 2).propose_one(__import__("numpy").array([9, 4, 8, 4]), 2) == []  # only a 1-gram recurs
+    assert NgramProposer(1, 1).propose_one(__import__("numpy").array([9, 4, 8, 4]), 2) == [8, 4]
+
+
+def test_suffix_follows_the_most_frequent_continuation_and_learns_from_finished_requests():
+    s = SuffixProposer(max_depth=8, max_cached_requests=1, min_token_prob=0.4)
+    own = [1, 2, 3, 9, 1, 2, 3, 9, 1, 2, 3, 8, 1, 2]
+    assert s.propose([ProposeItem("a", own, 4, 3)]) == {"a": [3, 9, 1]}  # "3" then 9 (2 of 3) beats 8
+    s.finish("a", own, 4)
+    # a new request reuses the finished one's output
+    # ("9 1 2" was followed by 3 twice; after "9 1 2 3" came 9 once and 8 once: a tie, the lower id wins)
+    assert s.propose([ProposeItem("b", [7, 7, 9, 1, 2], 5, 2)])["b"] == [3, 8]
+    # below min_token_prob: no guess
+    t = SuffixProposer(max_depth=8, max_cached_requests=0, min_token_prob=0.9)
+    assert t.propose([ProposeItem("c", [4, 5, 4, 6, 4], 1, 2)]) == {}
+    # the oldest kept request is dropped past max_cached_requests
+    s.finish("b", [7, 7, 9, 1, 2, 40, 41], 5)
+    assert list(s._kept) == ["b"]
+    assert (2, 3) not in s._global.counts and s._global.counts[(1, 2)] == {40: 1}
+
+
+def test_depth_rule_turns_down_when_drafts_fail_or_steps_are_costly():
+    d = DepthController(max_k=5)
+    assert d.depth("r", 1) > 0  # prior acceptance on an unmeasured (memory-bound) device
+    for _ in range(10):
+        d.record("r", 5, 0)
+    assert d.depth("r", 1) == 0  # its drafts keep failing
+    for _ in range(10):
+        d.record("r", 5, 5)
+    assert d.depth("r", 1) == 5
+    # a device where a 2-token step costs 3 single ones: nothing is worth it, and no probes either
+    c = DepthController(max_k=5)
+    for _ in range(3):
+        c.observe(1, 0.010)
+        c.observe(2, 0.030)
+        c.observe(6, 0.070)
+    for _ in range(10):
+        c.record("r", 5, 5)
+    assert [c.depth("r", 1) for _ in range(3 * PROBE_EVERY)] == [0] * (3 * PROBE_EVERY)
+    # memory-bound: a 6-token step costs 1.1 single ones; a big batch makes even that too dear
+    m = DepthController(max_k=5)
+    for t, y in ((1, 0.010), (6, 0.011), (16, 0.030), (21, 0.040)):
+        for _ in range(2):
+            m.observe(t, y)
+    m.alpha["r"] = 0.5
+    assert m.depth("r", 1) >= 3
+    assert m.depth("r", 16) == 0
