@@ -44,7 +44,7 @@ _SIGNATURES = {
     "pl_write_kv": [_P, _L, _L, _P, _L, _L, _P, _P, _P, _L, _L, _L, _L],
     "pl_silu_mul": [_P, _P, _L, _L, _I],
     "pl_gemv": [_P, _P, _P, _P, _L, _L, _I],
-    "pl_decode_stack": [_L, _P, _P, _P, _L, _L, _L, _L, _L, _F, _P, _P, _L, _L, _P, _L, _F, _I],
+    "pl_decode_stack": [_L, _L, _P, _P, _P, _L, _L, _L, _L, _L, _F, _P, _P, _L, _L, _P, _L, _F, _I],
     "pl_decode_attention": [_P, _L, _L, _P, _P, _L, _P, _P, _P, _L, _L, _L, _L, _L, _L, _F, _L, _F, _P, _I],
     "pl_apply_bitmask": [_P, _L, _P, _L, _P, _L, _L, _I],
     "pl_qgemm": [_I, _P, _L, _P, _P, _P, _P, _P, _L, _L, _I],
@@ -303,26 +303,34 @@ def stack_table(rows: list[dict[str, torch.Tensor | None]]) -> torch.Tensor:
 
 
 def decode_stack(table: torch.Tensor, x: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
-                 intermediate: int, eps: float, cos_row: torch.Tensor, sin_row: torch.Tensor, block_size: int,
+                 intermediate: int, eps: float, cos_rows: torch.Tensor, sin_rows: torch.Tensor, block_size: int,
                  num_slots: int, block_table: torch.Tensor, seq_len: int, scale: float) -> torch.Tensor:
-    """One token of one sequence through every decoder layer of a Llama-family model in one C call
-    (batch-1 decode without a return to Python between operations).
+    """The last ``T`` tokens of one sequence through every decoder layer of a Llama-family model in
+    one C call: batch-1 decode (``T = 1``) and the verification of speculative drafts (``T`` up to
+    16), without a return to Python between operations.
 
     Args:
         table: ``stack_table`` of the layers, ``[num_layers, 12]`` int64.
-        x: ``[hidden]`` float32, the token's embedding; overwritten with the last layer's MLP output.
-        cos_row, sin_row: ``[head_dim]`` rotary tables at the token's position (``seq_len - 1``).
+        x: ``[T, hidden]`` float32 contiguous, the tokens' embeddings; overwritten with the last
+            layer's MLP output.
+        cos_rows, sin_rows: ``[T, head_dim]`` contiguous rotary tables at the tokens' positions
+            (``seq_len - T`` .. ``seq_len - 1``).
         block_table: ``[>= ceil(seq_len / block_size)]`` int64 block ids of the sequence, contiguous.
-        seq_len: context length in tokens, including this token (its K/V are written here).
+        seq_len: context length in tokens, these included (their K/V are written here); token ``t``
+            attends to the first ``seq_len - T + t + 1``.
     Returns:
-        The residual stream ``[hidden]``; the final hidden state is ``residual + x``.
+        The residual stream ``[T, hidden]``; the final hidden state is ``residual + x``.
     Raises:
         MemoryError: scratch memory could not be allocated.
+        ValueError: ``T`` is above 16.
     """
+    rows = x.shape[0] if x.dim() > 1 else 1
+    if rows > 16:
+        raise ValueError(f"decode_stack takes at most 16 tokens, got {rows}")
     residual = torch.empty_like(x)
-    rc = _lib.pl_decode_stack(table.shape[0], table.data_ptr(), x.data_ptr(), residual.data_ptr(), x.shape[-1],
-                              num_heads, num_kv_heads, head_dim, intermediate, eps, cos_row.data_ptr(),
-                              sin_row.data_ptr(), num_slots, block_size, block_table.data_ptr(), seq_len, scale,
+    rc = _lib.pl_decode_stack(table.shape[0], rows, table.data_ptr(), x.data_ptr(), residual.data_ptr(), x.shape[-1],
+                              num_heads, num_kv_heads, head_dim, intermediate, eps, cos_rows.data_ptr(),
+                              sin_rows.data_ptr(), num_slots, block_size, block_table.data_ptr(), seq_len, scale,
                               torch.get_num_threads())
     if rc != 0:
         raise MemoryError("pl_decode_stack: no scratch memory")

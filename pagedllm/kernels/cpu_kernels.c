@@ -342,15 +342,60 @@ static inline const float *addr(const int64_t *row, int col) { return (const flo
 void pl_qgemm(int fmt, const float *x, long M, const uint8_t *qs, const float *d, const float *mn,
               const float *bias, float *y, long N, long K, int nt);
 
-static void layer_matvec(const int64_t *p, int which, int wcol, int bcol, const float *x, float *y, long N, long K,
-                         int nt) {
+#define QBLOCK 32
+#define QGEMM_MAX_ROWS 16
+#define QROWS 4 /* input rows per register group when M > 1 */
+#define QTILE 4 /* output rows per task when M == 1: independent accumulators hide the FMA latency */
+
+static inline float hsum(vec v) {
+    float t[VEC_LEN];
+    memcpy(t, &v, sizeof v);
+    float s = 0.0f;
+    for (int i = 0; i < VEC_LEN; i++) s += t[i];
+    return s;
+}
+
+/* y [M, N] = x [M, K] W^T (+ b) for M <= QGEMM_MAX_ROWS rows of float32 weights: tiles of QTILE weight
+ * rows times groups of up to QROWS input rows, in registers; each weight row is read once */
+static void gemm_rows(const float *x, long M, const float *W, const float *b, float *y, long N, long K, int nt) {
+    long tiles = (N + QTILE - 1) / QTILE;
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (long t = 0; t < tiles; t++) {
+        long n0 = t * QTILE, nc = N - n0 < QTILE ? N - n0 : QTILE;
+        const float *wr[QTILE];
+        for (int j = 0; j < QTILE; j++) wr[j] = W + (n0 + (j < nc ? j : 0)) * K;
+        for (long r0 = 0; r0 < M; r0 += QROWS) {
+            long rc = M - r0 < QROWS ? M - r0 : QROWS;
+            const float *xr[QROWS];
+            for (int i = 0; i < QROWS; i++) xr[i] = x + (r0 + (i < rc ? i : 0)) * K;
+            vec acc[QTILE][QROWS] = {};
+            for (long k = 0; k < K; k += VEC_LEN) {
+                vec xv[QROWS];
+                for (int i = 0; i < QROWS; i++) xv[i] = load_vec(xr[i] + k);
+                for (int j = 0; j < QTILE; j++) {
+                    vec wv = load_vec(wr[j] + k);
+                    for (int i = 0; i < QROWS; i++) acc[j][i] += wv * xv[i];
+                }
+            }
+            for (long i = 0; i < rc; i++)
+                for (long j = 0; j < nc; j++)
+                    y[(r0 + i) * N + n0 + j] = hsum(acc[j][i]) + (b ? b[n0 + j] : 0.0f);
+        }
+    }
+}
+
+/* y [M, N] = x [M, K] W^T (+ b): the layer's packed weight (pl_qgemm) or its float32 one */
+static void layer_matmul(const int64_t *p, int which, int wcol, int bcol, const float *x, long M, float *y, long N,
+                         long K, int nt) {
     const int64_t *q = (const int64_t *)(intptr_t)p[L_QUANT];
     if (q && q[which * 4] >= 0)
-        pl_qgemm((int)q[which * 4], x, 1, (const uint8_t *)(intptr_t)q[which * 4 + 1],
+        pl_qgemm((int)q[which * 4], x, M, (const uint8_t *)(intptr_t)q[which * 4 + 1],
                  (const float *)(intptr_t)q[which * 4 + 2], (const float *)(intptr_t)q[which * 4 + 3],
                  addr(p, bcol), y, N, K, nt);
+    else if (M > 1 && K % VEC_LEN == 0)
+        gemm_rows(x, M, addr(p, wcol), addr(p, bcol), y, N, K, nt);
     else
-        pl_gemv(x, addr(p, wcol), addr(p, bcol), y, N, K, nt);
+        for (long m = 0; m < M; m++) pl_gemv(x + m * K, addr(p, wcol), addr(p, bcol), y + m * N, N, K, nt);
 }
 
 
@@ -368,48 +413,71 @@ static void add_row(float *acc, const float *x, long H) {
     for (long h = 0; h < H; h++) acc[h] += x[h];
 }
 
-/* One token of one sequence through n_layers decoder layers (pre-norm, rotary, grouped-query
- * attention over the paged cache, SwiGLU MLP), the same math as LlamaDecoderLayer with the
- * kernels above, without returning to Python between operations.
- * x [H]: in, the token's embedding; out, the last layer's MLP output. residual [H]: out, the
+/* The last T (<= QGEMM_MAX_ROWS) tokens of one sequence through n_layers decoder layers (pre-norm,
+ * rotary, grouped-query attention over the paged cache, SwiGLU MLP), the same math as
+ * LlamaDecoderLayer with the kernels above, without returning to Python between operations:
+ * batch-1 decode (T = 1) and the verification of speculative draft tokens (T = 1 + drafts).
+ * x [T, H]: in, the tokens' embeddings; out, the last layer's MLP output. residual [T, H]: out, the
  * residual stream, so the final hidden state is residual + x. layers: [n_layers, L_COUNT]
- * addresses. cos_row, sin_row [D]: the rotary tables at the token's position, seq_len - 1.
- * table: the sequence's block table; the token's K/V go to its slot at position seq_len - 1.
+ * addresses. cos_rows, sin_rows [T, D]: the rotary tables at the tokens' positions, seq_len - T ..
+ * seq_len - 1. table: the sequence's block table; the tokens' K/V go to their slots, and token t
+ * attends to the first seq_len - T + t + 1 positions (causal).
  * Returns 0, or -1 when scratch memory could not be allocated (nothing written then). */
-int pl_decode_stack(long n_layers, const int64_t *layers, float *x, float *residual, long H, long NH, long KVH,
-                    long D, long I, float eps, const float *cos_row, const float *sin_row, long num_slots,
+int pl_decode_stack(long n_layers, long T, const int64_t *layers, float *x, float *residual, long H, long NH, long KVH,
+                    long D, long I, float eps, const float *cos_rows, const float *sin_rows, long num_slots,
                     long block_size, const int64_t *table, long seq_len, float scale, int nt) {
-    long G = NH / KVH, nqkv = (NH + 2 * KVH) * D, pos = seq_len - 1;
-    long slot = table[pos / block_size] * block_size + pos % block_size;
-    float *h = malloc(sizeof(float) * (H + nqkv + NH * D + 3 * I + KVH * G * seq_len));
-    if (!h) return -1;
-    float *qkv = h + H, *attn = qkv + nqkv, *gu = attn + NH * D, *act = gu + 2 * I, *scores = act + I;
+    long G = NH / KVH, nqkv = (NH + 2 * KVH) * D, pos0 = seq_len - T;
+    float *h = malloc(sizeof(float) * (T * (H + nqkv + NH * D + 3 * I) + KVH * G * seq_len));
+    int64_t *slots = malloc(sizeof(int64_t) * 2 * T);
+    if (!h || !slots) {
+        free(h);
+        free(slots);
+        return -1;
+    }
+    int64_t *rows = slots + T;
+    for (long t = 0; t < T; t++) {
+        long pos = pos0 + t;
+        slots[t] = table[pos / block_size] * block_size + pos % block_size;
+        rows[t] = t;
+    }
+    float *qkv = h + T * H, *attn = qkv + T * nqkv, *gu = attn + T * NH * D, *act = gu + T * 2 * I,
+          *scores = act + T * I;
     for (long l = 0; l < n_layers; l++) {
         const int64_t *p = layers + l * L_COUNT;
-        if (l == 0)
-            memcpy(residual, x, sizeof(float) * H);
-        else
-            add_row(residual, x, H);
-        norm_row(residual, addr(p, L_IN_NORM), h, H, eps);
-        layer_matvec(p, Q_QKV, L_QKV_W, L_QKV_B, h, qkv, nqkv, H, nt);
-        pl_rope(qkv, nqkv, NH + KVH, &(int64_t){0}, cos_row, sin_row, 1, D, 1);
-        float *kc = (float *)addr(p, L_KC), *vc = (float *)addr(p, L_VC);
-        for (long g = 0; g < KVH; g++) {
-            memcpy(kc + (g * num_slots + slot) * D, qkv + (NH + g) * D, sizeof(float) * D);
-            memcpy(vc + (g * num_slots + slot) * D, qkv + (NH + KVH + g) * D, sizeof(float) * D);
+        for (long t = 0; t < T; t++) {
+            if (l == 0)
+                memcpy(residual + t * H, x + t * H, sizeof(float) * H);
+            else
+                add_row(residual + t * H, x + t * H, H);
+            norm_row(residual + t * H, addr(p, L_IN_NORM), h + t * H, H, eps);
         }
-#pragma omp parallel for num_threads(nt) schedule(static) if (seq_len * NH * D >= PAR_MIN_WORK && KVH > 1)
-        for (long g = 0; g < KVH; g++)
-            decode_task(qkv + g * G * D, D, table, 0, seq_len, kc + g * num_slots * D, vc + g * num_slots * D,
-                        block_size, D, G, scale, 0.0f, scores + g * G * seq_len, attn + g * G * D, D);
-        layer_matvec(p, Q_O, L_O_W, L_O_B, attn, x, H, NH * D, nt);
-        add_row(residual, x, H);
-        norm_row(residual, addr(p, L_POST_NORM), h, H, eps);
-        layer_matvec(p, Q_GU, L_GU_W, L_GU_B, h, gu, 2 * I, H, nt);
-        pl_silu_mul(gu, act, 1, I, 1);
-        layer_matvec(p, Q_DOWN, L_DOWN_W, L_DOWN_B, act, x, H, I, nt);
+        layer_matmul(p, Q_QKV, L_QKV_W, L_QKV_B, h, T, qkv, nqkv, H, nt);
+        pl_rope(qkv, nqkv, NH + KVH, rows, cos_rows, sin_rows, T, D, 1);
+        float *kc = (float *)addr(p, L_KC), *vc = (float *)addr(p, L_VC);
+        for (long t = 0; t < T; t++)
+            for (long g = 0; g < KVH; g++) {
+                memcpy(kc + (g * num_slots + slots[t]) * D, qkv + t * nqkv + (NH + g) * D, sizeof(float) * D);
+                memcpy(vc + (g * num_slots + slots[t]) * D, qkv + t * nqkv + (NH + KVH + g) * D, sizeof(float) * D);
+            }
+        for (long t = 0; t < T; t++) {
+            long L = pos0 + t + 1;
+#pragma omp parallel for num_threads(nt) schedule(static) if (L * NH * D >= PAR_MIN_WORK && KVH > 1)
+            for (long g = 0; g < KVH; g++)
+                decode_task(qkv + t * nqkv + g * G * D, D, table, 0, L, kc + g * num_slots * D,
+                            vc + g * num_slots * D, block_size, D, G, scale, 0.0f, scores + g * G * seq_len,
+                            attn + t * NH * D + g * G * D, D);
+        }
+        layer_matmul(p, Q_O, L_O_W, L_O_B, attn, T, x, H, NH * D, nt);
+        for (long t = 0; t < T; t++) {
+            add_row(residual + t * H, x + t * H, H);
+            norm_row(residual + t * H, addr(p, L_POST_NORM), h + t * H, H, eps);
+        }
+        layer_matmul(p, Q_GU, L_GU_W, L_GU_B, h, T, gu, 2 * I, H, nt);
+        pl_silu_mul(gu, act, T, I, 1);
+        layer_matmul(p, Q_DOWN, L_DOWN_W, L_DOWN_B, act, T, x, H, I, nt);
     }
     free(h);
+    free(slots);
     return 0;
 }
 
@@ -444,16 +512,7 @@ void pl_apply_bitmask(float *logits, long stride, const int64_t *rows, long R, c
  *   4 S8M: qs int8 [N, K], d, m float32 [N, K/32]: w = q * d + m (Q5_1, Q5_K).
  * Activations stay float32: each group is dequantized into registers and multiplied in float32,
  * so results equal gguf's dequantization followed by a float32 matmul up to rounding. */
-#define QBLOCK 32
-#define QGEMM_MAX_ROWS 16
 
-static inline float hsum(vec v) {
-    float t[VEC_LEN];
-    memcpy(t, &v, sizeof v);
-    float s = 0.0f;
-    for (int i = 0; i < VEC_LEN; i++) s += t[i];
-    return s;
-}
 
 /* Block unpacking in vector registers (GCC vector extensions: the compiler picks the AVX2 or
  * AVX-512 instructions of the machine the library is built on). VEC_LEN nibble bytes widen to
@@ -486,8 +545,6 @@ static inline vec i32_to_f(i32v v) {
 #endif
 }
 
-#define QROWS 4 /* input rows per register group when M > 1 */
-#define QTILE 4 /* output rows per task when M == 1: independent accumulators hide the FMA latency */
 
 /* the QBLOCK weights of block i as QBLOCK / VEC_LEN vectors, in order */
 static inline void q_unpack_vec(int fmt, const uint8_t *qs, const float *d, const float *mn, long i, vec *w) {
@@ -671,6 +728,28 @@ static void qgemv_i8(int fmt, const float *x, const uint8_t *qs, const float *d,
 int pl_has_vnni(void) { return 0; }
 #endif
 
+/* out[j][i] = weight row n0 + j (a short tile repeats row n0) . input row xr[i], i < R, over nb blocks */
+static inline __attribute__((always_inline)) void qtile_rows(int fmt, const uint8_t *qs, const float *d,
+                                                             const float *mn, long n0, long nc, long nb,
+                                                             const float *const *xr, int R, float out[QTILE][QROWS]) {
+    vec acc[QTILE][QROWS] = {};
+    for (long b = 0; b < nb; b++) {
+        vec w[QTILE][QBLOCK / VEC_LEN];
+        for (int j = 0; j < QTILE; j++) {
+            long row = n0 + (j < nc ? j : 0);
+            prefetch_block(fmt, qs, row * nb + b);
+            q_unpack_vec(fmt, qs, d, mn, row * nb + b, w[j]);
+        }
+        for (int i = 0; i < R; i++)
+            for (int c = 0; c < QBLOCK / VEC_LEN; c++) {
+                vec xv = load_vec(xr[i] + b * QBLOCK + c * VEC_LEN);
+                for (int j = 0; j < QTILE; j++) acc[j][i] += w[j][c] * xv;
+            }
+    }
+    for (int j = 0; j < QTILE; j++)
+        for (int i = 0; i < R; i++) out[j][i] = hsum(acc[j][i]);
+}
+
 /* y [M, N] = x [M, K] W^T (+ bias), M <= QGEMM_MAX_ROWS: each weight block is unpacked once and
  * used for every row (decode and small batches read the packed bytes once per step). */
 void pl_qgemm(int fmt, const float *x, long M, const uint8_t *qs, const float *d, const float *mn,
@@ -711,43 +790,28 @@ void pl_qgemm(int fmt, const float *x, long M, const uint8_t *qs, const float *d
         }
         return;
     }
-    /* M > 1: tiles of QTILE weight rows are dequantized once into a per-thread float32 buffer (L1/L2
-     * sized), then multiplied by groups of QROWS input rows: QTILE x QROWS accumulators in registers,
-     * each loaded weight and input vector used QROWS / QTILE times. A short last group repeats its
-     * first row in the spare lanes and drops those results. */
+    /* M > 1 (small batches, speculative verification): per tile of QTILE weight rows and group of up
+     * to QROWS input rows, each block is unpacked into registers once and multiplied with every row
+     * of the group (qtile_rows, specialised per group size so a short group costs only its rows). */
     long tiles = (N + QTILE - 1) / QTILE;
-    #pragma omp parallel num_threads(nt)
-    {
-        float *wb = malloc(sizeof(float) * QTILE * K);
-        #pragma omp for schedule(static)
-        for (long t = 0; t < tiles; t++) {
-            long n0 = t * QTILE, nc = N - n0 < QTILE ? N - n0 : QTILE;
-            for (long j = 0; j < QTILE; j++) /* a short last tile repeats its last row */
-                for (long b = 0; b < nb; b++) {
-                    vec w[QBLOCK / VEC_LEN];
-                    prefetch_block(fmt, qs, (n0 + (j < nc ? j : nc - 1)) * nb + b);
-                    q_unpack_vec(fmt, qs, d, mn, (n0 + (j < nc ? j : nc - 1)) * nb + b, w);
-                    memcpy(wb + j * K + b * QBLOCK, w, sizeof w);
-                }
-            for (long r0 = 0; r0 < M; r0 += QROWS) {
-                long rc = M - r0 < QROWS ? M - r0 : QROWS;
-                const float *xr[QROWS];
-                for (int i = 0; i < QROWS; i++) xr[i] = x + (r0 + (i < rc ? i : 0)) * K;
-                vec acc[QTILE][QROWS] = {};
-                for (long k = 0; k < K; k += VEC_LEN) {
-                    vec xv[QROWS];
-                    for (int i = 0; i < QROWS; i++) xv[i] = load_vec(xr[i] + k);
-                    for (int j = 0; j < QTILE; j++) {
-                        vec wv = load_vec(wb + j * K + k);
-                        for (int i = 0; i < QROWS; i++) acc[j][i] += wv * xv[i];
-                    }
-                }
-                for (long i = 0; i < rc; i++)
-                    for (long j = 0; j < nc; j++)
-                        y[(r0 + i) * N + n0 + j] = hsum(acc[j][i]) + (bias ? bias[n0 + j] : 0.0f);
+    #pragma omp parallel for num_threads(nt) schedule(static)
+    for (long t = 0; t < tiles; t++) {
+        long n0 = t * QTILE, nc = N - n0 < QTILE ? N - n0 : QTILE;
+        for (long r0 = 0; r0 < M; r0 += QROWS) {
+            long rc = M - r0 < QROWS ? M - r0 : QROWS;
+            const float *xr[QROWS];
+            for (int i = 0; i < QROWS; i++) xr[i] = x + (r0 + (i < rc ? i : 0)) * K;
+            float out[QTILE][QROWS];
+            switch (rc) {
+            case 1: qtile_rows(fmt, qs, d, mn, n0, nc, nb, xr, 1, out); break;
+            case 2: qtile_rows(fmt, qs, d, mn, n0, nc, nb, xr, 2, out); break;
+            case 3: qtile_rows(fmt, qs, d, mn, n0, nc, nb, xr, 3, out); break;
+            default: qtile_rows(fmt, qs, d, mn, n0, nc, nb, xr, 4, out); break;
             }
+            for (long i = 0; i < rc; i++)
+                for (long jj = 0; jj < nc; jj++)
+                    y[(r0 + i) * N + n0 + jj] = out[jj][i] + (bias ? bias[n0 + jj] : 0.0f);
         }
-        free(wb);
     }
 }
 

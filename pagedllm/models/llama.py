@@ -160,8 +160,10 @@ class LlamaForCausalLM(nn.Module):
             ``[R, vocab]`` float32 logits.
         """
         x = self.embed_tokens(input_ids)
-        if self.cpu_kernels and self.fused_decode and x.shape[0] == 1 and meta.decode_token_idx.numel() == 1:
-            residual = self._decode_stack(x, int(positions[0]), kv_caches, meta)
+        one = (self._one_sequence(x.shape[0], meta, kv_caches[0][0].shape[2])
+               if self.cpu_kernels and self.fused_decode else None)
+        if one is not None:
+            residual = self._decode_stack(x, int(positions[0]), kv_caches, *one)
         else:
             rope = self.rotary.prepare(positions, x.dtype)
             residual = None
@@ -173,12 +175,26 @@ class LlamaForCausalLM(nn.Module):
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(x, w).float()
 
-    def _decode_stack(self, x: torch.Tensor, position: int, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
-        """Batch-1 decode through all layers in one C call (``cpu_kernels.decode_stack``); ``x``
-        ``[1, hidden]`` becomes the last MLP output; returns the residual stream ``[1, hidden]``.
+    @staticmethod
+    def _one_sequence(num_tokens: int, meta: AttentionMetadata, bs: int) -> tuple[torch.Tensor, int] | None:
+        """``(block table, context length)`` when the step is the last ``num_tokens`` <= 16 tokens of
+        one sequence (a decode, or a decode with its draft tokens), else ``None``. Read from the
+        fields every backend's metadata has (``AttentionMetadata``)."""
+        if num_tokens == 1 and meta.decode_token_idx.numel() == 1:
+            return meta.decode_block_tables[0], int(meta.decode_seq_lens[0])
+        if 1 < num_tokens <= 16 and meta.decode_token_idx.numel() == 0 and len(meta.prefills) == 1:
+            seq = meta.prefills[0]
+            slots = seq.gather_slots
+            if seq.q_end - seq.q_start == num_tokens:
+                return (slots[::bs] // bs).contiguous(), int(slots.shape[0])
+        return None
 
-        The C call writes the token's K/V itself and reads ``meta.decode_block_tables`` /
-        ``decode_seq_lens``, which every backend's metadata has (``AttentionMetadata``).
+    def _decode_stack(self, x: torch.Tensor, position: int, kv_caches, block_table: torch.Tensor,
+                      seq_len: int) -> torch.Tensor:
+        """The last ``T`` tokens of one sequence through all layers in one C call
+        (``cpu_kernels.decode_stack``); ``x`` ``[T, hidden]`` becomes the last MLP output; returns
+        the residual stream ``[T, hidden]``. ``position``: the first token's. The C call writes the
+        tokens' K/V itself.
         """
         key = (kv_caches[0][0].data_ptr(), id(self.layers[0].self_attn.qkv_proj))
         if self._stack_key != key:  # addresses change only if the cache or the weights are replaced
@@ -195,11 +211,11 @@ class LlamaForCausalLM(nn.Module):
                              "down_b": m.down_proj.bias, "key_cache": kc, "value_cache": vc, "quant": quant})
             self._stack_table, self._stack_key = cpu_kernels.stack_table(rows), key
         attn, kc = self.layers[0].self_attn, kv_caches[0][0]
+        rows = slice(position, position + x.shape[0])
         return cpu_kernels.decode_stack(
-            self._stack_table, x, attn.num_heads, attn.num_kv_heads, attn.head_dim, self.layers[0].mlp.inter,
-            self.layers[0].input_layernorm.eps, self.rotary.cos[position], self.rotary.sin[position],
-            kc.shape[2], kc.shape[1] * kc.shape[2], meta.decode_block_tables[0], int(meta.decode_seq_lens[0]),
-            attn.scale)
+            self._stack_table, x.contiguous(), attn.num_heads, attn.num_kv_heads, attn.head_dim,
+            self.layers[0].mlp.inter, self.layers[0].input_layernorm.eps, self.rotary.cos[rows],
+            self.rotary.sin[rows], kc.shape[2], kc.shape[1] * kc.shape[2], block_table, seq_len, attn.scale)
 
     def prepack(self) -> int:
         """Give every linear layer, the LM head included, a oneDNN-packed weight

@@ -47,3 +47,28 @@ def test_fused_decode_matches_layers_and_transformers(kind, tiny_model_dir, gree
 def test_stack_table_rejects_non_float32():
     with pytest.raises(ValueError, match="qkv_w"):
         cpu_kernels.stack_table([{n: None for n in cpu_kernels.STACK_COLUMNS} | {"qkv_w": torch.zeros(2, dtype=torch.int32)}])
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_fused_stack_takes_up_to_16_tokens_of_one_sequence(kind, tiny_model_dir, monkeypatch):
+    """A short prompt (and a decode with its draft tokens) goes through the same C call as ``T``
+    rows with causal attention among them: every position's logprobs equal the per-layer path's."""
+    path = tiny_model_dir(kind)
+    calls = []
+    real = cpu_kernels.decode_stack
+    monkeypatch.setattr(cpu_kernels, "decode_stack", lambda *a, **k: calls.append(a[1].shape[0]) or real(*a, **k))
+    llm = LLM(str(path), enable_prefix_caching=False)
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+
+    def prompt_lps(fused: bool, prompt: list[int]) -> list[float]:
+        llm.engine.core.runner.model.fused_decode = fused
+        out = llm.generate([prompt], params, use_tqdm=False)[0]
+        return [next(iter(d.values())).logprob for d in out.prompt_logprobs[1:]]
+
+    for n in (2, 7, 16):
+        fused = prompt_lps(True, PROMPT[:n])
+        assert calls[-1] == n
+        torch.testing.assert_close(torch.tensor(fused), torch.tensor(prompt_lps(False, PROMPT[:n])), rtol=0, atol=1e-4)
+    before = len(calls)
+    prompt_lps(True, PROMPT[:17])  # past 16 tokens: the per-layer path
+    assert len(calls) == before
