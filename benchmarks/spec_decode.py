@@ -13,10 +13,11 @@ On the embedded SmolLM2-135M-Instruct, in process, greedy, EOS ignored, for each
   measured step times (``t(T)``, ms) and, for the repetitive run, the drafts per step over time.
 
 Greedy tokens with speculation are compared with those without (they must be equal up to a
-near-tie; the engine tests check that against transformers). Results:
+near-tie; the engine tests check that against transformers). The configurations are measured in
+``--rounds`` interleaved passes and each keeps its best (the VM's speed drifts). Results:
 ``results/spec_decode-<date>.json`` with the machine's CPU model and flags.
 
-Usage: ``python benchmarks/spec_decode.py [--repeats 2] [--quantizations gguf none]``
+Usage: ``python benchmarks/spec_decode.py [--repeats 2] [--rounds 2] [--quantizations gguf none]``
 """
 
 from __future__ import annotations
@@ -106,18 +107,28 @@ def measure(quantization: str, method: str | None, repeats: int) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=2, help="passes over the three configurations (best kept)")
     ap.add_argument("--quantizations", nargs="+", default=["gguf", "none"])
     ap.add_argument("--json-out", default=None)
     a = ap.parse_args()
     results = {"machine": machine_facts(), "runs": {}}
     for q in a.quantizations:
         runs = [measure(q, m, a.repeats) for m in METHODS]
+        for _ in range(a.rounds - 1):  # the VM's speed drifts: interleave rounds, keep each one's best
+            for r, m in zip(runs, METHODS):
+                again = measure(q, m, a.repeats)
+                for key in ("repetitive_decode_tok_s", "w1_decode_tok_s", "c16_output_tok_s"):
+                    if again[key] > r[key]:
+                        r[key] = again[key]
+                        if key == "repetitive_decode_tok_s":
+                            r["repetitive_trace"] = again["repetitive_trace"]
         base = runs[0]
         print(f"\nquantization={q}")
         print(f"{'method':8} {'repetitive':>11} {'x':>6} {'W1':>8} {'x':>6} {'c16':>8} {'x':>6}  accepted/drafts  per position")
         for r in runs:
-            same = {k: r[f"{k}_tokens"] == base[f"{k}_tokens"] for k in ("repetitive", "w1", "c16")}
-            r["greedy_equal_to_off"] = same
+            r["greedy_equal_to_off"] = {k: r[f"{k}_tokens"] == base[f"{k}_tokens"] for k in ("repetitive", "w1", "c16")}
+        for r in runs:
+            same = r["greedy_equal_to_off"]
             ratio = {k: r[f"{k}_tok_s" if k == "c16_output" else f"{k}_decode_tok_s"] for k in ("repetitive", "w1")}
             print(f"{r['method']:8} {r['repetitive_decode_tok_s']:11.1f} {ratio['repetitive'] / base['repetitive_decode_tok_s']:6.2f}"
                   f" {r['w1_decode_tok_s']:8.1f} {ratio['w1'] / base['w1_decode_tok_s']:6.2f}"
@@ -125,6 +136,7 @@ def main() -> int:
                   f"  {r['accepted_tokens']}/{r['draft_tokens']}  {r['accepted_per_position']}  equal={same}")
             if "step_ms_by_tokens" in r:
                 print(f"         step ms by tokens per step: {r['step_ms_by_tokens']}")
+        for r in runs:
             for k in ("repetitive_tokens", "w1_tokens", "c16_tokens"):
                 r.pop(k)
         results["runs"][q] = runs

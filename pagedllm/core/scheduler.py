@@ -116,6 +116,8 @@ class Scheduler:
         out = SchedulerOutput(finished_req_ids=self._finished_ids)
         self._finished_ids = set()
         budget = self.max_num_batched_tokens
+        if self.spec is not None:
+            self.spec.begin_step()
         preempted = self._schedule_running(out, budget)
         budget -= out.total_num_scheduled_tokens
         if not preempted:

@@ -118,7 +118,7 @@ def int8_activations() -> bool:
     """True when batch-1 products of packed weights quantize the input row to int8 and use VNNI
     integer dot products: the CPU has AVX-512 VNNI and ``PAGEDLLM_INT8_ACTIVATIONS=1``.
 
-    Off by default: 15-20% faster decode, but a batch-1 row then rounds differently from a prefill
+    Off by default: about 30% faster decode, but a batch-1 row then rounds differently from a prefill
     row by ~0.05 in logprob, so near-tie greedy picks change with the batch (a prefix-cache hit
     turned the README's first example into a different answer); float32 activations keep every
     path within float rounding of the dequantized model."""

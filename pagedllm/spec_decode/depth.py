@@ -6,7 +6,8 @@ instead of assumed).
 
 * ``t(T)``: the execute time of a decode-only step of ``T`` tokens, measured online from the
   engine's own steps (``observe``: per ``T``, an exponential average), linear between measured
-  ``T``; past the largest measured ``T`` it grows by ``PRIOR_SLOPE`` of its last value per token
+  ``T``; past the largest measured ``T`` it grows with the slope of the last two measured counts
+  (at least 1% per token), or by ``PRIOR_SLOPE`` of its value per token while only one is known
   (optimistic on purpose: a probe then measures it).
 * A request whose drafts are accepted with probability ``alpha`` each (an exponential average of
   its own verdicts, from ``PRIOR_ALPHA``) expects ``E(k) = alpha + ... + alpha ** k`` extra tokens
@@ -45,6 +46,7 @@ class DepthController:
         self.alpha: dict[str, float] = {}
         self._since_probe: dict[str, int] = {}
         self._times: dict[int, list[float]] = {}  # tokens per step -> [mean seconds, samples]
+        self._planned, self._planned_gain = 0, 0.0  # drafts planned in the step being planned
 
     def step_time(self, num_tokens: int) -> float:
         """Estimated execute seconds of a decode-only step of ``num_tokens`` (1.0 per step before
@@ -62,31 +64,50 @@ class DepthController:
             t0, y0 = known[0]
             return y0 / (1 + PRIOR_SLOPE * (t0 - num_tokens))
         t0, y0 = known[-1]
-        return y0 * (1 + PRIOR_SLOPE * (num_tokens - t0))
+        slope = y0 * PRIOR_SLOPE
+        if len(known) >= 2:  # past the largest measured count: the slope of the last two, at least 1% per token
+            (t1, y1) = known[-2]
+            slope = max((y0 - y1) / (t0 - t1), 0.01 * y0)
+        return y0 + slope * (num_tokens - t0)
 
-    def _best(self, alpha: float, batch_size: int) -> int:
-        best_k, best = 0, batch_size / self.step_time(batch_size)
+    def _best(self, alpha: float, tokens: int, expected: float) -> int:
+        best_k, best = 0, expected / self.step_time(tokens)
         gain = 0.0
         for k in range(1, self.max_k + 1):
             gain += alpha ** k
-            value = (batch_size + gain) / self.step_time(batch_size + k)
+            value = (expected + gain) / self.step_time(tokens + k)
             if value > best:
                 best_k, best = k, value
         return best_k
 
+    def begin_step(self) -> None:
+        """A new step is being planned: no drafts in it yet."""
+        self._planned, self._planned_gain = 0, 0.0
+
     def depth(self, request_id: str, batch_size: int) -> int:
-        """Drafts to ask for this step (0 .. ``max_k``) for a request in a step of ``batch_size`` decodes."""
+        """Drafts to ask for this step (0 .. ``max_k``) for a request in a step of ``batch_size`` decodes,
+        counting the drafts already planned for the step's earlier requests (``planned``) in its
+        tokens and their expected kept tokens in its output."""
         if not self.dynamic:
             return self.max_k
-        k = self._best(self.alpha.get(request_id, PRIOR_ALPHA), batch_size)
-        if k:
-            return k
-        n = self._since_probe.get(request_id, 0) + 1
-        self._since_probe[request_id] = n
-        if n >= PROBE_EVERY and self._best(1.0, batch_size) > 0:
-            self._since_probe[request_id] = 0
-            return self.max_k
-        return 0
+        tokens = batch_size + self._planned
+        expected = batch_size + self._planned_gain
+        alpha = self.alpha.get(request_id, PRIOR_ALPHA)
+        k = self._best(alpha, tokens, expected)
+        if not k:
+            n = self._since_probe.get(request_id, 0) + 1
+            self._since_probe[request_id] = n
+            if n >= PROBE_EVERY and self._best(1.0, tokens, expected) > 0:
+                self._since_probe[request_id] = 0
+                k = self.max_k
+        return k
+
+    def planned(self, request_id: str, num_drafts: int) -> None:
+        """``num_drafts`` drafts were scheduled for the request in the step being planned."""
+        if num_drafts:
+            alpha = self.alpha.get(request_id, PRIOR_ALPHA)
+            self._planned = self._planned + num_drafts
+            self._planned_gain = self._planned_gain + sum(alpha ** i for i in range(1, num_drafts + 1))
 
     def record(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
         """Update the request's acceptance with one verified step (``num_accepted`` of ``num_drafts``:

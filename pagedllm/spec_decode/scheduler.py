@@ -71,7 +71,12 @@ class SpecDecoding:
         drafts = self.proposer.propose([item]).get(req.request_id, [])
         if pending:
             return HOLD if drafts else []  # drafts from the known tokens would be one token stale
+        self.depth.planned(req.request_id, len(drafts[:k]))
         return drafts[:k]
+
+    def begin_step(self) -> None:
+        """The scheduler starts planning a step."""
+        self.depth.begin_step()
 
     def record(self, req: Request, num_drafts: int, num_accepted: int) -> None:
         """Count one verified step of ``req``: ``num_accepted`` of its ``num_drafts`` drafts kept."""

@@ -88,3 +88,20 @@ def test_depth_rule_turns_down_when_drafts_fail_or_steps_are_costly():
     m.alpha["r"] = 0.5
     assert m.depth("r", 1) >= 3
     assert m.depth("r", 16) == 0
+
+
+def test_depth_counts_the_drafts_already_planned_in_the_step():
+    """16 decodes on a memory-bound device: the first requests get drafts, and once the step's
+    measured cost grows the later ones get none (each request sees the others' drafts)."""
+    d = DepthController(max_k=5)
+    for t, y in ((1, 0.010), (6, 0.011), (16, 0.012), (17, 0.0121), (40, 0.030)):
+        for _ in range(2):
+            d.observe(t, y)
+    d.begin_step()
+    ks = []
+    for i in range(16):
+        d.alpha[f"r{i}"] = 0.9
+        k = d.depth(f"r{i}", 16)
+        d.planned(f"r{i}", k)
+        ks.append(k)
+    assert ks[0] > 0 and ks[-1] == 0 and sum(ks) < 16
