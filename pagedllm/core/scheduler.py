@@ -151,6 +151,9 @@ class Scheduler:
                 continue
             n += len(drafts)
             new_blocks = self.kv.allocate_slots(req, n)
+            if new_blocks is None and drafts:  # drafts never preempt anyone: go on without them
+                n, drafts = n - len(drafts), []
+                new_blocks = self.kv.allocate_slots(req, n)
             while new_blocks is None:
                 victim = self.running.pop()
                 self._preempt(victim)

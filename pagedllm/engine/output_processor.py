@@ -145,13 +145,17 @@ class OutputProcessor:
             # that reached its end also stops without a reason, on a token that is text)
             eos_last = (eo.finish_reason == "stop" and eo.stop_reason is None and bool(eo.new_token_ids)
                         and (self.eos_token_ids is None or eo.new_token_ids[-1] in self.eos_token_ids))
+            new_lps = eo.new_logprobs or []
             if st.detok.append(eo.new_token_ids, finished=finish_reason is not None, eos_last=eos_last):
                 finish_reason, stop_reason = "stop", st.detok.stop_reason
                 if eo.finish_reason is None:
                     stopped.append(eo.request_id)
+                # several tokens in one step (speculative decoding): those after the stop string's go
+                del st.token_ids[st.detok.num_tokens:]
+                new_lps = new_lps[:len(st.token_ids) - n_before]
             if st.logprobs is not None:
                 texts = st.detok.token_texts
-                for j, e in enumerate(eo.new_logprobs or []):
+                for j, e in enumerate(new_lps):
                     st.logprobs.append(self._position(e, texts[n_before + j]))
                     st.cumulative_logprob += e.logprobs[0]
                 if finish_reason == "stop" and stop_reason is not None and isinstance(stop_reason, str):

@@ -204,3 +204,21 @@ def test_cli_flag_round_trip():
     assert engine_args_from_cli(a).speculative_config.num_speculative_tokens == 3
     with pytest.raises(ValueError, match="unknown key"):
         LLM(speculative_config={"method": "ngram", "num_speculative_tokens": 3, "n_gram": 2})
+
+
+def test_stop_string_inside_a_multi_token_step(reference, smollm2_dir, smollm2_tokenizer):
+    """A stop string completed by a kept draft ends the output where the plain engine ends it: the
+    same text, the same token ids (the step's later tokens dropped) and one logprob per token."""
+    prompts, want = reference
+    text = smollm2_tokenizer.decode(want[0])
+    stop = text[30:36]
+    assert stop.strip() and text.index(stop) == 30
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, stop=[stop], logprobs=0)
+    outs = {}
+    for name, spec in (("plain", None), ("spec", _spec("ngram"))):
+        llm = LLM(str(smollm2_dir), num_kv_blocks=256, speculative_config=spec)
+        outs[name] = llm.generate({"prompt_token_ids": prompts[0]}, params, use_tqdm=False)[0].outputs[0]
+        del llm
+    a, b = outs["plain"], outs["spec"]
+    assert (b.text, list(b.token_ids), b.finish_reason, b.stop_reason) == (a.text, list(a.token_ids), "stop", stop)
+    assert len(b.logprobs) == len(b.token_ids)
