@@ -35,7 +35,7 @@ from pagedllm.cache import cache_root
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("cpu_kernels.c")
+_SOURCES = [Path(__file__).with_name("cpu_kernels.c"), Path(__file__).with_name("quant_kernels.c")]
 _FLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-fPIC", "-shared"]
 _P, _L, _F, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_float, ctypes.c_int
 _SIGNATURES = {
@@ -49,12 +49,14 @@ _SIGNATURES = {
     "pl_apply_bitmask": [_P, _L, _P, _L, _P, _L, _L, _I],
     "pl_qgemm": [_I, _P, _L, _P, _P, _P, _P, _P, _L, _L, _I],
     "pl_qdequant": [_I, _P, _P, _P, _P, _L, _L, _I],
+    "pl_qdequant_rows": [_I, _P, _P, _P, _P, _L, _P, _L, _I],
     "pl_set_int8_activations": [_I],
     "pl_has_vnni": [],
 }
 _INT_RESULT = {"pl_decode_stack", "pl_has_vnni"}
-QGEMM_MAX_ROWS = 16  # as in cpu_kernels.c
-QUANT_LAYOUTS = {"U4M": 0, "S8": 1, "U4": 2, "S8H": 3, "S8M": 4}  # pl_qgemm's layout codes (models/gguf_blocks.py)
+QGEMM_MAX_ROWS = 16  # rows up to which float32 activations multiply packed tiles (more: dequantize, oneDNN)
+QUANT_LAYOUTS = {"U4M": 0, "S8": 1, "S8H": 3, "S8M": 4}  # pl_qgemm's tile layout codes (models/gguf_blocks.py)
+QUANT_TILE = 16  # output rows per tile (quant_kernels.c QT)
 _lib: ctypes.CDLL | None = None
 _tried = False
 
@@ -68,7 +70,7 @@ def _cpu_flags() -> str:
 
 
 def build(cache_dir: Path | None = None, arch: tuple[str, ...] = ("-march=native",)) -> Path:
-    """Compile ``cpu_kernels.c`` unless a matching build is cached; return the ``.so`` path.
+    """Compile ``cpu_kernels.c`` and ``quant_kernels.c`` into one library unless a matching build is cached; return the ``.so`` path.
 
     ``arch`` are the target flags (tests also build ``-mavx2 -mfma`` to check the AVX2 code
     on an AVX-512 machine).
@@ -80,7 +82,7 @@ def build(cache_dir: Path | None = None, arch: tuple[str, ...] = ("-march=native
     if cc is None:
         raise RuntimeError("no C compiler found (set CC)")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    src = _SOURCE.read_bytes()
+    src = b"\0".join(p.read_bytes() for p in _SOURCES)
     flags = [*_FLAGS, *arch]
     key = hashlib.sha256(b"\0".join([src, " ".join(flags).encode(), version.encode(),
                                      _cpu_flags().encode()])).hexdigest()[:16]
@@ -92,10 +94,10 @@ def build(cache_dir: Path | None = None, arch: tuple[str, ...] = ("-march=native
     # build under a temporary name, then rename: concurrent first uses never load a partial file
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
-    proc = subprocess.run([cc, *flags, str(_SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True)
+    proc = subprocess.run([cc, *flags, *map(str, _SOURCES), "-o", tmp, "-lm"], capture_output=True, text=True)
     if proc.returncode != 0:
         os.unlink(tmp)
-        raise RuntimeError(f"compiling {_SOURCE.name} failed:\n{proc.stderr[-2000:]}")
+        raise RuntimeError(f"compiling the CPU kernels failed:\n{proc.stderr[-2000:]}")
     os.replace(tmp, out)
     return out
 
@@ -110,19 +112,27 @@ def load(path: Path) -> ctypes.CDLL:
     for name, args in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, (ctypes.c_int if name in _INT_RESULT else None)
-    lib.pl_set_int8_activations(int(os.environ.get("PAGEDLLM_INT8_ACTIVATIONS", "0") == "1"))
+    lib.pl_set_int8_activations(int(bool(lib.pl_has_vnni()) and _int8_wanted()))
     return lib
 
 
-def int8_activations() -> bool:
-    """True when batch-1 products of packed weights quantize the input row to int8 and use VNNI
-    integer dot products: the CPU has AVX-512 VNNI and ``PAGEDLLM_INT8_ACTIVATIONS=1``.
+def _int8_wanted() -> bool:
+    """``PAGEDLLM_INT8_ACTIVATIONS``: ``0`` off, anything else (or unset) on where VNNI exists."""
+    return os.environ.get("PAGEDLLM_INT8_ACTIVATIONS", "auto") != "0"
 
-    Off by default: about 30% faster decode, but a batch-1 row then rounds differently from a prefill
-    row by ~0.05 in logprob, so near-tie greedy picks change with the batch (a prefix-cache hit
-    turned the README's first example into a different answer); float32 activations keep every
-    path within float rounding of the dequantized model."""
-    return available() and bool(_lib.pl_has_vnni()) and os.environ.get("PAGEDLLM_INT8_ACTIVATIONS", "0") == "1"
+
+def int8_activations() -> bool:
+    """True when products of packed weights quantize their input rows to int8 per 32-block and use
+    VNNI integer dot products (as llama.cpp's Q8 activations do): the CPU has AVX-512 VNNI and
+    ``PAGEDLLM_INT8_ACTIVATIONS`` is not ``0``. On by default there.
+
+    Every row of every product (decode, batches, speculative verification, prefill) then takes the
+    same path, so a request's tokens do not depend on its batch or on prefix-cache hits; results
+    are within int8 activation rounding of the dequantized model (perplexity within 0.2% on
+    SmolLM2, tests/kernels/test_quant_kernels.py), not float32-exact. ``PAGEDLLM_INT8_ACTIVATIONS=0``
+    keeps float32 activations: every path within float rounding of the dequantized model (greedy
+    tokens equal ``--quantization none``; the test suite runs so)."""
+    return available() and bool(_lib.pl_has_vnni()) and _int8_wanted()
 
 
 def set_int8_activations(on: bool) -> None:
@@ -177,12 +187,13 @@ def apply_bitmask_(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tens
 
 def qgemm(fmt: int, x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None,
           bias: torch.Tensor | None, n: int) -> torch.Tensor:
-    """``x W^T (+ bias)`` with a packed GGUF weight (layouts in ``cpu_kernels.c``).
+    """``x W^T (+ bias)`` with a packed GGUF weight in tiles (layouts in ``quant_kernels.c``).
 
     Args:
         fmt: ``QUANT_LAYOUTS`` code.
-        x: ``[M, K]`` float32, contiguous, ``M <= QGEMM_MAX_ROWS``.
-        qs: packed quants (uint8 / int8); d, m: ``[N, K / 32]`` (``[N, K / 16]`` for ``S8H``) float32
+        x: ``[M, K]`` float32, contiguous, any ``M`` (float32 activations are meant for
+            ``M <= QGEMM_MAX_ROWS``: past that, dequantizing and oneDNN is faster).
+        qs: uint8 ``[ceil(N / 16), K / 32 * 256 or 512]``; d, m: float32 ``[ceil(N / 16), groups, 16]``
             scales and mins (``m`` only for ``U4M`` and ``S8M``); bias: ``[N]`` float32 or ``None``.
         n: output features ``N``.
     Returns:
@@ -197,9 +208,21 @@ def qgemm(fmt: int, x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch
 
 def qdequant(fmt: int, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, n: int, k: int,
              out: torch.Tensor | None = None) -> torch.Tensor:
-    """The ``[N, K]`` float32 weight of a packed GGUF matrix (into ``out`` when given)."""
+    """The first ``n`` rows, ``[n, K]`` float32, of a tiled packed matrix (into ``out`` when given);
+    ``qs``, ``d``, ``m`` as in ``qgemm``, from a tile boundary."""
     out = torch.empty(n, k, dtype=torch.float32) if out is None else out
     _lib.pl_qdequant(fmt, qs.data_ptr(), d.data_ptr(), _ptr(m), out.data_ptr(), n, k, torch.get_num_threads())
+    return out
+
+
+def qdequant_rows(fmt: int, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, rows: torch.Tensor,
+                  k: int) -> torch.Tensor:
+    """Rows ``rows`` (int64 ``[R]``, each below the matrix's ``N``) of a tiled packed matrix as
+    float32 ``[R, K]`` (an embedding lookup)."""
+    rows = rows.to(torch.int64).contiguous()
+    out = torch.empty(rows.numel(), k, dtype=torch.float32)
+    _lib.pl_qdequant_rows(fmt, qs.data_ptr(), d.data_ptr(), _ptr(m), rows.data_ptr(), rows.numel(), out.data_ptr(),
+                          k, torch.get_num_threads())
     return out
 
 

@@ -4,8 +4,9 @@ Every supported GGUF format is a list of groups of 16 or 32 weights along a row,
 ``w = q * d (+ m)`` with small integer quants ``q`` and a float scale ``d`` (and min ``m``). The
 K-quants nest their group scales in super-blocks of 256 (6-bit or int8 scales times an fp16 super
 scale); the product ``d_super * sc`` is exact in float32 (11 + 8 significant bits), so decoding
-them into one float32 scale (and min) per group changes no weight. The kernels' layouts
-(``cpu_kernels.c``, codes in ``LAYOUTS``):
+them into one float32 scale (and min) per group changes no weight. Decoded rows come in
+these row layouts (``repack``; rows can then be reordered and concatenated), and ``to_tiles``
+rearranges them into the tiles of 16 rows the kernels multiply (``quant_kernels.c``):
 
 =======  ==========================================  ======================================
 layout   arrays (weight matrix ``[N, K]``)           GGUF formats served by it (exactly)
@@ -27,7 +28,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-LAYOUTS = {"U4M": 0, "S8": 1, "U4": 2, "S8H": 3, "S8M": 4}  # pl_qgemm's layout codes
+LAYOUTS = {"U4M": 0, "S8": 1, "S8H": 3, "S8M": 4}  # pl_qgemm's tile layout codes (U4 tiles as U4M)
+TILE = 16  # output rows per tile
 GGUF_LAYOUT = {"Q4_0": "U4", "Q4_1": "U4M", "Q8_0": "S8", "Q5_0": "S8", "Q5_1": "S8M",
                "Q4_K": "U4M", "Q5_K": "S8M", "Q6_K": "S8H"}
 _BLOCK = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34), "Q5_0": (32, 22), "Q5_1": (32, 24),
@@ -165,3 +167,46 @@ def quantize_int8(w: torch.Tensor) -> dict[str, torch.Tensor]:
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = torch.round(w / scale).clamp_(-127, 127).to(torch.int8)
     return {"qs": q.contiguous(), "d": scale.expand(n, k // 32).contiguous()}
+
+
+def to_tiles(layout: str, packed: dict[str, torch.Tensor], n: int, k: int) -> tuple[str, dict[str, torch.Tensor]]:
+    """Rearrange a row-layout matrix (``repack``, ``quantize_int8``) into the kernels' tiles.
+
+    Rows are padded with zeros to a multiple of ``TILE``. Within a tile, the 32-weight block ``b`` of
+    its 16 rows is stored together in 64-byte chunks, lane ``n`` (4 bytes) for row ``n``: ``U4M``
+    chunk ``c`` byte ``j`` holds weights ``8c + j`` (low nibble) and ``8c + 4 + j`` (high nibble),
+    the byte layouts' chunk ``c`` byte ``j`` holds weight ``4c + j``. ``U4`` becomes ``U4M`` with
+    ``m = -8 d`` (exact: a power-of-two multiple).
+
+    Args:
+        layout: the row layout; packed: its ``{"qs", "d"[, "m"]}``; n, k: the matrix's shape.
+    Returns:
+        ``(tile layout, {"qs": uint8 [tiles, K/32 * (256 | 512)], "d": float32 [tiles, groups, 16]
+        [, "m": float32 [tiles, K/32, 16]]})``.
+    """
+    qs, d, m = packed["qs"], packed["d"], packed.get("m")
+    if layout == "U4":
+        layout, m = "U4M", d * -8.0
+    tiles, nb = -(-n // TILE), k // 32
+    pad = tiles * TILE - n
+
+    def rows(t: torch.Tensor) -> torch.Tensor:
+        return torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) if pad else t
+
+    if layout == "U4M":
+        b = rows(qs.view(torch.uint8)).reshape(tiles * TILE, nb, 16)
+        q = torch.stack([b & 15, b >> 4], 2).reshape(tiles, TILE, nb, 4, 2, 4)  # weight 8c + 4h + j
+        q = q.permute(0, 2, 3, 1, 4, 5)  # [tile, block, chunk, lane, h, j]
+        tq = q[..., 0, :] | (q[..., 1, :] << 4)
+    else:
+        q = rows(qs.view(torch.int8)).reshape(tiles, TILE, nb, 8, 4)  # weight 4c + j
+        tq = q.permute(0, 2, 3, 1, 4).view(torch.uint8)
+    out = {"qs": tq.contiguous().reshape(tiles, -1)}
+
+    def lanes(t: torch.Tensor) -> torch.Tensor:
+        return rows(t).reshape(tiles, TILE, -1).transpose(1, 2).contiguous()
+
+    out["d"] = lanes(d)
+    if m is not None:
+        out["m"] = lanes(m)
+    return layout, out

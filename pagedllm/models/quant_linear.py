@@ -5,12 +5,17 @@ A GGUF-born model (its converted directory records the source file in ``gguf_sou
 served with ``quantization`` ``auto`` or ``gguf`` replaces each linear layer whose GGUF tensors
 decode into one kernel layout (``gguf_blocks``) with a ``GGUFLinear``; ``int8`` quantizes any
 float model's linear layers per output channel into the same layout as Q8_0. The blocks are
-repacked once at load (rows in the order our fused layers use) and multiplied by the C kernels
-(``kernels.cpu.qgemm``): up to ``QGEMM_MAX_ROWS`` input rows read the packed bytes directly
-(decode reads a quarter to a third of the float32 bytes), more rows multiply a float32
-dequantization of the weight (prefill is compute-bound; the float32 copy lives only during the
-call). Activations stay float32, so outputs equal gguf's dequantization followed by a float32
-matmul up to rounding.
+repacked once at load (rows in the order our fused layers use, then into tiles of 16 rows:
+``gguf_blocks.to_tiles``) and multiplied by the C kernels (``kernels.cpu.qgemm``,
+``quant_kernels.c``). Two ways, chosen per process (``kernels.cpu.int8_activations``):
+
+* int8 activations (default where the CPU has AVX-512 VNNI): every product, any number of rows,
+  quantizes its input rows to int8 per 32-block and multiplies the packed bytes with VNNI dot
+  products; a row's result does not depend on its batch; perplexity within 1% of float32;
+* float32 activations (``PAGEDLLM_INT8_ACTIVATIONS=0``, and every CPU without VNNI): up to
+  ``QGEMM_MAX_ROWS`` input rows multiply the packed tiles widened to float32 in registers, more rows
+  multiply a float32 dequantization of the weight (the copy lives only during the call); outputs
+  equal gguf's dequantization followed by a float32 matmul up to rounding.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from torch import nn
 
 from pagedllm.kernels import cpu as cpu_kernels
 from pagedllm.kernels.cpu_features import prefill_dtype
-from pagedllm.models.gguf_blocks import GGUF_LAYOUT, quantize_int8, repack
+from pagedllm.models.gguf_blocks import GGUF_LAYOUT, TILE, quantize_int8, repack, to_tiles
 
 logger = logging.getLogger(__name__)
 
@@ -59,8 +64,10 @@ class GGUFLinear(nn.Module):
     def __init__(self, layout: str, packed: dict[str, torch.Tensor], n: int, k: int,
                  bias: torch.Tensor | None = None, kind: str | None = None) -> None:
         super().__init__()
-        self.layout, self.kind, self.fmt = layout, kind or layout, cpu_kernels.QUANT_LAYOUTS[layout]
-        self.qs, self.d, self.m = packed["qs"], packed["d"], packed.get("m")
+        self.layout, self.kind = layout, kind or layout
+        tile_layout, tiles = to_tiles(layout, packed, n, k)
+        self.fmt = cpu_kernels.QUANT_LAYOUTS[tile_layout]
+        self.qs, self.d, self.m = tiles["qs"], tiles["d"], tiles.get("m")
         self.out_features, self.in_features = n, k
         self.bias = bias
         self.prefill_dtype = prefill_dtype()  # bfloat16 where AMX is usable
@@ -80,13 +87,13 @@ class GGUFLinear(nn.Module):
         """``[..., k]`` -> ``[..., n]`` (leading dimensions flattened into rows)."""
         if x.dim() != 2:
             return self.forward(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], self.out_features)
-        if x.shape[0] <= cpu_kernels.QGEMM_MAX_ROWS:
+        if x.shape[0] <= cpu_kernels.QGEMM_MAX_ROWS or cpu_kernels.int8_activations():
             return cpu_kernels.qgemm(self.fmt, x.contiguous(), self.qs, self.d, self.m, self.bias, self.out_features)
         # prefill: dequantize row chunks of at most _CHUNK floats into a reused buffer, multiply each
         if self.prefill_dtype != torch.float32:
             return self._forward_low_precision(x)
         n, k = self.out_features, self.in_features
-        step = max(16, _CHUNK // k)
+        step = max(TILE, _CHUNK // k // TILE * TILE)
         if step >= n:
             return _matmul(x, self.dequantize(_scratch(n * k).view(n, k)), self.bias)
         y = torch.empty(x.shape[0], n, dtype=torch.float32)
@@ -96,9 +103,10 @@ class GGUFLinear(nn.Module):
         return y
 
     def _dequantize_rows(self, n0: int, n1: int) -> torch.Tensor:
-        """Rows ``n0:n1`` of the float32 weight, in the calling thread's reused buffer."""
-        k = self.in_features
-        return cpu_kernels.qdequant(self.fmt, self.qs[n0:n1], self.d[n0:n1], None if self.m is None else self.m[n0:n1],
+        """Rows ``n0:n1`` (``n0`` a multiple of ``TILE``) of the float32 weight, in the calling thread's
+        reused buffer."""
+        k, t = self.in_features, n0 // TILE
+        return cpu_kernels.qdequant(self.fmt, self.qs[t:], self.d[t:], None if self.m is None else self.m[t:],
                                     n1 - n0, k, _scratch((n1 - n0) * k).view(n1 - n0, k))
 
     def _forward_low_precision(self, x: torch.Tensor) -> torch.Tensor:
@@ -107,7 +115,7 @@ class GGUFLinear(nn.Module):
         n, k = self.out_features, self.in_features
         xl = x.to(self.prefill_dtype)
         y = torch.empty(x.shape[0], n, dtype=torch.float32)
-        step = max(16, _CHUNK // k)
+        step = max(TILE, _CHUNK // k // TILE * TILE)
         for n0 in range(0, n, step):
             n1 = min(n, n0 + step)
             y[:, n0:n1] = F.linear(xl, self._dequantize_rows(n0, n1).to(self.prefill_dtype)).float()
@@ -156,19 +164,16 @@ class PackedEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """``[T]`` -> ``[T, hidden]``."""
         t = self.table
-        flat = ids.reshape(-1)
-        qs, d = t.qs.index_select(0, flat), t.d.index_select(0, flat)
-        m = None if t.m is None else t.m.index_select(0, flat)
-        out = cpu_kernels.qdequant(t.fmt, qs, d, m, flat.numel(), self.embedding_dim)
+        out = cpu_kernels.qdequant_rows(t.fmt, t.qs, t.d, t.m, ids.reshape(-1), self.embedding_dim)
         return out.view(*ids.shape, self.embedding_dim)
 
 
 def quantized_kernels() -> str:
     """What multiplies packed weights on this CPU, for ``/stats`` and the start-up log."""
-    one = ("int8 activations x packed weights (AVX-512 VNNI)" if cpu_kernels.int8_activations()
-           else "float32 activations x widened blocks")
+    if cpu_kernels.int8_activations():
+        return "every row: int8 activations x packed tiles (AVX-512 VNNI)"
     big = "bfloat16 (AMX)" if prefill_dtype() == torch.bfloat16 else "float32"
-    return f"1 row: {one}; 2-16 rows: float32 tiles; prefill: dequantized chunks, oneDNN {big}"
+    return f"1-16 rows: float32 activations x packed tiles; prefill: dequantized chunks, oneDNN {big}"
 
 
 def stack_descriptor(modules) -> torch.Tensor | None:
