@@ -80,52 +80,63 @@ static inline __attribute__((always_inline)) int chunk_q(int fmt, const uint8_t 
 static inline int chunk_k0(int fmt, int c) { return q_nib(fmt) ? 8 * c : 4 * c; }
 static inline int chunk_count(int fmt) { return q_nib(fmt) ? 4 : 8; }
 
-/* acc[i][p] (lane n) += row n of block b of the tile . x_i[block b], i < R: float32 activations.
- * P partial sums per row keep enough independent FMA chains when R is small. */
+/* acc[i] (lane n) += row n of block b of the tile . x_i[block b], i < R: float32 activations.
+ * The scale is applied once per group (d * sum q x) and the min once per block (m * sum x, from
+ * xs_i[b]); P partial sums per row keep enough independent FMA chains when R is small. */
 #define QF_MAXR 8
 static inline __attribute__((always_inline)) void tile_block_f32(int fmt, const uint8_t *tb, const float *dt,
                                                                  const float *mt, long b, const float *const *xr,
-                                                                 int R, int P, f16v acc[QF_MAXR][4]) {
-    int ncnk = chunk_count(fmt);
-    for (int c = 0; c < ncnk; c++) {
-        long g = fmt == 3 ? 2 * b + (c >= 4) : b;
-        f16v dv = load16(dt + g * QT), w[8];
-        int nw = chunk_q(fmt, tb, c, w);
-        if (q_min(fmt)) {
-            f16v mv = load16(mt + b * QT);
-            for (int j = 0; j < nw; j++) w[j] = w[j] * dv + mv;
-        } else {
-            for (int j = 0; j < nw; j++) w[j] = w[j] * dv;
+                                                                 const float *const *xs, int R, int P, f16v *acc) {
+    int ngrp = fmt == 3 ? 2 : 1, per = chunk_count(fmt) / ngrp;
+    for (int g = 0; g < ngrp; g++) {
+        f16v accq[QF_MAXR][4] = {};
+        for (int c = g * per; c < (g + 1) * per; c++) {
+            f16v w[8];
+            int nw = chunk_q(fmt, tb, c, w), k0 = chunk_k0(fmt, c);
+            for (int i = 0; i < R; i++) {
+                const float *xp = xr[i] + b * QBLOCK + k0;
+                for (int j = 0; j < nw; j++) accq[i][j % P] += w[j] * xp[j];
+            }
         }
-        int k0 = chunk_k0(fmt, c);
+        f16v dv = load16(dt + (fmt == 3 ? 2 * b + g : b) * QT);
         for (int i = 0; i < R; i++) {
-            const float *xp = xr[i] + b * QBLOCK + k0;
-            for (int j = 0; j < nw; j++) acc[i][j % P] += w[j] * xp[j];
+            f16v sq = accq[i][0];
+            for (int p = 1; p < P; p++) sq += accq[i][p];
+            acc[i] += sq * dv;
         }
+    }
+    if (q_min(fmt)) {
+        f16v mv = load16(mt + b * QT);
+        for (int i = 0; i < R; i++) acc[i] += mv * xs[i][b];
     }
 }
 
 /* y rows xr[0..R) x tile t, written to out[i][0..16) */
 static inline __attribute__((always_inline)) void tile_f32(int fmt, const uint8_t *tq, const float *dt,
-                                                           const float *mt, long nb, const float *const *xr, int R,
-                                                           int P, float out[QF_MAXR][QT]) {
-    f16v acc[QF_MAXR][4] = {};
+                                                           const float *mt, long nb, const float *const *xr,
+                                                           const float *const *xs, int R, int P,
+                                                           float out[QF_MAXR][QT]) {
+    f16v acc[QF_MAXR] = {};
     long tbb = q_tb(fmt);
     for (long b = 0; b < nb; b++) {
         __builtin_prefetch(tq + b * tbb + PF_BYTES, 0, 3);
-        __builtin_prefetch(tq + b * tbb + PF_BYTES + 64 * 2, 0, 3);
-        tile_block_f32(fmt, tq + b * tbb, dt, mt, b, xr, R, P, acc);
+        __builtin_prefetch(tq + b * tbb + PF_BYTES + 128, 0, 3);
+        tile_block_f32(fmt, tq + b * tbb, dt, mt, b, xr, xs, R, P, acc);
     }
-    for (int i = 0; i < R; i++) {
-        f16v s = acc[i][0];
-        for (int p = 1; p < P; p++) s += acc[i][p];
-        memcpy(out[i], &s, sizeof s);
-    }
+    for (int i = 0; i < R; i++) memcpy(out[i], &acc[i], sizeof acc[i]);
 }
 
-static inline __attribute__((always_inline)) void qgemm_f32_body(int fmt, const float *x, long M, const uint8_t *qs, const float *d, const float *mn,
-                      const float *bias, float *y, long N, long K, int nt) {
+static inline __attribute__((always_inline)) void qgemm_f32_body(int fmt, const float *x, long M, const uint8_t *qs,
+                                                                 const float *d, const float *mn, const float *bias,
+                                                                 float *y, long N, long K, int nt) {
     long nb = K / QBLOCK, tiles = (N + QT - 1) / QT, ng = q_groups(fmt, nb), tbb = q_tb(fmt);
+    float *sums = malloc(sizeof(float) * M * nb); /* the input rows' block sums (for the mins) */
+    if (!sums) return; /* unreachable in practice: M * K / 32 floats */
+    for (long i = 0; i < M * nb; i++) {
+        float s = 0.0f;
+        for (int c = 0; c < QBLOCK; c++) s += x[i * QBLOCK + c];
+        sums[i] = s;
+    }
     #pragma omp parallel for num_threads(nt) schedule(static)
     for (long t = 0; t < tiles; t++) {
         const uint8_t *tq = qs + t * nb * tbb;
@@ -133,20 +144,24 @@ static inline __attribute__((always_inline)) void qgemm_f32_body(int fmt, const 
         long n0 = t * QT, nc = N - n0 < QT ? N - n0 : QT;
         for (long r0 = 0; r0 < M; r0 += QF_MAXR) {
             long rc = M - r0 < QF_MAXR ? M - r0 : QF_MAXR;
-            const float *xr[QF_MAXR];
-            for (int i = 0; i < QF_MAXR; i++) xr[i] = x + (r0 + (i < rc ? i : rc - 1)) * K;
+            const float *xr[QF_MAXR], *xs[QF_MAXR];
+            for (int i = 0; i < QF_MAXR; i++) {
+                long r = r0 + (i < rc ? i : rc - 1);
+                xr[i] = x + r * K, xs[i] = sums + r * nb;
+            }
             float out[QF_MAXR][QT];
             /* constant R and P per call: the accumulators stay in registers */
             switch (rc) {
-            case 1: tile_f32(fmt, tq, dt, mt, nb, xr, 1, 4, out); break;
-            case 2: tile_f32(fmt, tq, dt, mt, nb, xr, 2, 2, out); break;
-            case 3: case 4: tile_f32(fmt, tq, dt, mt, nb, xr, 4, 1, out); break;
-            default: tile_f32(fmt, tq, dt, mt, nb, xr, 8, 1, out); break;
+            case 1: tile_f32(fmt, tq, dt, mt, nb, xr, xs, 1, 4, out); break;
+            case 2: tile_f32(fmt, tq, dt, mt, nb, xr, xs, 2, 2, out); break;
+            case 3: case 4: tile_f32(fmt, tq, dt, mt, nb, xr, xs, 4, 1, out); break;
+            default: tile_f32(fmt, tq, dt, mt, nb, xr, xs, 8, 1, out); break;
             }
             for (long i = 0; i < rc; i++)
                 for (long j = 0; j < nc; j++) y[(r0 + i) * N + n0 + j] = out[i][j] + (bias ? bias[n0 + j] : 0.0f);
         }
     }
+    free(sums);
 }
 
 /* one instantiation per format: the format's branches fold away in the inner loops */
