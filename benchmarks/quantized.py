@@ -2,21 +2,23 @@
 
 On the embedded SmolLM2-135M-Instruct (Q4_1 linears, Q8_0 tied embedding / LM head), in process,
 greedy, EOS ignored, for ``quantization="none"`` (every weight dequantized to float32), ``"gguf"``
-(the file's blocks kept packed, C kernels, float32 activations; what ``auto`` picks) and ``"int8"``
-(the float32 weights quantized per output channel), and ``"gguf"`` with int8 activations
-(``PAGEDLLM_INT8_ACTIVATIONS=1``, VNNI byte dot products for batch-1 products):
+(the file's blocks kept packed in tiles, C kernels; what ``auto`` picks: int8 activations with
+VNNI byte dot products where the CPU has AVX-512 VNNI, float32 activations elsewhere),
+``"gguf"`` with float32 activations forced (``PAGEDLLM_INT8_ACTIVATIONS=0``) and ``"int8"``
+(the float32 weights quantized per output channel, same kernels):
 
 * batch-1 decode: one 32-token prompt, 128 output tokens, decode tokens/s (the tokens after the
   first over the time after the first), best of ``--repeats``, and the share of that time spent
   outside the model's forward and sampling (scheduling, preparing, outputs: the per-step overhead);
 * prefill: one 512-token prompt, 1 output token, prompt tokens/s (best of ``--repeats``);
 * batch 16: 16 prompts x 128 in / 128 out at once, output tokens/s;
-* greedy tokens of ``gguf`` against ``none`` on the batch-16 prompts.
+* greedy tokens of ``gguf-f32act`` against ``none`` on the batch-16 prompts (they must be equal),
+  and how many of the 16 sequences ``gguf`` (int8 activations) keeps identical.
 
 Then, when llama.cpp's own binaries exist (``peers/build_llama_cpp.sh`` builds ``llama-bench`` and
 ``llama-server`` from the sources vendored in the llama-cpp-python sdist): ``llama-bench`` pp512 and
 tg128 on the same GGUF file and thread count, and both servers (``pagedllm serve`` with its
-defaults, and again with int8 activations; ``llama-server --parallel 16``) driven by ``pagedllm bench serve``'s client at
+defaults, and again with float32 activations; ``llama-server --parallel 16``) driven by ``pagedllm bench serve``'s client at
 concurrency 1 and 16 on the same token-id prompts (128 in / 128 out): output tok/s, median TTFT
 and TPOT, and each server's resident memory against the GGUF file plus its KV pool.
 Results: ``results/quantized-<date>.json`` with the machine's CPU model and flags.
@@ -53,8 +55,9 @@ def prompts(n: int, length: int, seed: int) -> list[list[int]]:
     return [[rng.randint(100, 49000) for _ in range(length)] for _ in range(n)]
 
 
-def measure(quantization: str, repeats: int, int8_activations: bool = False) -> dict:
-    """One configuration's numbers (see the module docstring)."""
+def measure(quantization: str, repeats: int, int8_activations: bool = True) -> dict:
+    """One configuration's numbers (see the module docstring); ``int8_activations`` as the default
+    (on where VNNI exists) or forced off."""
     from pagedllm.kernels import cpu
     cpu.available()
     cpu.set_int8_activations(int8_activations)
@@ -116,11 +119,12 @@ def against_llama_cpp(bin_dir: Path, offline: dict[str, dict], requests: int) ->
     tok = AutoTokenizer.from_pretrained(resolve_model(None))
     py = sys.executable
     servers = {
-        "pagedllm": {"serve": lambda port: ["env", "PAGEDLLM_INT8_ACTIVATIONS=0", py, "-m", "pagedllm.cli", "serve",
-                                            "--port", str(port), "--log-level", "warning"], "kv_pool_mib": 1024.0},
-        "pagedllm-i8act": {"serve": lambda port: ["env", "PAGEDLLM_INT8_ACTIVATIONS=1", py, "-m", "pagedllm.cli",
-                                                  "serve", "--port", str(port), "--log-level", "warning"],
-                           "kv_pool_mib": 1024.0},
+        "pagedllm": {"serve": lambda port: ["env", "-u", "PAGEDLLM_INT8_ACTIVATIONS", py, "-m", "pagedllm.cli",
+                                            "serve", "--port", str(port), "--log-level", "warning"],
+                     "kv_pool_mib": 1024.0},
+        "pagedllm-f32act": {"serve": lambda port: ["env", "PAGEDLLM_INT8_ACTIVATIONS=0", py, "-m", "pagedllm.cli",
+                                                   "serve", "--port", str(port), "--log-level", "warning"],
+                            "kv_pool_mib": 1024.0},
         "llama.cpp": {"serve": lambda port: [str(bin_dir / "llama-server"), "-m", str(gguf), "--port", str(port),
                                              "-t", str(threads), "--parallel", "16", "-c", "8192", "--no-webui"],
                       # f16 K and V: 30 layers x 2 x 3 KV heads x 64 x 2 bytes per token, 8192 tokens
@@ -135,9 +139,9 @@ def against_llama_cpp(bin_dir: Path, offline: dict[str, dict], requests: int) ->
             serve[name] = {"c1": runs[0] if runs else None, "c16": runs[1] if runs else None,
                            "rss_mib": stats.get("rss_mib"), "kv_pool_mib": eng["kv_pool_mib"]}
     gguf_mib = gguf.stat().st_size / 2**20
-    # columns: pagedllm's default (float32 activations), with int8 activations, llama.cpp
-    cols = [("pagedllm", offline["gguf"], serve["pagedllm"]), ("pagedllm-i8act", offline["gguf-i8act"],
-                                                                 serve["pagedllm-i8act"])]
+    # columns: pagedllm's default (int8 activations where VNNI exists), with float32 activations, llama.cpp
+    cols = [("pagedllm", offline["gguf"], serve["pagedllm"]), ("pagedllm-f32act", offline["gguf-f32act"],
+                                                                 serve["pagedllm-f32act"])]
     llama = {"tg128": bench.get("tg128"), "pp512": bench.get("pp512"), **{c: serve["llama.cpp"][c] or {} for c in ("c1", "c16")}}
     metrics = [("batch-1 decode tok/s (32 in / 128 out; tg128)", lambda o, s: o["decode_tok_s"], llama["tg128"], True),
                ("prefill tok/s (512 in; pp512)", lambda o, s: o["prefill_tok_s"], llama["pp512"], True)]
@@ -167,7 +171,7 @@ def against_llama_cpp(bin_dir: Path, offline: dict[str, dict], requests: int) ->
         print(f"{name}: engine process RSS {core:.0f} MiB = {memory[name]['ratio']:.2f}x GGUF + KV pool "
               f"({gguf_mib + s['kv_pool_mib']:.0f} MiB); all its processes {sum(procs.values()):.0f} MiB")
     print("ratios: pagedllm's advantage over llama.cpp (>1 better; for latencies llama.cpp / pagedllm); "
-          "pagedllm-i8act: PAGEDLLM_INT8_ACTIVATIONS=1")
+          "pagedllm: the defaults; pagedllm-f32act: PAGEDLLM_INT8_ACTIVATIONS=0")
     return {"llama_bench": bench, "serve": serve, "table": table, "memory": memory,
             "build_flags": (bin_dir / "build-flags.txt").read_text().split() if (bin_dir / "build-flags.txt").exists() else None}
 
@@ -180,11 +184,16 @@ def main() -> int:
                     help="folder with llama-bench and llama-server (skipped when missing)")
     ap.add_argument("--serve-requests", type=int, default=32, help="requests per concurrency level")
     args = ap.parse_args()
+    from pagedllm.kernels import cpu
     results = {q: measure(q, args.repeats) for q in ("none", "gguf", "int8")}
-    results["gguf-i8act"] = measure("gguf", args.repeats, int8_activations=True)
-    same = results["none"].pop("tokens") == results["gguf"].pop("tokens")
+    results["gguf-f32act"] = measure("gguf", args.repeats, int8_activations=False)
+    ref = results["none"].pop("tokens")
+    same = ref == results["gguf-f32act"].pop("tokens")
+    i8_tokens = results["gguf"].pop("tokens")
     results["int8"].pop("tokens")
-    results["gguf-i8act"].pop("tokens")
+    i8_same = sum(a == b for a, b in zip(i8_tokens, ref))
+    cpu.set_int8_activations(True)
+    print(f"int8 activations in the default: {cpu.int8_activations()}")
     base = results["none"]
     print(f"{'config':<10} {'decode tok/s':>12} {'overhead':>8} {'prefill tok/s':>13} {'batch16 tok/s':>13} {'RSS MiB':>8}")
     for name, r in results.items():
@@ -192,13 +201,16 @@ def main() -> int:
               f"{r['rss_mib']:>8.0f}")
     ratios = {k: results["gguf"][k] / base[k] for k in ("decode_tok_s", "prefill_tok_s", "batch16_output_tok_s")}
     print("gguf / none: " + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
-    print(f"greedy tokens identical: {same}")
+    print(f"greedy tokens of gguf-f32act identical to none: {same}; gguf (default) keeps {i8_same} of 16 "
+          "sequences identical")
     peers = against_llama_cpp(Path(args.llama_cpp_bin), results, args.serve_requests) if Path(args.llama_cpp_bin).is_dir() else None
     out = Path(args.json_out or Path(__file__).resolve().parent / "results" /
                f"quantized-{time.strftime('%Y-%m-%d')}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"machine": machine_facts(), "args": vars(args), "results": results,
-                               "ratios_gguf_to_none": ratios, "identical_tokens": same, "llama_cpp": peers},
+                               "ratios_gguf_to_none": ratios, "identical_tokens_f32act": same,
+                               "default_int8_activations": cpu.int8_activations(),
+                               "identical_sequences_default_of_16": i8_same, "llama_cpp": peers},
                               indent=2))
     print(f"wrote {out}")
     return 0 if same else 1
