@@ -30,6 +30,7 @@ from pagedllm.core.scheduler_output import EngineCoreOutput
 from pagedllm.engine.engine_core import EngineCore
 from pagedllm.engine.messages import (FROM_CORE, TO_CORE, CoreFailed, CoreOutputs, CoreReady, EngineCoreRequest,
                                       EngineDeadError, FinishRequests, Shutdown, UtilityCall, UtilityResult)
+from pagedllm.memory import freeze_startup_heap
 from pagedllm.request import RequestStatus
 from pagedllm.stats import SchedulerStats
 
@@ -164,6 +165,7 @@ def run_engine_core(args: EngineArgs, model_dir: str, max_model_len: int, eos_to
     try:
         eos = set(eos_token_ids)  # one set shared by all requests, as in the in-process engine
         core = EngineCore(args, model_dir, max_model_len, eos)
+        freeze_startup_heap()  # this process lives as long as its engine: start-up objects never die
         out.send(enc.encode(CoreReady(core.num_blocks, os.getpid())))
         out.send(enc.encode(CoreOutputs([], core.get_stats())))  # counters exist before the first request
         next_parent_check = time.monotonic() + 1.0
