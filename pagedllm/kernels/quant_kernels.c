@@ -340,10 +340,15 @@ static inline __attribute__((always_inline)) void qgemm_i8_body(int fmt, const f
         qgemm_f32(fmt, x, M, qs, d, mn, bias, y, N, K, nt);
         return;
     }
+    /* a few rows (decode) are quantized by this thread before the team starts: a barrier costs more */
+    if (M <= 4)
+        for (long i = 0; i < M; i++) quantize_row(x + i * K, K, mem + i * rb, rows + i);
     #pragma omp parallel num_threads(nt)
     {
-        #pragma omp for schedule(static)
-        for (long i = 0; i < M; i++) quantize_row(x + i * K, K, mem + i * rb, rows + i);
+        if (M > 4) {
+            #pragma omp for schedule(static)
+            for (long i = 0; i < M; i++) quantize_row(x + i * K, K, mem + i * rb, rows + i);
+        }
         #pragma omp for schedule(static)
         for (long t = 0; t < tiles; t++) {
             const uint8_t *tq = qs + t * nb * tbb;
