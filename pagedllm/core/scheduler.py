@@ -117,7 +117,7 @@ class Scheduler:
         self._finished_ids = set()
         budget = self.max_num_batched_tokens
         if self.spec is not None:
-            self.spec.begin_step()
+            self.spec.begin_step(self.running)
         preempted = self._schedule_running(out, budget)
         budget -= out.total_num_scheduled_tokens
         if not preempted:

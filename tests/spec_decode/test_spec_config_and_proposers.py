@@ -16,6 +16,9 @@ def test_config_parses_vllm_shapes():
     assert SpeculativeConfig.parse({"method": "suffix", "num_speculative_tokens": 2}).dynamic is True
     assert EngineArgs(speculative_config={"method": "ngram", "num_speculative_tokens": 2}).speculative_config.method == "ngram"
     assert EngineArgs().speculative_config is None
+    # vLLM's inference: a model without a method is a draft model
+    cfg = SpeculativeConfig.parse({"model": "some/draft", "num_speculative_tokens": 2})
+    assert (cfg.method, cfg.model, cfg.quantization, cfg.draft_num_kv_blocks) == ("draft_model", "some/draft", "auto", None)
 
 
 @pytest.mark.parametrize("value, words", [
@@ -26,7 +29,11 @@ def test_config_parses_vllm_shapes():
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "prompt_lookup_min"),
     ({"method": "suffix", "num_speculative_tokens": 2, "suffix_decoding_min_token_prob": 2}, "min_token_prob"),
-    ({"model": "some/draft", "num_speculative_tokens": 2}, "draft_model' is not served yet"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "speculative_config.model is required"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "model": "d"}, "apply to method 'draft_model' only"),
+    ({"model": "d", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2}, "not served by pagedllm"),
+    ({"model": "d", "num_speculative_tokens": 2, "draft_num_kv_blocks": 0}, "draft_num_kv_blocks must be"),
+    ({"model": "d", "num_speculative_tokens": 2, "quantization": "fp8"}, "speculative_config.quantization"),
     ([1, 2], "must be a JSON object"),
 ])
 def test_config_refuses_with_the_key_named(value, words):
