@@ -137,17 +137,24 @@ class _GuessingProposer:
         pass
 
 
-@pytest.mark.parametrize("sampling", [dict(temperature=1.0), dict(temperature=0.8, top_p=0.9, presence_penalty=0.5)])
-def test_sampled_tokens_follow_the_targets_distribution(small_vocab_dir, assert_no_leaks, sampling):
-    """2000 seeded requests with and without drafts (3 guessed drafts per step, full depth): at
-    each output position the token distributions agree (two-sample chi-square, p > 0.0005)."""
+@pytest.mark.parametrize("sampling, proposer", [
+    (dict(temperature=1.0), "guess"),
+    (dict(temperature=0.8, top_p=0.9, presence_penalty=0.5), "guess"),
+    (dict(temperature=1.0), "draft_model"),  # the model drafting for itself: its argmax, verified as a point mass
+])
+def test_sampled_tokens_follow_the_targets_distribution(small_vocab_dir, assert_no_leaks, sampling, proposer):
+    """2000 seeded requests with and without drafts (3 drafts per step, full depth: guessed, or
+    the greedy drafts of a draft model): at each output position the token distributions agree
+    (two-sample chi-square, p > 0.0005)."""
     n, length = 2000, 4
     prompt = [1, 2, 3, 1, 2, 3, 1, 2]
     runs = {}
-    for name, spec in (("plain", None), ("spec", _spec("ngram", 3, prompt_lookup_min=1))):
+    spec_cfg = (_spec("ngram", 3, prompt_lookup_min=1) if proposer == "guess"
+                else _spec("draft_model", 3, model=small_vocab_dir))
+    for name, spec in (("plain", None), ("spec", spec_cfg)):
         llm = LLM(small_vocab_dir, skip_tokenizer_init=True, num_kv_blocks=512, max_num_seqs=256,
                   speculative_config=spec)
-        if spec is not None:
+        if spec is not None and proposer == "guess":
             llm.llm_engine.client.core.scheduler.spec.proposer = _GuessingProposer()
         params = [SamplingParams(max_tokens=length, ignore_eos=True, seed=s, **sampling) for s in range(n)]
         outs = llm.generate([{"prompt_token_ids": prompt}] * n, params, use_tqdm=False)
