@@ -112,3 +112,24 @@ def test_depth_counts_the_drafts_already_planned_in_the_step():
         d.planned(f"r{i}", k)
         ks.append(k)
     assert ks[0] > 0 and ks[-1] == 0 and sum(ks) < 16
+
+
+def test_depth_estimate_has_no_side_effects_and_a_draft_models_cost_counts():
+    """``estimate`` (what a batched proposer drafts ahead) is the first request's depth without
+    counting toward a probe; a model proposer's seconds per forward make deep drafts dearer."""
+    d = DepthController(max_k=5)
+    for t, y in ((1, 0.010), (6, 0.011)):
+        for _ in range(2):
+            d.observe(t, y)
+    d.alpha["r"] = 0.8
+    d.begin_step()
+    assert d.estimate("r", 1) == d.depth("r", 1) == 5
+    d.alpha["z"] = 0.0
+    for _ in range(3 * PROBE_EVERY):
+        assert d.estimate("z", 1) == 0
+    assert d._since_probe.get("z", 0) == 0  # estimates never count toward the probe
+    d.proposer_step_s = 0.004  # each draft forward costs 40% of a target step: fewer drafts pay
+    assert 0 < d.depth("r", 1) < 5
+    d.proposer_step_s = 0.05   # dearer than any gain
+    assert d.depth("r", 1) == 0 and d.estimate("r", 1) == 0
+    assert DepthController(max_k=3, dynamic=False).estimate("r", 64) == 3
