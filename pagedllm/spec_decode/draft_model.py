@@ -12,8 +12,10 @@ Per request the proposer keeps the tokens whose K/V its cache holds. On ``propos
 
 1. roll back to the longest prefix of the request's committed tokens that the cache holds (the
    drafts the target rejected are dropped) and trim or grow its block table to the blocks this
-   step needs (``len(tokens) + k - 1`` tokens); a request whose blocks the pool cannot give gets
-   no drafts this step (nothing fails);
+   step needs (``len(tokens) + k - 1`` tokens). When the pool is short, the caches of requests
+   outside this step's batch (preempted, waiting, at depth 0) are freed first, least recently
+   drafted first (they are recomputed when they next draft); a request whose blocks the pool
+   still cannot give gets no drafts this step (nothing fails);
 2. run the committed tokens the cache lacks (a new prompt, or the target's accepted and bonus
    tokens) through the draft, batched over the requests in forwards of at most
    ``max_num_batched_tokens`` tokens; the last row of each gives its first draft;
@@ -149,7 +151,8 @@ class DraftModelProposer:
             (torch.zeros(shape, dtype=target.dtype, device=target.device),
              torch.zeros(shape, dtype=target.dtype, device=target.device)) for _ in range(layers)])
         self.pool = BlockPool(num_blocks)
-        self._seqs: dict[str, _DraftSeq] = {}
+        self._seqs: dict[str, _DraftSeq] = {}  # least recently drafted first
+        self._batch_ids: set[str] = set()  # the requests of the propose running now
         self.step_seconds = 0.0
         self.num_forwards = 0
 
@@ -176,8 +179,10 @@ class DraftModelProposer:
     @torch.inference_mode()
     def _propose(self, items: list[ProposeItem]) -> dict[str, list[int]]:
         work: list[tuple[ProposeItem, _DraftSeq, list[int]]] = []
+        self._batch_ids = {it.request_id for it in items}
         for it in items:
-            seq = self._seqs.setdefault(it.request_id, _DraftSeq())
+            seq = self._seqs.pop(it.request_id, None) or _DraftSeq()
+            self._seqs[it.request_id] = seq  # most recently drafted last (``_evict``'s order)
             tokens = list(it.token_ids)
             if self._fit(seq, tokens, it.k):
                 work.append((it, seq, tokens))
@@ -218,6 +223,8 @@ class DraftModelProposer:
             del seq.blocks[need:]
         grow = need - len(seq.blocks)
         if grow > self.pool.num_free_blocks:
+            self._evict(grow - self.pool.num_free_blocks)
+        if grow > self.pool.num_free_blocks:
             held = _cdiv(keep, self.block_size)  # keep what holds the kept prefix, return the rest
             if len(seq.blocks) > held:
                 self.pool.free(list(reversed(seq.blocks[held:])))
@@ -226,6 +233,21 @@ class DraftModelProposer:
         if grow > 0:
             seq.blocks.extend(self.pool.allocate(grow))
         return True
+
+    def _evict(self, num_blocks: int) -> None:
+        """Free the caches of requests outside this propose (preempted, waiting, or at depth 0),
+        least recently drafted first, until ``num_blocks`` more are free or none is left; they
+        are recomputed when they next get drafts."""
+        for rid in list(self._seqs):
+            seq = self._seqs[rid]
+            if rid in self._batch_ids or not seq.blocks:
+                continue
+            freed = len(seq.blocks)
+            self.pool.free(list(reversed(seq.blocks)))
+            seq.blocks, seq.cached, seq.committed = [], [], 0
+            num_blocks -= freed
+            if num_blocks <= 0:
+                return
 
     def _catch_up(self, seqs: list[tuple[_DraftSeq, list[int]]]) -> list[int]:
         """Run each request's committed tokens its cache lacks; returns each one's first draft.

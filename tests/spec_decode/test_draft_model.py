@@ -156,15 +156,22 @@ def test_rollback_gives_the_drafts_of_a_fresh_cache(draft_dir):
 
 
 def test_a_full_draft_pool_proposes_nothing_and_fails_nothing(draft_dir):
+    """A request the draft pool cannot hold gets no drafts; caches of requests outside the
+    current batch are freed for the ones drafting (least recently drafted first)."""
     p = _proposer(draft_dir, num_blocks=3)                           # blocks of 4 tokens
     long_, short = list(range(100, 112)), [5, 6, 7]
     out = p.propose([ProposeItem("long", long_, 12, 4), ProposeItem("short", short, 3, 2)])
     assert "long" not in out and len(out["short"]) == 2             # 12 + 3 tokens need 4 blocks
     assert p.pool.num_used_blocks == 1                                # short's; long holds none
-    assert p.propose([ProposeItem("long", long_, 12, 1)]) == {}       # 3 blocks, 2 free
-    p.finish("short")
+    both = [ProposeItem("long", long_, 12, 1), ProposeItem("short", short + [9], 3, 1)]
+    assert list(p.propose(both)) == ["short"]                          # long needs 3 blocks, 2 are free
+    # short is not drafting now: its cache is freed for long (and recomputed when it drafts again)
     assert len(p.propose([ProposeItem("long", long_, 12, 1)])["long"]) == 1
+    assert p._seqs["short"].blocks == [] and p.pool.num_used_blocks == 3
+    assert len(p.propose([ProposeItem("short", short + [9], 3, 1)])["short"]) == 1  # and back
+    assert p._seqs["long"].blocks == [] and p.pool.num_used_blocks == 1
     p.finish("long")
+    p.finish("short")
     assert p.is_idle()
 
 
@@ -216,3 +223,22 @@ def test_cli_flag_builds_a_draft_model_engine(target_dir):
     a = p.parse_args(["--speculative-config", json.dumps(_spec(target_dir, 4))])
     cfg = engine_args_from_cli(a).speculative_config
     assert (cfg.method, cfg.model, cfg.num_speculative_tokens) == ("draft_model", target_dir, 4)
+
+
+def test_smollm2_packed_weights_draft_for_its_float32_copy(smollm2_dir, smollm2_tokenizer, greedy_ref, assert_no_leaks):
+    """Real weights: SmolLM2's Q4_1 blocks (served packed) draft for the same model in float32.
+    The same greedy tokens as the float32 engine alone, and most drafts kept."""
+    prompt = smollm2_tokenizer.encode("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n")
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = LLM(str(smollm2_dir), quantization="none", num_kv_blocks=32)
+    want = plain.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0].token_ids
+    del plain
+    llm = LLM(str(smollm2_dir), quantization="none", num_kv_blocks=32,
+              speculative_config=_spec(str(smollm2_dir), 4, quantization="gguf", dynamic=False))
+    got = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0].token_ids
+    greedy_ref.assert_same_greedy(got, want, prompt, _hf(str(smollm2_dir)), "smollm2 gguf draft")
+    proposer = llm.llm_engine.client.core.scheduler.spec.proposer
+    assert proposer.model.quantization_method == "gguf"
+    stats = llm.llm_engine.get_stats()
+    assert stats.spec_num_accepted_tokens > 0.7 * stats.spec_num_draft_tokens > 0, stats
+    assert_no_leaks(llm.llm_engine)
