@@ -35,6 +35,7 @@ Config keys follow vLLM's ``speculative_config`` (``method: draft_model``, ``mod
 from __future__ import annotations
 
 import json
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,8 @@ from pagedllm.attention.metadata import AttentionBatch
 from pagedllm.core.block_pool import BlockPool, KVCacheBlock
 from pagedllm.spec_decode.config import SpeculativeConfig, TargetInfo
 from pagedllm.spec_decode.proposers import ProposeItem
+
+logger = logging.getLogger(__name__)
 
 STEP_DECAY = 0.8  # weight of the past in the measured seconds per draft forward
 
@@ -151,6 +154,9 @@ class DraftModelProposer:
             (torch.zeros(shape, dtype=target.dtype, device=target.device),
              torch.zeros(shape, dtype=target.dtype, device=target.device)) for _ in range(layers)])
         self.pool = BlockPool(num_blocks)
+        per_block = 2 * layers * self.block_size * kvh * d * torch.empty((), dtype=target.dtype).element_size()
+        logger.info("draft model %s: its own KV pool of %d blocks x %d tokens (%.1f MiB)", config.model,
+                    num_blocks, self.block_size, num_blocks * per_block / 2**20)
         self._seqs: dict[str, _DraftSeq] = {}  # least recently drafted first
         self._batch_ids: set[str] = set()  # the requests of the propose running now
         self.step_seconds = 0.0

@@ -3,6 +3,10 @@
 One interface, ``Proposer.propose(batch) -> {request id: draft token ids}`` (at most ``k``
 each), over the committed tokens only (prompt + output; never a token still being sampled).
 ``finish(request_id, token_ids, num_prompt_tokens)`` tells a proposer a request has ended.
+Optional attributes, read with a default by ``SpecDecoding``: ``batched`` (ask once per step for
+every request), ``always_proposes`` (a request with a step in flight would always get drafts),
+``step_seconds`` (the proposer's own measured seconds per draft forward, for the depth rule);
+``draft_model.DraftModelProposer`` sets all three.
 
 * ``NgramProposer``: prompt lookup (Saxena 2023, "Prompt Lookup Decoding"; vLLM's ``ngram``):
   the latest earlier occurrence of the sequence's last ``n`` tokens, ``n`` from
