@@ -157,7 +157,7 @@ class EngineCore:
                           dtype=args.torch_dtype, device=args.torch_device, block_size=args.block_size,
                           num_blocks=self.num_blocks, max_model_len=max_model_len,
                           max_num_batched_tokens=args.max_num_batched_tokens,
-                          run=lambda fn: self._exec.submit(fn).result())
+                          run=lambda fn: self._exec.submit(fn).result(), seed=args.seed)
 
     @property
     def structured_output_manager(self) -> StructuredOutputManager:

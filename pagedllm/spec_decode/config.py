@@ -34,6 +34,7 @@ class TargetInfo:
         max_num_batched_tokens: the step's token budget (bounds one draft catch-up forward).
         run: calls a zero-argument function on the core's execution thread and returns its
             result (every torch op of the core runs on that one thread: see ``worker/model_runner.py``).
+        seed: the engine's seed (the draft's shared generator for unseeded sampled requests).
     """
 
     model_dir: str
@@ -46,6 +47,7 @@ class TargetInfo:
     max_model_len: int
     max_num_batched_tokens: int
     run: Callable[[Callable[[], Any]], Any]
+    seed: int = 0
 
 
 @dataclass(frozen=True)
@@ -57,7 +59,7 @@ class SpeculativeConfig:
             sequence's last n tokens), ``suffix`` (the most frequent continuation of the longest
             matching suffix, over the request's own tokens and earlier requests' outputs) or
             ``draft_model`` (a smaller model with the target's vocabulary, run through its own
-            paged KV pool: ``spec_decode/draft_model.py``; greedy drafts). Without ``method``, a
+            paged KV pool: ``spec_decode/draft_model.py``; greedy or sampled drafts). Without ``method``, a
             given ``model`` means ``draft_model``, as in vLLM.
         num_speculative_tokens: most draft tokens per request per step (``k``), >= 1.
         prompt_lookup_min, prompt_lookup_max: n-gram lengths tried, longest first (``ngram``).

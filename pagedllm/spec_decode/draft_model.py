@@ -22,12 +22,17 @@ Per request the proposer keeps the tokens whose K/V its cache holds. On ``propos
 3. ``k - 1`` decode forwards batched over the requests still drafting, each feeding the
    previous draft.
 
-Drafts are the draft's argmax (greedy drafts): deterministic proposals, which
-``worker/spec_verify.py`` verifies as point masses (``q(d) = 1``: keep with probability
-``p(d)``, on rejection draw from ``p`` without ``d``), so the output keeps the target's
-distribution for greedy and sampled targets alike (Leviathan et al. 2023, "Fast Inference from
-Transformers via Speculative Decoding"; Chen et al. 2023, "Accelerating Large Language Model
-Decoding with Speculative Sampling"). Sampling drafts from the draft's distribution is not done.
+A greedy request's drafts are the draft's argmax: deterministic proposals, which
+``worker/spec_verify.py`` verifies as point masses (token for token the target's greedy output).
+A sampled request's drafts are draws from ``q``, its temperature / top-k / top-p / min-p applied to
+the draft's logits (``Sampler.target_probs``; seeded at the output position for a seeded request),
+and ``q`` goes with them to verification (``SchedulerOutput.spec_draft_probs``): keep with
+probability ``min(1, p(d) / q(d))``, on a rejection draw from ``max(p - q, 0)`` renormalised, so
+the output keeps the target's distribution and a draft close to the target keeps about
+``sum(min(p, q))`` of its drafts (Leviathan et al. 2023, "Fast Inference from Transformers via
+Speculative Decoding"; Chen et al. 2023, "Accelerating Large Language Model Decoding with
+Speculative Sampling"). ``q`` leaves out penalties, ``logit_bias`` and the ``min_tokens`` ban
+(``p`` has them): that costs acceptance, never exactness.
 Config keys follow vLLM's ``speculative_config`` (``method: draft_model``, ``model``,
 ``num_speculative_tokens``, ``quantization``).
 """
@@ -99,7 +104,7 @@ def check_vocabulary(draft_dir: str | Path, target: TargetInfo) -> None:
 
 
 class DraftModelProposer:
-    """Greedy drafts from a draft model in its own paged KV pool (module docstring).
+    """Drafts (greedy or sampled) from a draft model in its own paged KV pool (module docstring).
 
     Implements ``proposers.Proposer``; ``batched`` tells ``SpecDecoding`` to ask for the whole
     step's requests at once, and ``always_proposes`` that a request with a step in flight
@@ -161,6 +166,9 @@ class DraftModelProposer:
         self._batch_ids: set[str] = set()  # the requests of the propose running now
         self.step_seconds = 0.0
         self.num_forwards = 0
+        from pagedllm.worker.sampler import Sampler
+        self._sampler = Sampler(target.seed)  # its draws' generators and its q (target_probs)
+        self._probs: dict[str, list[torch.Tensor]] = {}  # request id -> q rows of its last drafts
 
     # ---- the Proposer interface --------------------------------------------------------
     def propose(self, batch: list[ProposeItem]) -> dict[str, list[int]]:
@@ -173,13 +181,14 @@ class DraftModelProposer:
 
     def finish(self, request_id: str, token_ids=(), num_prompt_tokens: int = 0) -> None:
         """Free the request's draft blocks (tail first, as the target's manager does)."""
+        self._probs.pop(request_id, None)
         seq = self._seqs.pop(request_id, None)
         if seq is not None and seq.blocks:
             self.pool.free(list(reversed(seq.blocks)))
 
     def is_idle(self) -> bool:
         """True when no request holds draft state or blocks: the pool is as it started."""
-        return not self._seqs and self.pool.num_free_blocks == self.pool.num_blocks
+        return not self._seqs and not self._probs and self.pool.num_free_blocks == self.pool.num_blocks
 
     # ---- one propose -------------------------------------------------------------------
     @torch.inference_mode()
@@ -194,18 +203,45 @@ class DraftModelProposer:
                 work.append((it, seq, tokens))
         if not work:
             return {}
-        first = self._catch_up([(seq, tokens) for _, seq, tokens in work])
+        for it, _, _ in work:
+            self._probs.pop(it.request_id, None)
+        logits = self._catch_up([(seq, tokens) for _, seq, tokens in work])
+        first = self._pick([it for it, _, _ in work], logits, 0)
         drafts = {it.request_id: [t] for (it, _, _), t in zip(work, first)}
         for j in range(1, max(it.k for it, _, _ in work)):
             active = [(it, seq) for it, seq, _ in work if it.k > j]
             entries = [(seq, len(seq.cached), [drafts[it.request_id][-1]]) for it, seq in active]
             t0 = time.perf_counter()
-            nxt = self._forward(entries, [True] * len(entries)).argmax(-1).tolist()
+            logits = self._forward(entries, [True] * len(entries))
             self._timed(time.perf_counter() - t0)
-            for (it, seq), t in zip(active, nxt):
+            for (it, seq), t in zip(active, self._pick([it for it, _ in active], logits, j)):
                 seq.cached.append(drafts[it.request_id][-1])
                 drafts[it.request_id].append(t)
         return drafts
+
+    def _pick(self, items: list[ProposeItem], logits: torch.Tensor, j: int) -> list[int]:
+        """Draft ``j`` (0-based) of each item from its row of ``logits`` ``[R, V]`` float32: the
+        argmax for greedy requests; for sampled ones a draw from ``q``, the request's
+        temperature / top-k / top-p / min-p applied to the draft's logits (``Sampler.target_probs``),
+        seeded at its output position (stream 3: verification draws on streams 1 and 2), with
+        ``q`` kept for ``take_probs``."""
+        out = logits.argmax(-1).tolist()
+        rows = [r for r, it in enumerate(items) if it.params is not None and not it.params.greedy]
+        if rows:
+            q = self._sampler.target_probs(logits[rows], [items[r].params for r in rows])
+            for r, qr in zip(rows, q):
+                it = items[r]
+                pos = len(it.token_ids) - it.num_prompt_tokens + j
+                noise = torch.empty_like(qr).exponential_(generator=self._sampler.generator_for(it.params, pos, stream=3))
+                out[r] = int((qr / noise).argmax())  # the exponential race: a draw from q
+                self._probs.setdefault(it.request_id, []).append(qr)
+        return out
+
+    def take_probs(self, request_id: str, n: int) -> torch.Tensor | None:
+        """``[n, V]`` float32: the distributions the request's first ``n`` drafts of the last
+        propose were drawn from (``None``: greedy drafts, point masses). Forgets them."""
+        rows = self._probs.pop(request_id, None)
+        return None if not rows or n <= 0 else torch.stack(rows[:n])
 
     def _fit(self, seq: _DraftSeq, tokens: list[int], k: int) -> bool:
         """Roll ``seq`` back to the longest prefix of ``tokens`` its cache holds (at most
@@ -255,12 +291,13 @@ class DraftModelProposer:
             if num_blocks <= 0:
                 return
 
-    def _catch_up(self, seqs: list[tuple[_DraftSeq, list[int]]]) -> list[int]:
-        """Run each request's committed tokens its cache lacks; returns each one's first draft.
+    def _catch_up(self, seqs: list[tuple[_DraftSeq, list[int]]]) -> torch.Tensor:
+        """Run each request's committed tokens its cache lacks; returns ``[R, V]`` float32 logits,
+        each request's row after its last committed token (its first draft's).
 
         Forwards hold at most ``max_num_batched_tokens`` tokens (a long prompt spans several)."""
         budget = max(1, self.target.max_num_batched_tokens)
-        first: list[int | None] = [None] * len(seqs)
+        first: list[torch.Tensor | None] = [None] * len(seqs)
         todo = list(range(len(seqs)))
         while todo:
             entries, rows, left = [], [], budget
@@ -279,13 +316,13 @@ class DraftModelProposer:
             if qsl_tokens := sum(len(c) for _, _, c in entries):
                 if qsl_tokens <= 17 * len(entries):  # a steady-state catch-up (k + 1 tokens), not a prompt
                     self._timed(time.perf_counter() - t0)
-            picks = iter(logits.argmax(-1).tolist())
+            picks = iter(logits)
             for i, (seq, _, chunk), fin in zip(rows, entries, done):
                 seq.cached.extend(chunk)
                 if fin:
                     first[i] = next(picks)
             todo = [i for i in todo if first[i] is None]
-        return first  # type: ignore[return-value]
+        return torch.stack(first)  # type: ignore[arg-type]
 
     def _forward(self, entries: list[tuple[_DraftSeq, int, list[int]]], want: list[bool]) -> torch.Tensor:
         """One draft forward over ``entries`` (``(seq, first position, tokens)``), writing their

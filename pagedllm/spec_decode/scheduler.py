@@ -92,7 +92,7 @@ class SpecDecoding:
         if self._prefetched is not None and not pending:
             drafts = self._prefetched.get(req.request_id, [])
         else:
-            item = ProposeItem(req.request_id, req.all_token_ids, req.num_prompt_tokens, k)
+            item = ProposeItem(req.request_id, req.all_token_ids, req.num_prompt_tokens, k, req.sampling_params)
             drafts = self.proposer.propose([item]).get(req.request_id, [])
         if pending:
             return HOLD if drafts else []  # drafts from the known tokens would be one token stale
@@ -110,6 +110,12 @@ class SpecDecoding:
         pending = req.num_output_placeholders
         return min(req.max_tokens - req.num_output_tokens - pending - 1, self.max_model_len - req.num_tokens - pending - 1)
 
+    def draft_probs(self, request_id: str, num_drafts: int):
+        """``[num_drafts, V]`` float32 distributions the request's scheduled drafts were drawn from
+        (a proposer that samples drafts: ``take_probs``), or ``None`` (point masses)."""
+        take = getattr(self.proposer, "take_probs", None)
+        return take(request_id, num_drafts) if take is not None else None
+
     def begin_step(self, running: Iterable[Request] = ()) -> None:
         """The scheduler starts planning a step over its ``running`` requests: a ``batched``
         proposer drafts now for every one that may get drafts (``drafts_for`` takes its share)."""
@@ -125,7 +131,8 @@ class SpecDecoding:
                 continue
             k = min(self.depth.estimate(req.request_id, len(running)), self._room(req))
             if k > 0:
-                items.append(ProposeItem(req.request_id, req.all_token_ids, req.num_prompt_tokens, k))
+                items.append(ProposeItem(req.request_id, req.all_token_ids, req.num_prompt_tokens, k,
+                                         req.sampling_params))
         self._prefetched = self.proposer.propose(items) if items else {}
 
     def record(self, req: Request, num_drafts: int, num_accepted: int) -> None:

@@ -1,8 +1,8 @@
 """``draft_model`` speculation on tiny random models with one vocabulary (SmolLM2's tokenizer):
 the same greedy tokens as without speculation (batch 1 / 4 / 16, async on and off, chunked
 prefill, prefix-cache hits, preemption, a draft pool too small for everyone), the target
-drafting for itself keeps every draft, no KV block of either pool leaks, and the proposer's
-rollback gives the drafts a fresh cache would.
+drafting for itself keeps every draft, sampled drafts, no KV block of either pool leaks, and the
+proposer's rollback gives the drafts a fresh cache would.
 """
 
 from __future__ import annotations
@@ -155,6 +155,24 @@ def test_rollback_gives_the_drafts_of_a_fresh_cache(draft_dir):
     assert p.is_idle()
 
 
+def test_sampled_drafts_come_with_their_distributions(draft_dir):
+    """A sampled request's drafts are draws from q, kept as ``[n, V]`` rows for verification (each
+    draft has q > 0 there); a greedy request's drafts are the argmax, with no rows."""
+    p, prompt = _proposer(draft_dir), _prompts(1, seed=4)[0]
+    sampled = SamplingParams(temperature=1.5, seed=3)
+    out = p.propose([ProposeItem("s", prompt, len(prompt), 3, sampled),
+                     ProposeItem("g", prompt, len(prompt), 3, SamplingParams(temperature=0))])
+    q = p.take_probs("s", 2)
+    assert q.shape == (2, 49152) and q.dtype == torch.float32
+    assert torch.allclose(q.sum(-1), torch.ones(2)) and all(float(q[j, out["s"][j]]) > 0 for j in range(2))
+    assert p.take_probs("s", 2) is None and p.take_probs("g", 3) is None
+    again = _proposer(draft_dir).propose([ProposeItem("s", prompt, len(prompt), 3, sampled)])
+    assert again["s"] == out["s"]  # seeded: the same draws whatever else is in the batch
+    p.finish("s")
+    p.finish("g")
+    assert p.is_idle()
+
+
 def test_a_full_draft_pool_proposes_nothing_and_fails_nothing(draft_dir):
     """A request the draft pool cannot hold gets no drafts; caches of requests outside the
     current batch are freed for the ones drafting (least recently drafted first)."""
@@ -199,20 +217,23 @@ def test_vocabulary_mismatch_and_missing_model_are_refused(target_dir, draft_dir
         LLM(target_dir, num_kv_blocks=32, speculative_config=_spec(str(tmp_path / "nowhere")))
 
 
-def test_seeded_sampling_with_draft_model_is_valid_and_repeatable(target_dir, draft_dir, assert_no_leaks):
-    """Sampled targets verify the greedy drafts as point masses: valid tokens, the same tokens for
-    the same seed, and drafts both kept and rejected (the distribution test is in
-    test_spec_decode_engine.py)."""
-    llm = LLM(target_dir, num_kv_blocks=128, speculative_config=_spec(draft_dir, 3, dynamic=False))
+def test_seeded_sampling_with_sampled_drafts(target_dir, draft_dir, assert_no_leaks):
+    """Sampled requests draft from the draft's own distribution q (their temperature / top-p on its
+    logits): valid tokens, the same tokens for the same seed, and drafts both kept and rejected;
+    the target drafting for itself has q = p, so nearly every draft is kept (the distribution
+    test is in test_spec_decode_engine.py)."""
     params = [SamplingParams(temperature=0.8, top_p=0.95, max_tokens=16, ignore_eos=True, seed=s) for s in range(6)]
     prompts = _prompts(6, seed=2)
-    first = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    again = [o.outputs[0].token_ids for o in llm.generate(prompts[:2], params[:2], use_tqdm=False)]
-    assert again == first[:2]
-    assert all(len(t) == 16 and all(0 <= x < 49152 for x in t) for t in first)
-    stats = llm.llm_engine.get_stats()
-    assert stats.spec_num_draft_tokens > 0
-    assert_no_leaks(llm.llm_engine)
+    for draft in (draft_dir, target_dir):
+        llm = LLM(target_dir, num_kv_blocks=128, speculative_config=_spec(draft, 3, dynamic=False))
+        first = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        again = [o.outputs[0].token_ids for o in llm.generate(prompts[:2], params[:2], use_tqdm=False)]
+        assert again == first[:2]
+        assert all(len(t) == 16 and all(0 <= x < 49152 for x in t) for t in first)
+        stats = llm.llm_engine.get_stats()
+        kept = stats.spec_num_accepted_tokens / stats.spec_num_draft_tokens
+        assert (0 < kept < 0.95) if draft == draft_dir else kept > 0.9, (draft, stats)
+        assert_no_leaks(llm.llm_engine)
 
 
 def test_cli_flag_builds_a_draft_model_engine(target_dir):
