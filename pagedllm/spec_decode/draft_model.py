@@ -172,8 +172,10 @@ class DraftModelProposer:
 
     # ---- the Proposer interface --------------------------------------------------------
     def propose(self, batch: list[ProposeItem]) -> dict[str, list[int]]:
-        """Up to ``item.k`` greedy draft tokens per request id (absent: no drafts this step,
-        e.g. the draft pool is full). Runs on the core's execution thread (``target.run``)."""
+        """Up to ``item.k`` draft token ids per request id: the draft's argmax for a greedy
+        request, draws from ``q`` for a sampled one (``take_probs`` then gives ``q``). Absent: no
+        drafts this step (the draft pool is full, or the request is past the draft's ``max_len``).
+        Runs on the core's execution thread (``target.run``); raises nothing of its own."""
         items = [it for it in batch if it.k > 0 and len(it.token_ids) > 0]
         if not items:
             return {}
