@@ -49,7 +49,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "turns it off)")
     p.add_argument("--speculative-config", default=None,
                    help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
-                        '(methods: ngram, suffix; see docs/speculative-decoding.md)')
+                        '(methods: ngram, suffix, draft_model with "model"; see docs/speculative-decoding.md)')
     p.add_argument("--log-level", default="info")
 
 

@@ -132,6 +132,10 @@ def check_no_leaks(engine) -> None:
     # the runner learns about finished requests at the start of the next step
     runner_ids = set(engine.runner.requests) - set(engine.scheduler._finished_ids)
     assert runner_ids == set(), f"runner still holds {runner_ids}"
+    # a proposer with a KV pool of its own (draft_model) is back at its start state too
+    proposer = getattr(engine.scheduler.spec, "proposer", None)
+    if hasattr(proposer, "is_idle"):
+        assert proposer.is_idle(), f"draft KV blocks leaked: {proposer.pool.num_used_blocks} in use"
 
 
 @pytest.fixture

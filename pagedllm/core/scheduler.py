@@ -117,7 +117,7 @@ class Scheduler:
         self._finished_ids = set()
         budget = self.max_num_batched_tokens
         if self.spec is not None:
-            self.spec.begin_step()
+            self.spec.begin_step(self.running)
         preempted = self._schedule_running(out, budget)
         budget -= out.total_num_scheduled_tokens
         if not preempted:
@@ -165,11 +165,19 @@ class Scheduler:
                 break
             self._record(out, req, n, new_blocks)
             if drafts:
-                req.spec_token_ids = drafts
-                out.spec_token_ids[req.request_id] = drafts
+                self._set_drafts(out, req, drafts)
             budget -= n
             i += 1
         return preempted_any
+
+    def _set_drafts(self, out: SchedulerOutput, req: Request, drafts: list[int]) -> None:
+        """Schedule ``drafts`` after ``req``'s decode token, with the distributions they were
+        drawn from when the proposer sampled them."""
+        req.spec_token_ids = drafts
+        out.spec_token_ids[req.request_id] = drafts
+        probs = self.spec.draft_probs(req.request_id, len(drafts))
+        if probs is not None:
+            out.spec_draft_probs[req.request_id] = probs
 
     def _drafts(self, req: Request, n: int, budget: int) -> list[int] | None:
         """Draft tokens for ``req`` this step (``[]``: none; ``HOLD``: skip it this step)."""

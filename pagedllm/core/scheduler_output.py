@@ -9,6 +9,7 @@ importing the worker.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedllm.sampling_params import SamplingParams
 
@@ -61,6 +62,9 @@ class SchedulerOutput:
         finished_req_ids: requests whose runner state can be dropped.
         spec_token_ids: request id -> draft tokens scheduled after its one decode token (they
             count in ``num_scheduled_tokens``; speculative decoding).
+        spec_draft_probs: request id -> ``[len(drafts), V]`` float32 tensor, the distributions its
+            drafts were drawn from (sampled drafts of a draft model); absent: the drafts are point
+            masses (deterministic proposals). Opaque to the scheduler.
     """
 
     new_reqs: list[NewRequestData] = field(default_factory=list)
@@ -69,6 +73,7 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int = 0
     finished_req_ids: set[str] = field(default_factory=set)
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    spec_draft_probs: dict[str, Any] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

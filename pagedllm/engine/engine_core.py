@@ -33,6 +33,7 @@ from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.scheduler_output import EngineCoreOutput
 from pagedllm.engine.messages import EngineCoreRequest
 from pagedllm.request import Request, RequestStatus
+from pagedllm.spec_decode.config import TargetInfo
 from pagedllm.spec_decode.scheduler import SpecDecoding
 from pagedllm.stats import SchedulerStats, StepTimings
 from pagedllm.memory import return_freed_memory
@@ -121,7 +122,8 @@ class EngineCore:
                     num_blocks * per_block / 2**20)
         self.kv_cache_manager = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
         spec = (None if args.speculative_config is None
-                else SpecDecoding(args.speculative_config, max_model_len))
+                else SpecDecoding(args.speculative_config, max_model_len, self._target_info(args, model_dir, model,
+                                                                                           max_model_len)))
         if spec is not None:
             logger.info("speculative decoding: %s, up to %d draft tokens (%s depth)", args.speculative_config.method,
                         args.speculative_config.num_speculative_tokens,
@@ -143,6 +145,19 @@ class EngineCore:
         self.weight_kernels = quantized_kernels() if self.weight_formats else ""
         self._tokenizer_path = args.tokenizer or model_dir
         self._structured: StructuredOutputManager | None = None  # made with the first constrained request
+
+    def _target_info(self, args: EngineArgs, model_dir, model, max_model_len: int) -> TargetInfo:
+        """What a model-running proposer (``draft_model``) needs to know of the target."""
+        config = getattr(model, "config", None)
+        vocab = getattr(config, "vocab_size", None)
+        if vocab is None:  # a test double without a config: read the directory's
+            from pagedllm.models.registry import read_hf_config
+            vocab = read_hf_config(model_dir).vocab_size
+        return TargetInfo(model_dir=str(model_dir), tokenizer_dir=str(args.tokenizer or model_dir), vocab_size=vocab,
+                          dtype=args.torch_dtype, device=args.torch_device, block_size=args.block_size,
+                          num_blocks=self.num_blocks, max_model_len=max_model_len,
+                          max_num_batched_tokens=args.max_num_batched_tokens,
+                          run=lambda fn: self._exec.submit(fn).result(), seed=args.seed)
 
     @property
     def structured_output_manager(self) -> StructuredOutputManager:

@@ -1,16 +1,53 @@
 """``--speculative-config`` / ``LLM(speculative_config=...)``: vLLM's names, validated once.
 
-Source: vLLM's ``SpeculativeConfig`` (``method``, ``num_speculative_tokens``, ``prompt_lookup_min``,
-``prompt_lookup_max``, ``suffix_decoding_*``). Unknown keys are refused, never ignored.
+Source: vLLM's ``SpeculativeConfig`` (``method``, ``model``, ``quantization``,
+``num_speculative_tokens``, ``prompt_lookup_min``, ``prompt_lookup_max``, ``suffix_decoding_*``).
+Unknown keys are refused, never ignored; so are vLLM keys this engine does not serve
+(``NOT_SERVED``), by name. ``TargetInfo`` is what a proposer that runs a model (``draft_model``)
+is told about the target engine.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, Callable
 
 METHODS = ("ngram", "suffix", "draft_model")
+# vLLM speculative_config keys that would change behaviour here and are not implemented
+NOT_SERVED = ("draft_tensor_parallel_size", "disable_by_batch_size", "max_model_len", "revision",
+              "code_revision", "speculative_token_tree", "draft_sample_method")
+
+
+@dataclass(frozen=True)
+class TargetInfo:
+    """What the engine core tells a model-running proposer about the target (``draft_model``).
+
+    Attributes:
+        model_dir: the target's resolved model directory (its ``config.json``).
+        tokenizer_dir: where the target's tokenizer files are (``None``: none to compare).
+        vocab_size: the target's logits width (``config.vocab_size``).
+        dtype, device: the target's compute dtype and device (the draft uses the same).
+        block_size: tokens per KV block (the draft's pool uses the same).
+        num_blocks: blocks in the target's KV pool (the draft pool's default size).
+        max_model_len: longest sequence, tokens.
+        max_num_batched_tokens: the step's token budget (bounds one draft catch-up forward).
+        run: calls a zero-argument function on the core's execution thread and returns its
+            result (every torch op of the core runs on that one thread: see ``worker/model_runner.py``).
+        seed: the engine's seed (the draft's shared generator for unseeded sampled requests).
+    """
+
+    model_dir: str
+    tokenizer_dir: str | None
+    vocab_size: int
+    dtype: Any
+    device: Any
+    block_size: int
+    num_blocks: int
+    max_model_len: int
+    max_num_batched_tokens: int
+    run: Callable[[Callable[[], Any]], Any]
+    seed: int = 0
 
 
 @dataclass(frozen=True)
@@ -21,7 +58,9 @@ class SpeculativeConfig:
         method: ``ngram`` (prompt lookup: the tokens that followed an earlier occurrence of the
             sequence's last n tokens), ``suffix`` (the most frequent continuation of the longest
             matching suffix, over the request's own tokens and earlier requests' outputs) or
-            ``draft_model`` (refused for now: not served yet).
+            ``draft_model`` (a smaller model with the target's vocabulary, run through its own
+            paged KV pool: ``spec_decode/draft_model.py``; greedy or sampled drafts). Without ``method``, a
+            given ``model`` means ``draft_model``, as in vLLM.
         num_speculative_tokens: most draft tokens per request per step (``k``), >= 1.
         prompt_lookup_min, prompt_lookup_max: n-gram lengths tried, longest first (``ngram``).
             When only one is given the other takes its value, as in vLLM; neither: 2 and 5.
@@ -31,7 +70,12 @@ class SpeculativeConfig:
             the matched suffix's continuations is at least this.
         dynamic: choose each request's depth per step from its measured acceptance and the step's
             measured cost (``depth.py``); ``False`` always proposes up to ``num_speculative_tokens``.
-        model: the draft model (``draft_model`` only).
+        model: the draft model (``draft_model`` only, required there): a directory with
+            ``config.json``, a ``.gguf`` file or a named model, as the engine's ``model``.
+        quantization: how the draft's weights are served (``draft_model`` only; the engine's
+            ``quantization`` values: ``auto``, ``gguf``, ``int8``, ``none``).
+        draft_num_kv_blocks: KV blocks of the draft's own pool (``draft_model`` only; pagedllm's
+            key, not vLLM's); ``None``: as many as the target's pool.
     """
 
     method: str
@@ -43,14 +87,19 @@ class SpeculativeConfig:
     suffix_decoding_min_token_prob: float = 0.1
     dynamic: bool = True
     model: str | None = None
+    quantization: str = "auto"
+    draft_num_kv_blocks: int | None = None
 
     @classmethod
     def parse(cls, value: "str | dict[str, Any] | SpeculativeConfig | None") -> "SpeculativeConfig | None":
         """Build from a JSON string or a dict (``None`` stays ``None``).
 
         Raises:
-            ValueError: not JSON / not an object, an unknown key, an unknown method, a value out
-                of range, or ``draft_model`` (not served yet); the message names the key.
+            ValueError: not JSON / not an object, an unknown key or a vLLM key not served here
+                (``NOT_SERVED``), an unknown method, a value out of range, ``draft_model`` without
+                ``model``, or a draft-only key with another method; the message names the key.
+                (Whether the draft's vocabulary matches the target's is checked when the engine
+                loads it: ``DraftModelProposer``.)
         """
         if value is None or isinstance(value, SpeculativeConfig):
             return value
@@ -62,6 +111,9 @@ class SpeculativeConfig:
         if not isinstance(value, dict):
             raise ValueError("speculative_config must be a JSON object such as "
                              '{"method": "ngram", "num_speculative_tokens": 4}')
+        refused = sorted(set(value) & set(NOT_SERVED))
+        if refused:
+            raise ValueError(f"speculative_config: key(s) {refused} are not served by pagedllm")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(value) - known)
         if unknown:
@@ -72,8 +124,13 @@ class SpeculativeConfig:
             method = cfg["method"] = "draft_model"
         if method not in METHODS:
             raise ValueError(f"speculative_config.method must be one of {', '.join(METHODS)}, got {method!r}")
-        if method == "draft_model":
-            raise ValueError("speculative_config.method 'draft_model' is not served yet; use 'ngram' or 'suffix'")
+        if method == "draft_model" and not cfg.get("model"):
+            raise ValueError("speculative_config.model is required for method 'draft_model' "
+                             "(a model directory, a .gguf file or a named model)")
+        draft_keys = sorted(k for k in ("model", "quantization", "draft_num_kv_blocks") if k in cfg)
+        if method != "draft_model" and draft_keys:
+            raise ValueError(f"speculative_config: {draft_keys} apply to method 'draft_model' only, "
+                             f"not {method!r}")
         if "num_speculative_tokens" not in cfg:
             raise ValueError("speculative_config.num_speculative_tokens is required")
         lo, hi = cfg.get("prompt_lookup_min"), cfg.get("prompt_lookup_max")
@@ -98,5 +155,13 @@ class SpeculativeConfig:
         p = self.suffix_decoding_min_token_prob
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p <= 1.0:
             raise ValueError(f"speculative_config.suffix_decoding_min_token_prob must be in [0, 1], got {p!r}")
+        if not isinstance(self.model, (str, type(None))):
+            raise ValueError(f"speculative_config.model must be a string, got {self.model!r}")
+        if self.quantization not in ("auto", "gguf", "int8", "none"):
+            raise ValueError("speculative_config.quantization must be one of auto, gguf, int8, none, "
+                             f"got {self.quantization!r}")
+        n = self.draft_num_kv_blocks
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise ValueError(f"speculative_config.draft_num_kv_blocks must be an integer >= 1, got {n!r}")
         if not isinstance(self.dynamic, bool):
             raise ValueError(f"speculative_config.dynamic must be true or false, got {self.dynamic!r}")

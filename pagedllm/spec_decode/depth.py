@@ -14,6 +14,12 @@ instead of assumed).
   from ``k`` drafts. In a step of ``B`` decodes it gets the ``k`` maximising
   ``(B + E(k)) / t(B + k)``, 0 when none beats ``B / t(B)``.
 
+* A proposer that runs a model (``draft_model``) costs time too: ``proposer_step_s``, the
+  measured seconds of one batched draft forward, and a step whose deepest request drafts ``k``
+  runs ``k`` of them (one catch-up, ``k - 1`` decodes) whatever the batch, so the step's time is
+  ``t(B + K) + K * proposer_step_s`` with ``K`` the largest depth planned in it (0 for the
+  token-matching proposers, and until step times are measured: the prior ``t`` has no unit).
+
 So a lone request on a memory-bound device (where ``t`` barely grows with ``T``) speculates as deep
 as its acceptance pays for, and stops when its drafts are refused; on a compute-bound step
 (large batches; a CPU whose multi-token steps cost several single ones) nothing is worth its
@@ -47,6 +53,8 @@ class DepthController:
         self._since_probe: dict[str, int] = {}
         self._times: dict[int, list[float]] = {}  # tokens per step -> [mean seconds, samples]
         self._planned, self._planned_gain = 0, 0.0  # drafts planned in the step being planned
+        self._planned_depth = 0  # the deepest request's drafts in the step being planned
+        self.proposer_step_s = 0.0  # seconds per draft forward of a model proposer (module docstring)
 
     def step_time(self, num_tokens: int) -> float:
         """Estimated execute seconds of a decode-only step of ``num_tokens`` (1.0 per step before
@@ -70,19 +78,41 @@ class DepthController:
             slope = max((y0 - y1) / (t0 - t1), 0.01 * y0)
         return y0 + slope * (num_tokens - t0)
 
+    def _draft_time(self, k: int) -> float:
+        """Seconds the proposer adds to a step whose request drafts ``k`` (module docstring)."""
+        if not self.proposer_step_s or not any(s[1] >= MIN_SAMPLES for s in self._times.values()):
+            return 0.0
+        return max(k, self._planned_depth) * self.proposer_step_s
+
     def _best(self, alpha: float, tokens: int, expected: float) -> int:
-        best_k, best = 0, expected / self.step_time(tokens)
+        best_k, best = 0, expected / (self.step_time(tokens) + self._draft_time(0))
         gain = 0.0
         for k in range(1, self.max_k + 1):
             gain += alpha ** k
-            value = (expected + gain) / self.step_time(tokens + k)
+            value = (expected + gain) / (self.step_time(tokens + k) + self._draft_time(k))
             if value > best:
                 best_k, best = k, value
         return best_k
 
     def begin_step(self) -> None:
         """A new step is being planned: no drafts in it yet."""
-        self._planned, self._planned_gain = 0, 0.0
+        self._planned, self._planned_gain, self._planned_depth = 0, 0.0, 0
+
+    def estimate(self, request_id: str, batch_size: int) -> int:
+        """The depth ``depth`` would give the request as the step's first (nothing planned yet),
+        without counting toward its probe: what a batched proposer drafts ahead (0 .. ``max_k``)."""
+        if not self.dynamic:
+            return self.max_k
+        saved = self._planned, self._planned_gain, self._planned_depth
+        self._planned, self._planned_gain, self._planned_depth = 0, 0.0, 0
+        try:
+            k = self._best(self.alpha.get(request_id, PRIOR_ALPHA), batch_size, batch_size)
+            if not k and self._since_probe.get(request_id, 0) + 1 >= PROBE_EVERY \
+                    and self._best(1.0, batch_size, batch_size) > 0:
+                k = self.max_k
+        finally:
+            self._planned, self._planned_gain, self._planned_depth = saved
+        return k
 
     def depth(self, request_id: str, batch_size: int) -> int:
         """Drafts to ask for this step (0 .. ``max_k``) for a request in a step of ``batch_size`` decodes,
@@ -107,6 +137,7 @@ class DepthController:
         if num_drafts:
             alpha = self.alpha.get(request_id, PRIOR_ALPHA)
             self._planned = self._planned + num_drafts
+            self._planned_depth = max(self._planned_depth, num_drafts)
             self._planned_gain = self._planned_gain + sum(alpha ** i for i in range(1, num_drafts + 1))
 
     def record(self, request_id: str, num_drafts: int, num_accepted: int) -> None:

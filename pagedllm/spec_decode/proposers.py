@@ -3,6 +3,11 @@
 One interface, ``Proposer.propose(batch) -> {request id: draft token ids}`` (at most ``k``
 each), over the committed tokens only (prompt + output; never a token still being sampled).
 ``finish(request_id, token_ids, num_prompt_tokens)`` tells a proposer a request has ended.
+Optional attributes, read with a default by ``SpecDecoding``: ``batched`` (ask once per step for
+every request), ``always_proposes`` (a request with a step in flight would always get drafts),
+``step_seconds`` (the proposer's own measured seconds per draft forward, for the depth rule), and
+``take_probs(request_id, n)`` (the distributions sampled drafts were drawn from, for verification);
+``draft_model.DraftModelProposer`` has all four.
 
 * ``NgramProposer``: prompt lookup (Saxena 2023, "Prompt Lookup Decoding"; vLLM's ``ngram``):
   the latest earlier occurrence of the sequence's last ``n`` tokens, ``n`` from
@@ -18,7 +23,7 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Any, Protocol, Sequence
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
@@ -33,12 +38,15 @@ class ProposeItem:
         token_ids: its committed tokens (prompt + output), in order.
         num_prompt_tokens: how many of them are the prompt.
         k: most draft tokens wanted (>= 1).
+        params: the request's ``SamplingParams`` (``None``: treat as greedy); a proposer that
+            samples its drafts (``draft_model``) draws from them.
     """
 
     request_id: str
     token_ids: Sequence[int]
     num_prompt_tokens: int
     k: int
+    params: Any = None
 
 
 class Proposer(Protocol):

@@ -9,20 +9,41 @@ out, and the next step, planned once its token has arrived, carries the drafts. 
 drafts in flight is never planned again until their verdict arrives (its accepted count moves
 ``num_computed_tokens``). Requests with structured outputs get no drafts (their grammar would
 have to judge draft tokens before the target does).
+
+A ``batched`` proposer (``draft_model``: one model forward serves many requests) is asked once
+per step, in ``begin_step``, for every running request that may get drafts, each at the depth
+the depth rule estimates for it; ``drafts_for`` then takes each request's share. An
+``always_proposes`` proposer would always find drafts, so a request with a step in flight sits
+that step out whenever its depth is above 0, without running the proposer on stale tokens.
 """
 
 from __future__ import annotations
 
+from typing import Iterable
+
 from pagedllm.request import Request
-from pagedllm.spec_decode.config import SpeculativeConfig
+from pagedllm.spec_decode.config import SpeculativeConfig, TargetInfo
 from pagedllm.spec_decode.depth import DepthController
 from pagedllm.spec_decode.proposers import NgramProposer, ProposeItem, Proposer, SuffixProposer
 
 HOLD = None  # drafts_for's answer: skip the request this step (its drafts come with the next)
 
 
-def make_proposer(config: SpeculativeConfig) -> Proposer:
-    """The proposer ``config.method`` names."""
+def make_proposer(config: SpeculativeConfig, target: TargetInfo | None = None) -> Proposer:
+    """The proposer ``config.method`` names.
+
+    Args:
+        config: the validated configuration.
+        target: what the engine says about the target model; ``draft_model`` needs it.
+    Raises:
+        ValueError: ``draft_model`` without ``target``, or what ``DraftModelProposer`` raises
+            (a vocabulary other than the target's; a model that cannot be found or read).
+    """
+    if config.method == "draft_model":
+        if target is None:
+            raise ValueError("speculative_config.method 'draft_model' needs the target's TargetInfo")
+        from pagedllm.spec_decode.draft_model import DraftModelProposer  # loads torch models: only when asked
+        return DraftModelProposer(config, target)
     if config.method == "ngram":
         return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
     return SuffixProposer(config.suffix_decoding_max_tree_depth, config.suffix_decoding_max_cached_requests,
@@ -35,16 +56,18 @@ class SpecDecoding:
     Args:
         config: the validated ``SpeculativeConfig``.
         max_model_len: longest sequence (drafts never reach past it).
+        target: what the engine says about the target (``draft_model`` needs it; ``make_proposer``).
     Attributes:
         num_drafts: verified steps that carried drafts; num_draft_tokens, num_accepted_tokens: their
             draft tokens and how many were kept; accepted_per_position: kept drafts by position (0-based).
     """
 
-    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, target: TargetInfo | None = None) -> None:
         self.config = config
         self.max_model_len = max_model_len
-        self.proposer = make_proposer(config)
+        self.proposer = make_proposer(config, target)
         self.depth = DepthController(config.num_speculative_tokens, config.dynamic)
+        self._prefetched: dict[str, list[int]] | None = None  # a batched proposer's drafts of this step
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
         self.accepted_per_position = [0] * config.num_speculative_tokens
 
@@ -57,26 +80,60 @@ class SpecDecoding:
             budget: the step's token budget left, ``num_new`` included.
             batch_size: decodes expected in the step (the depth rule's ``B``).
         """
-        if num_new != 1 or req.structured is not None or req.spec_token_ids:
+        if num_new != 1 or not self._decoding(req):
             return []
         pending = req.num_output_placeholders
-        if req.num_computed_tokens != req.num_tokens + pending - 1:
-            return []  # still in prefill
-        room = min(budget - 1, req.max_tokens - req.num_output_tokens - pending - 1,
-                   self.max_model_len - req.num_tokens - pending - 1)
+        room = min(budget - 1, self._room(req))
         k = min(self.depth.depth(req.request_id, batch_size), room)
         if k <= 0:
             return []
-        item = ProposeItem(req.request_id, req.all_token_ids, req.num_prompt_tokens, k)
-        drafts = self.proposer.propose([item]).get(req.request_id, [])
+        if pending and getattr(self.proposer, "always_proposes", False):
+            return HOLD
+        if self._prefetched is not None and not pending:
+            drafts = self._prefetched.get(req.request_id, [])
+        else:
+            item = ProposeItem(req.request_id, req.all_token_ids, req.num_prompt_tokens, k, req.sampling_params)
+            drafts = self.proposer.propose([item]).get(req.request_id, [])
         if pending:
             return HOLD if drafts else []  # drafts from the known tokens would be one token stale
         self.depth.planned(req.request_id, len(drafts[:k]))
         return drafts[:k]
 
-    def begin_step(self) -> None:
-        """The scheduler starts planning a step."""
+    @staticmethod
+    def _decoding(req: Request) -> bool:
+        """A request that may get drafts: decoding (prefill done), unconstrained, no drafts in flight."""
+        return (req.structured is None and not req.spec_token_ids
+                and req.num_computed_tokens == req.num_tokens + req.num_output_placeholders - 1)
+
+    def _room(self, req: Request) -> int:
+        """Most drafts the request's ``max_tokens`` and the context limit leave (before the budget)."""
+        pending = req.num_output_placeholders
+        return min(req.max_tokens - req.num_output_tokens - pending - 1, self.max_model_len - req.num_tokens - pending - 1)
+
+    def draft_probs(self, request_id: str, num_drafts: int):
+        """``[num_drafts, V]`` float32 distributions the request's scheduled drafts were drawn from
+        (a proposer that samples drafts: ``take_probs``), or ``None`` (point masses)."""
+        take = getattr(self.proposer, "take_probs", None)
+        return take(request_id, num_drafts) if take is not None else None
+
+    def begin_step(self, running: Iterable[Request] = ()) -> None:
+        """The scheduler starts planning a step over its ``running`` requests: a ``batched``
+        proposer drafts now for every one that may get drafts (``drafts_for`` takes its share)."""
         self.depth.begin_step()
+        self.depth.proposer_step_s = getattr(self.proposer, "step_seconds", 0.0)
+        self._prefetched = None
+        if not getattr(self.proposer, "batched", False):
+            return
+        running = list(running)
+        items = []
+        for req in running:
+            if req.num_output_placeholders or not self._decoding(req):
+                continue
+            k = min(self.depth.estimate(req.request_id, len(running)), self._room(req))
+            if k > 0:
+                items.append(ProposeItem(req.request_id, req.all_token_ids, req.num_prompt_tokens, k,
+                                         req.sampling_params))
+        self._prefetched = self.proposer.propose(items) if items else {}
 
     def record(self, req: Request, num_drafts: int, num_accepted: int) -> None:
         """Count one verified step of ``req``: ``num_accepted`` of its ``num_drafts`` drafts kept."""

@@ -61,6 +61,8 @@ class PreparedStep:
         drafts: per sampled request, its draft tokens (``None``: no request has any); a request
             with ``k`` drafts has ``k + 1`` rows in ``logits_rows``.
         emitted: per sampled request with drafts, every token the verification emitted.
+        draft_probs: per sampled request, the ``[len(drafts), V]`` float32 distributions its drafts
+            were drawn from, or ``None`` (point masses); ``None`` when no request has any.
     """
 
     input_ids: torch.Tensor
@@ -78,6 +80,7 @@ class PreparedStep:
     sampled_list: list[int] = field(default_factory=list)
     drafts: list[list[int]] | None = None
     emitted: dict[str, list[int]] = field(default_factory=dict)
+    draft_probs: list | None = None
 
 
 class StepHandle:
@@ -196,7 +199,8 @@ class ModelRunner:
             sampling=sampling, prompt_lp=prompt_lp,
             pending_idx=torch.from_numpy(qsl[1:][pend] - 1).to(dev), pending_src=torch.from_numpy(pending_src).to(dev),
             slot_row=slot_row, grammar=self._grammar_rows(rids, sample, sampling),
-            drafts=None if not so.spec_token_ids else [so.spec_token_ids.get(rids[i], []) for i in sample.tolist()])
+            drafts=None if not so.spec_token_ids else [so.spec_token_ids.get(rids[i], []) for i in sample.tolist()],
+            draft_probs=None if not so.spec_draft_probs else [so.spec_draft_probs.get(rids[i]) for i in sample.tolist()])
 
     def _write_drafts(self, rids: list[str], slots: np.ndarray, drafts: dict[str, list[int]]) -> np.ndarray:
         """Put each request's draft tokens after its known tokens (they are inputs of this step, not
@@ -371,7 +375,7 @@ class ModelRunner:
                 out: ModelRunnerOutput) -> list[int]:
         """Judge the step's drafts (``spec_verify.verify``); returns each request's last emitted
         token (the next step's pending input, were it pending) and fills ``out``'s accepted lists."""
-        emitted, logprobs = verify(self.sampler, logits, md, step.drafts, prev_tokens)
+        emitted, logprobs = verify(self.sampler, logits, md, step.drafts, prev_tokens, step.draft_probs)
         for rid, d, toks, lps in zip(step.sample_ids, step.drafts, emitted, logprobs):
             if d:
                 out.accepted_token_ids[rid] = toks

@@ -9,11 +9,12 @@ algorithm 1; Chen et al. 2023), with ``p_j`` the target's distribution at row ``
 
 * greedy rows keep ``d_{j+1}`` while it is ``argmax p_j``, then emit ``argmax`` of the first row
   that disagrees (or of row ``k`` when all are kept): token for token the non-speculative output;
-* sampled rows keep ``d_{j+1}`` with probability ``p_j(d_{j+1})`` (the proposers here are
-  deterministic, so the draft distribution is a point mass and ``min(1, p / q) = p``); on a
-  rejection they draw from ``p_j`` with ``d_{j+1}`` removed and renormalised (the residual
-  ``max(p - q, 0)``); after ``k`` acceptances they draw the bonus token from ``p_k`` with the
-  ordinary sampler. Every emitted token is distributed as the target's.
+* sampled rows keep ``d_{j+1}`` with probability ``min(1, p_j(d) / q_j(d))``, ``q_j`` the
+  distribution the draft was drawn from; on a rejection they draw from the residual
+  ``max(p_j - q_j, 0)``, renormalised; after ``k`` acceptances they draw the bonus token from
+  ``p_k`` with the ordinary sampler. A deterministic proposal (n-gram, suffix, a draft model's
+  greedy pick) is a point mass: keep with probability ``p_j(d)``, on a rejection draw from
+  ``p_j`` with ``d`` removed. Every emitted token is distributed as the target's.
 
 So 1 to ``k + 1`` tokens are emitted per request per step.
 """
@@ -60,7 +61,8 @@ def expand_metadata(md: SamplingMetadata, drafts: list[list[int]]) -> tuple[Samp
 
 
 def verify(sampler: Sampler, logits: torch.Tensor, md: SamplingMetadata, drafts: list[list[int]],
-           prev_tokens: list[int] | None = None) -> tuple[list[list[int]], list[list[TokenLogprobs] | None]]:
+           prev_tokens: list[int] | None = None, draft_probs: list[torch.Tensor | None] | None = None,
+           ) -> tuple[list[list[int]], list[list[TokenLogprobs] | None]]:
     """Emit each request's tokens from its drafts and the target's rows (module docstring).
 
     Args:
@@ -69,6 +71,8 @@ def verify(sampler: Sampler, logits: torch.Tensor, md: SamplingMetadata, drafts:
         md: the step's metadata, one row per request (``expand_metadata`` widens it).
         drafts: per request its drafts (empty: an ordinary row).
         prev_tokens: the previous step's samples, for pending rows (as ``Sampler.__call__``).
+        draft_probs: per request, ``[len(d), V]`` float32 distributions its drafts were drawn from
+            (sampled drafts; used by sampled rows only), or ``None`` (point masses).
     Returns:
         per request the emitted tokens (1 to ``len(d) + 1``), and per request the logprobs of
         those tokens (``None`` when it did not ask).
@@ -98,13 +102,20 @@ def verify(sampler: Sampler, logits: torch.Tensor, md: SamplingMetadata, drafts:
                 toks.append(greedy[row])
                 break
             p = probs[row]
+            q = draft_probs[r] if draft_probs is not None else None
             pos = int(emd.output_lens[row])
             u = torch.rand((), generator=sampler.generator_for(params, pos, stream=1))
-            if float(u) < float(p[draft]):
+            ratio = float(p[draft]) if q is None else float(p[draft]) / float(q[j, draft])
+            if float(u) < ratio:
                 toks.append(draft)
                 continue
-            residual = p.clone()
-            residual[draft] = 0.0
+            if q is None:
+                residual = p.clone()
+                residual[draft] = 0.0
+            else:
+                residual = (p - q[j].to(p.device)).clamp_(min=0.0)
+                if float(residual.sum()) <= 0.0:  # p == q up to rounding: rejection was rounding's
+                    residual = p.clone()
             noise = torch.empty_like(residual).exponential_(generator=sampler.generator_for(params, pos, stream=2))
             toks.append(int((residual / noise).argmax()))
             break

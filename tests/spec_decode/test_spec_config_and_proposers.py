@@ -16,6 +16,9 @@ def test_config_parses_vllm_shapes():
     assert SpeculativeConfig.parse({"method": "suffix", "num_speculative_tokens": 2}).dynamic is True
     assert EngineArgs(speculative_config={"method": "ngram", "num_speculative_tokens": 2}).speculative_config.method == "ngram"
     assert EngineArgs().speculative_config is None
+    # vLLM's inference: a model without a method is a draft model
+    cfg = SpeculativeConfig.parse({"model": "some/draft", "num_speculative_tokens": 2})
+    assert (cfg.method, cfg.model, cfg.quantization, cfg.draft_num_kv_blocks) == ("draft_model", "some/draft", "auto", None)
 
 
 @pytest.mark.parametrize("value, words", [
@@ -26,7 +29,11 @@ def test_config_parses_vllm_shapes():
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "prompt_lookup_min"),
     ({"method": "suffix", "num_speculative_tokens": 2, "suffix_decoding_min_token_prob": 2}, "min_token_prob"),
-    ({"model": "some/draft", "num_speculative_tokens": 2}, "draft_model' is not served yet"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "speculative_config.model is required"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "model": "d"}, "apply to method 'draft_model' only"),
+    ({"model": "d", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2}, "not served by pagedllm"),
+    ({"model": "d", "num_speculative_tokens": 2, "draft_num_kv_blocks": 0}, "draft_num_kv_blocks must be"),
+    ({"model": "d", "num_speculative_tokens": 2, "quantization": "fp8"}, "speculative_config.quantization"),
     ([1, 2], "must be a JSON object"),
 ])
 def test_config_refuses_with_the_key_named(value, words):
@@ -105,3 +112,24 @@ def test_depth_counts_the_drafts_already_planned_in_the_step():
         d.planned(f"r{i}", k)
         ks.append(k)
     assert ks[0] > 0 and ks[-1] == 0 and sum(ks) < 16
+
+
+def test_depth_estimate_has_no_side_effects_and_a_draft_models_cost_counts():
+    """``estimate`` (what a batched proposer drafts ahead) is the first request's depth without
+    counting toward a probe; a model proposer's seconds per forward make deep drafts dearer."""
+    d = DepthController(max_k=5)
+    for t, y in ((1, 0.010), (6, 0.011)):
+        for _ in range(2):
+            d.observe(t, y)
+    d.alpha["r"] = 0.8
+    d.begin_step()
+    assert d.estimate("r", 1) == d.depth("r", 1) == 5
+    d.alpha["z"] = 0.0
+    for _ in range(3 * PROBE_EVERY):
+        assert d.estimate("z", 1) == 0
+    assert d._since_probe.get("z", 0) == 0  # estimates never count toward the probe
+    d.proposer_step_s = 0.004  # each draft forward costs 40% of a target step: fewer drafts pay
+    assert 0 < d.depth("r", 1) < 5
+    d.proposer_step_s = 0.05   # dearer than any gain
+    assert d.depth("r", 1) == 0 and d.estimate("r", 1) == 0
+    assert DepthController(max_k=3, dynamic=False).estimate("r", 64) == 3

@@ -106,6 +106,21 @@ def small_vocab_dir(tmp_path_factory):
     return str(out)
 
 
+@pytest.fixture(scope="module")
+def small_vocab_draft_dir(tmp_path_factory):
+    """Another random Llama on the same 8-token vocabulary, 1 layer: a draft whose distribution
+    differs from the target's (so sampled drafts are both kept and rejected)."""
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(1)
+    cfg = LlamaConfig(vocab_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.6,
+                      bos_token_id=0, eos_token_id=7, pad_token_id=7)
+    out = tmp_path_factory.mktemp("vocab8-draft")
+    LlamaForCausalLM(cfg).eval().save_pretrained(out)
+    GenerationConfig(bos_token_id=0, eos_token_id=7, pad_token_id=7).save_pretrained(out)
+    return str(out)
+
+
 def _chi_square(a: list[int], b: list[int], cats: int) -> tuple[float, int]:
     """Two-sample chi-square statistic over ``cats`` categories, and its degrees of freedom."""
     stat, df = 0.0, -1
@@ -137,17 +152,26 @@ class _GuessingProposer:
         pass
 
 
-@pytest.mark.parametrize("sampling", [dict(temperature=1.0), dict(temperature=0.8, top_p=0.9, presence_penalty=0.5)])
-def test_sampled_tokens_follow_the_targets_distribution(small_vocab_dir, assert_no_leaks, sampling):
-    """2000 seeded requests with and without drafts (3 guessed drafts per step, full depth): at
-    each output position the token distributions agree (two-sample chi-square, p > 0.0005)."""
+@pytest.mark.parametrize("sampling, proposer", [
+    (dict(temperature=1.0), "guess"),
+    (dict(temperature=0.8, top_p=0.9, presence_penalty=0.5), "guess"),
+    (dict(temperature=1.0), "draft_model"),  # drafts drawn from another model's q: min(1, p / q), max(p - q, 0)
+    (dict(temperature=0.8, top_p=0.9, presence_penalty=0.5), "draft_model"),  # q lacks the penalty p has
+])
+def test_sampled_tokens_follow_the_targets_distribution(small_vocab_dir, small_vocab_draft_dir, assert_no_leaks,
+                                                        sampling, proposer):
+    """2000 seeded requests with and without drafts (3 drafts per step, full depth: guessed, or
+    sampled from a draft model's distribution): at each output position the token distributions
+    agree (two-sample chi-square, p > 0.0005)."""
     n, length = 2000, 4
     prompt = [1, 2, 3, 1, 2, 3, 1, 2]
     runs = {}
-    for name, spec in (("plain", None), ("spec", _spec("ngram", 3, prompt_lookup_min=1))):
+    spec_cfg = (_spec("ngram", 3, prompt_lookup_min=1) if proposer == "guess"
+                else _spec("draft_model", 3, model=small_vocab_draft_dir))
+    for name, spec in (("plain", None), ("spec", spec_cfg)):
         llm = LLM(small_vocab_dir, skip_tokenizer_init=True, num_kv_blocks=512, max_num_seqs=256,
                   speculative_config=spec)
-        if spec is not None:
+        if spec is not None and proposer == "guess":
             llm.llm_engine.client.core.scheduler.spec.proposer = _GuessingProposer()
         params = [SamplingParams(max_tokens=length, ignore_eos=True, seed=s, **sampling) for s in range(n)]
         outs = llm.generate([{"prompt_token_ids": prompt}] * n, params, use_tqdm=False)

@@ -66,3 +66,25 @@ def test_expanded_rows_see_the_drafts_as_history():
     emd, starts = expand_metadata(md, [[5, 6]])
     assert starts.tolist() == [0, 3] and emd.output_lens.tolist() == [1, 2, 3]
     assert [o.tolist() for o in emd.penalty_outputs] == [[4], [4, 5], [4, 5, 6]]
+
+
+def test_sampled_drafts_with_their_distribution_give_the_targets():
+    """Drafts drawn from a draft distribution q (sampled drafts): keeping with min(1, p / q) and
+    drawing rejections from max(p - q, 0) emits p_0 exactly (chi-square goodness of fit, 6000
+    draws) and keeps sum(min(p, q)) of the drafts: more than the point-mass rule, which is exact
+    too (a draft drawn independently of the target's draws) but keeps only sum(q * p)."""
+    rows = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0],
+                         [0.0, 1.5, 1.5, -0.5, 0.2, 0.1]])
+    p = rows.softmax(-1)
+    q = torch.tensor([[0.5, 1.0, 2.0, 0.0, 0.0, -1.0]]).softmax(-1)
+    n = 6000
+    rng = np.random.default_rng(3)
+    qn = q[0].double().numpy()
+    drafts = [[int(d)] for d in rng.choice(6, size=n, p=qn / qn.sum())]
+    params = [SamplingParams(temperature=1.0)] * n
+    for probs, want in (([q] * n, float(torch.minimum(p[0], q[0]).sum())), (None, float((p[0] * q[0]).sum()))):
+        emitted, _ = verify(Sampler(seed=2), rows.repeat(n, 1), _md(params), drafts, None, probs)
+        stat, df = _goodness_of_fit(np.bincount([e[0] for e in emitted], minlength=6), p[0].numpy())
+        assert stat < {5: 20.5}[df], (probs is None, stat)
+        kept = sum(e[0] == d[0] for e, d in zip(emitted, drafts)) / n
+        assert abs(kept - want) < 0.03, (probs is None, kept, want)
