@@ -265,29 +265,11 @@ def test_smollm2_packed_weights_draft_for_its_float32_copy(smollm2_dir, smollm2_
     assert_no_leaks(llm.llm_engine)
 
 
-def test_soak_with_aborts_and_stops_returns_every_draft_block(target_dir, draft_dir, assert_no_leaks):
+def test_soak_with_aborts_and_stops_returns_every_draft_block(target_dir, draft_dir, spec_soak):
     """Mixed greedy and sampled requests, stop tokens, logprobs, aborts and small pools on both
     sides: afterwards the target's pool and the draft's are as they started."""
     llm = LLM(target_dir, num_kv_blocks=40, max_num_batched_tokens=64,
               speculative_config=_spec(draft_dir, 3, draft_num_kv_blocks=12))
     eng = llm.llm_engine
     rng = random.Random(11)
-    for round_ in range(2):
-        ids = []
-        for i in range(10):
-            head = [rng.randint(100, 40000) for _ in range(rng.randint(2, 10))]
-            sp = SamplingParams(temperature=rng.choice([0, 0.7]), max_tokens=rng.randint(1, 30), ignore_eos=True,
-                                logprobs=rng.choice([None, 2]), seed=i, stop_token_ids=[head[0]])
-            eng.add_request(f"r{round_}-{i}", head * 3, sp)
-            ids.append(f"r{round_}-{i}")
-        steps = 0
-        while eng.has_unfinished_requests():
-            for out in eng.step():
-                c = out.outputs[0]
-                if c.logprobs is not None:
-                    assert len(c.logprobs) == len(c.token_ids)
-            steps += 1
-            if steps == 4:
-                eng.abort_request(ids[:3])
-        assert_no_leaks(eng)
-    assert eng.get_stats().spec_num_draft_tokens > 0
+    spec_soak(eng, rng, rounds=2, requests=10, max_tokens=30, abort_at=4)

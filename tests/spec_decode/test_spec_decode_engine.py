@@ -191,32 +191,13 @@ def test_sampled_tokens_follow_the_targets_distribution(small_vocab_dir, small_v
     assert llm.generate({"prompt_token_ids": prompt}, p, use_tqdm=False)[0].outputs[0].token_ids == first
 
 
-def test_soak_with_speculation_returns_every_block(tiny_model_dir, assert_no_leaks):
+def test_soak_with_speculation_returns_every_block(tiny_model_dir, spec_soak):
     """Mixed lengths, stops, logprobs, aborts and a small pool: afterwards the pool is as it started."""
     d = str(tiny_model_dir("llama"))
     llm = LLM(d, num_kv_blocks=40, max_num_batched_tokens=64, speculative_config=_spec("suffix", 4))
     eng = llm.llm_engine
     rng = random.Random(7)
-    for round_ in range(3):
-        ids = []
-        for i in range(12):
-            head = [rng.randint(100, 40000) for _ in range(rng.randint(2, 10))]
-            sp = SamplingParams(temperature=rng.choice([0, 0.7]), max_tokens=rng.randint(1, 40), ignore_eos=True,
-                                logprobs=rng.choice([None, 2]), seed=i, stop_token_ids=[head[0]])
-            rid = f"r{round_}-{i}"
-            eng.add_request(rid, head * 3, sp)
-            ids.append(rid)
-        steps = 0
-        while eng.has_unfinished_requests():
-            for out in eng.step():
-                c = out.outputs[0]
-                if c.logprobs is not None:
-                    assert len(c.logprobs) == len(c.token_ids)
-            steps += 1
-            if steps == 5:
-                eng.abort_request(ids[:3])
-        assert_no_leaks(eng)
-    assert eng.get_stats().spec_num_draft_tokens > 0
+    spec_soak(eng, rng, rounds=3, requests=12, max_tokens=40, abort_at=5)
 
 
 def test_cli_flag_round_trip():
