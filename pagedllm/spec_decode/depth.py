@@ -13,6 +13,10 @@ instead of assumed).
   its own verdicts, from ``PRIOR_ALPHA``) expects ``E(k) = alpha + ... + alpha ** k`` extra tokens
   from ``k`` drafts. In a step of ``B`` decodes it gets the ``k`` maximising
   ``(B + E(k)) / t(B + k)``, 0 when none beats ``B / t(B)``.
+* Under async scheduling a request with a step in flight gets its drafts by sitting one step out
+  (``scheduler.HOLD``); beside other decodes that step loses its token, so its drafts must earn
+  ``E(k) - 1`` (``sit_out``); alone, the step it skips costs no token. Without this, 16 concurrent
+  requests lost 7-14% to probes and sit-outs (``benchmarks/spec_decode.py``).
 
 * A proposer that runs a model (``draft_model``) costs time too: ``proposer_step_s``, the
   measured seconds of one batched draft forward, and a step whose deepest request drafts ``k``
@@ -84,9 +88,9 @@ class DepthController:
             return 0.0
         return max(k, self._planned_depth) * self.proposer_step_s
 
-    def _best(self, alpha: float, tokens: int, expected: float) -> int:
+    def _best(self, alpha: float, tokens: int, expected: float, penalty: float = 0.0) -> int:
         best_k, best = 0, expected / (self.step_time(tokens) + self._draft_time(0))
-        gain = 0.0
+        gain = -penalty
         for k in range(1, self.max_k + 1):
             gain += alpha ** k
             value = (expected + gain) / (self.step_time(tokens + k) + self._draft_time(k))
@@ -114,20 +118,22 @@ class DepthController:
             self._planned, self._planned_gain, self._planned_depth = saved
         return k
 
-    def depth(self, request_id: str, batch_size: int) -> int:
+    def depth(self, request_id: str, batch_size: int, sit_out: bool = False) -> int:
         """Drafts to ask for this step (0 .. ``max_k``) for a request in a step of ``batch_size`` decodes,
         counting the drafts already planned for the step's earlier requests (``planned``) in its
-        tokens and their expected kept tokens in its output."""
+        tokens and their expected kept tokens in its output; ``sit_out``: the request has a step in
+        flight, so drafting costs it this step's token when others decode (module docstring)."""
         if not self.dynamic:
             return self.max_k
         tokens = batch_size + self._planned
         expected = batch_size + self._planned_gain
         alpha = self.alpha.get(request_id, PRIOR_ALPHA)
-        k = self._best(alpha, tokens, expected)
+        penalty = 1.0 if sit_out and batch_size > 1 else 0.0
+        k = self._best(alpha, tokens, expected, penalty)
         if not k:
             n = self._since_probe.get(request_id, 0) + 1
             self._since_probe[request_id] = n
-            if n >= PROBE_EVERY and self._best(1.0, tokens, expected) > 0:
+            if n >= PROBE_EVERY and self._best(1.0, tokens, expected, penalty) > 0:
                 self._since_probe[request_id] = 0
                 k = self.max_k
         return k

@@ -84,7 +84,7 @@ class SpecDecoding:
             return []
         pending = req.num_output_placeholders
         room = min(budget - 1, self._room(req))
-        k = min(self.depth.depth(req.request_id, batch_size), room)
+        k = min(self.depth.depth(req.request_id, batch_size, sit_out=bool(pending)), room)
         if k <= 0:
             return []
         if pending and getattr(self.proposer, "always_proposes", False):

@@ -97,6 +97,21 @@ def test_depth_rule_turns_down_when_drafts_fail_or_steps_are_costly():
     assert m.depth("r", 16) == 0
 
 
+def test_sitting_a_step_out_costs_a_token_beside_other_decodes():
+    """Under async scheduling a request with a step in flight drafts by sitting one step out: beside
+    other decodes (c16, t(T) linear as on a compute-bound CPU) a probe that would barely pay with
+    full acceptance is not worth that token; alone the skipped step costs none."""
+    d = DepthController(max_k=5)
+    for t in (1, 16, 21):
+        for _ in range(2):
+            d.observe(t, 0.0046 + 0.0022 * t)  # SmolLM2's batched steps here: 6.8 ms at 1, 39.5 ms at 16
+    probes = [d.depth("r", 16) for _ in range(PROBE_EVERY)]
+    assert probes.count(5) == 1  # without a sit-out it probes once per PROBE_EVERY steps
+    assert [d.depth("s", 16, sit_out=True) for _ in range(3 * PROBE_EVERY)] == [0] * (3 * PROBE_EVERY)
+    d.alpha["a"] = 0.95
+    assert d.depth("a", 1, sit_out=True) == d.depth("a", 1) > 0
+
+
 def test_depth_counts_the_drafts_already_planned_in_the_step():
     """16 decodes on a memory-bound device: the first requests get drafts, and once the step's
     measured cost grows the later ones get none (each request sees the others' drafts)."""
