@@ -23,8 +23,8 @@
  *   min), and multiplied with the input in float32: results equal gguf's dequantization followed
  *   by a float32 matmul up to rounding (the reference, and the only path without AVX-512 VNNI);
  * - int8 activations (AVX-512 VNNI, on unless PAGEDLLM_INT8_ACTIVATIONS=0): every input row is
- *   quantized to int8 per 32-block, as llama.cpp's Q8 activations, and each quad is one vpdpbusd
- *   (64 byte products summed into 16 int32 lanes) per input row; every row of every product
+ *   quantized to int8 per 32-block in two levels (the value, then its rounding residual), and each
+ *   quad is two vpdpbusd (64 byte products summed into 16 int32 lanes) per input row; every row of every product
  *   (decode, batches, prefill) goes through the same code, so a row's result does not depend on
  *   what else is in the batch.
  */
@@ -195,15 +195,16 @@ static inline float quantize_block_i8(const float *x, int8_t *q, int *sum) {
     return amax / 127.0f;
 }
 
-/* Blocks whose max |x| is past I8_OUTLIER times the row's mean block max (the few huge channels
- * of an MLP's intermediate activation: SmolLM2's reach hundreds) get a second int8 level for the
- * rounding residual, about 15 bits: one level there crushed the block's other 31 values and moved
- * SmolLM2's perplexity by 1.4%; two levels keep it within 0.1% (tests/kernels/test_quant_kernels). */
-#define I8_OUTLIER 4.0f
+/* Every block gets a second int8 level for its rounding residual (about 15 bits in all). One level
+ * (llama.cpp's Q8 activations) moved logprobs by ~0.1 on SmolLM2: the README's chat example sits
+ * at a 0.08 near tie and its first token changed; the few huge channels of an MLP's intermediate
+ * (hundreds to thousands of times the rest) also crushed their block's other values. With two
+ * levels the logprobs are within ~0.001 of float32; batch-1 decode is memory-bound, so the second
+ * dot product costs little there. An all-zero block needs none. */
 
 /* One input row, quantized: xq [K] int8 with scales dx [K/32]; sxd [K/32] = each block's sum as
  * quantized (both levels, for the mins); c16 [K/16] = -128 * the sum of each 16 quants (the +128
- * offset of signed weight bytes read as unsigned); outlier blocks b have two[b] >= 0, their residual
+ * offset of signed weight bytes read as unsigned); nonzero blocks b have two[b] >= 0, their residual
  * level at xq2 + 32 two[b] with scale dx2[two[b]] and offsets c16_2 [2 two[b] ..]. */
 typedef struct {
     int8_t *xq, *xq2;
@@ -224,16 +225,14 @@ static void quantize_row(const float *x, long K, uint8_t *mem, qrow *r) {
     r->c16 = (int32_t *)(r->dx2 + nb);
     r->c16_2 = r->c16 + 2 * nb;
     r->two = (int *)(r->c16_2 + 2 * nb);
-    float mean = 0.0f;
     for (long b = 0; b < nb; b++) {
         int sum;
         r->dx[b] = quantize_block_i8(x + b * QBLOCK, r->xq + b * QBLOCK, &sum);
         r->sxd[b] = r->dx[b] * (float)sum;
-        mean += r->dx[b] / (float)nb;
     }
     for (long b = 0; b < nb; b++) {
         r->two[b] = -1;
-        if (r->dx[b] <= I8_OUTLIER * mean) continue;
+        if (r->dx[b] == 0.0f) continue;
         float res[QBLOCK];
         for (int c = 0; c < QBLOCK; c++) res[c] = x[b * QBLOCK + c] - (float)r->xq[b * QBLOCK + c] * r->dx[b];
         int sum;
@@ -308,7 +307,7 @@ static inline __attribute__((always_inline)) void tile_block_i8(int fmt, const u
         const qrow *r = xr + i;
         acc[i] = level_acc(fmt, nib, w, dt, b, r->xq + b * QBLOCK, r->c16 + 2 * b, r->dx[b], acc[i]);
         int e = r->two[b];
-        if (e >= 0) /* the outlier block's residual level: same weight quads */
+        if (e >= 0) /* the block's residual level: same weight quads */
             acc[i] = level_acc(fmt, nib, w, dt, b, r->xq2 + e * QBLOCK, r->c16_2 + 2 * e, r->dx2[e], acc[i]);
         if (q_min(fmt)) acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(mt + b * QT), _mm512_set1_ps(r->sxd[b]), acc[i]);
     }

@@ -195,7 +195,7 @@ def _serve_gguf_blocks(model, model_dir: Path, config, kernels_on: bool) -> None
     model.quantization = counts
     from pagedllm.models.quant_linear import quantized_kernels
     logger.info("GGUF blocks served packed from %s: %s; kernels: %s", src.name,
-                ", ".join(f"{k}: {v} layers" for k, v in sorted(counts.items())), quantized_kernels())
+                ", ".join(f"{k}: {v} layer{'s' * (v != 1)}" for k, v in sorted(counts.items())), quantized_kernels())
 
 
 def resolve_quantization(quantization: str, model_dir: Path, impl: str, kernels_on: bool) -> str:
@@ -221,7 +221,7 @@ def _serve_int8(model, config, kernels_on: bool) -> None:
     model.quantization = quantize_int8_layers(model, config)
     from pagedllm.models.quant_linear import quantized_kernels
     logger.info("int8 weights (per output channel): %s; kernels: %s",
-                ", ".join(f"{k}: {v} layers" for k, v in sorted(model.quantization.items())), quantized_kernels())
+                ", ".join(f"{k}: {v} layer{'s' * (v != 1)}" for k, v in sorted(model.quantization.items())), quantized_kernels())
 
 
 def read_generation_config(model_dir: str | Path) -> dict:

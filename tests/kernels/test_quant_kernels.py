@@ -254,18 +254,45 @@ def int8_activations(kernels):
     cpu.set_int8_activations(False)
 
 
-def _quantized_row(x: np.ndarray) -> np.ndarray:
-    """The kernel's int8 activations, dequantized: per 32-block ``round(x * 127 / max|x|) * max|x| / 127``."""
-    xb = x.reshape(-1, 32)
+def _one_level(xb: np.ndarray) -> np.ndarray:
+    """Per 32-block ``round(x * 127 / max|x|) * max|x| / 127`` in float32, as the kernel rounds."""
     amax = np.abs(xb).max(1)
     scale = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
-    return (np.rint(xb * scale[:, None]) * (amax / np.float32(127))[:, None]).reshape(-1)
+    return (np.rint(xb * scale[:, None]) * (amax / np.float32(127))[:, None]).astype(np.float32)
+
+
+def _quantized_row(x: np.ndarray, levels: int = 2) -> np.ndarray:
+    """The kernel's int8 activations, dequantized: each 32-block's int8 level, plus (``levels=2``,
+    what the kernel does) an int8 level of its rounding residual."""
+    xb = x.reshape(-1, 32).astype(np.float32)
+    first = _one_level(xb)
+    out = first if levels == 1 else first + _one_level((xb - first).astype(np.float32))
+    return out.reshape(-1)
+
+
+def test_int8_activations_keep_the_logprobs_of_the_readme_example(int8_activations):
+    """The README's chat example sits at a near tie (float32: "The" -1.883, "L" -1.965): one int8
+    level per block moved the logprobs by ~0.1 and flipped its answer; two levels keep the top
+    logprobs within 0.01 of float32 and the answer ("The capital of France is Paris.")."""
+    from pagedllm import LLM, SamplingParams
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    p = SamplingParams(temperature=0, max_tokens=8, logprobs=3)
+
+    def run():
+        out = LLM(num_kv_blocks=32).chat(msgs, p, use_tqdm=False)[0].outputs[0]
+        return out.text, {t: v.logprob for t, v in out.logprobs[0].items()}
+    text, lps = run()
+    cpu.set_int8_activations(False)
+    ref_text, ref = run()
+    assert text == ref_text and text.startswith("The capital of France is Paris")
+    for t in set(lps) & set(ref):
+        assert abs(lps[t] - ref[t]) < 0.01, (t, lps[t], ref[t])
 
 
 @pytest.mark.parametrize("kind", FORMATS)
 def test_int8_activation_products(int8_activations, kind):
     """Products with int8 activations (VNNI) equal the exact product of the dequantized weight with
-    the per-block int8 quantization of each input row, up to float32 rounding, for 1 row (decode),
+    the per-block two-level int8 quantization of each input row, up to float32 rounding, for 1 row (decode),
     3 and 16 (batches, speculative verification) and 40 (prefill)."""
     rng = np.random.default_rng(5)
     n, k = 37, 768
@@ -298,10 +325,10 @@ def test_int8_activation_rows_do_not_depend_on_the_batch(int8_activations, kind)
 
 @pytest.mark.parametrize("kind", ["Q4_1", "Q8_0", "Q6_K"])
 def test_int8_activations_keep_the_small_values_beside_an_outlier(int8_activations, kind):
-    """An MLP intermediate row with one channel hundreds of times the rest (SmolLM2 has them): its
-    block gets a second int8 level for the rounding residual, so the block's other 31 values still
-    count. The product stays within 1e-3 of the exact float product; one level alone (which rounds
-    those 31 values to about zero) is off by more than 10x that, checked against the one-level model."""
+    """An MLP intermediate row with one channel hundreds of times the rest (SmolLM2 has them): the
+    block's second int8 level (its rounding residual) keeps the block's other 31 values. The product
+    stays within 1e-3 of the exact float product; one level alone (which rounds those 31 values to
+    about zero) is off by more than 10x that, checked against the one-level model."""
     rng = np.random.default_rng(11)
     n, k = 64, 1536
     lin = _linear(kind, _random_blocks(kind, n, k, rng), n, k, None)
@@ -309,7 +336,7 @@ def test_int8_activations_keep_the_small_values_beside_an_outlier(int8_activatio
     x = torch.randn(1, k)
     x[0, 70] = 400.0  # block 2's max
     exact = w @ x[0].double()
-    one_level = w @ torch.from_numpy(_quantized_row(x[0].numpy())).double()
+    one_level = w @ torch.from_numpy(_quantized_row(x[0].numpy(), levels=1)).double()
     got = lin(x)[0].double()
     err, err_one = (got - exact).abs().max(), (one_level - exact).abs().max()
     assert err <= 1e-3 * exact.abs().max(), (err, exact.abs().max())
@@ -319,8 +346,8 @@ def test_int8_activations_keep_the_small_values_beside_an_outlier(int8_activatio
 def test_int8_activations_keep_the_perplexity(int8_activations):
     """SmolLM2 (Q4_1, Q8_0) with int8 activations in every product (what a VNNI CPU serves by
     default), prefill and batch-1 decode products alike: perplexity on a fixed text within 1% of
-    float32 (measured 26.72 vs 26.56 with the prompt prefilled, 26.85 fed one token per step; the
-    outlier blocks' second level keeps it there: without it 26.20 or 26.77, as float rounding fell)."""
+    float32 (measured 26.5597 vs 26.5607 with each block's second level; one level gave 26.72, and
+    26.20 to 26.85 as float rounding and the threshold for a second level moved)."""
     from pagedllm import LLM
     q = LLM(num_kv_blocks=64, enable_prefix_caching=False)
     got = _perplexity(q)
