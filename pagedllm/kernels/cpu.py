@@ -132,12 +132,22 @@ def int8_activations() -> bool:
     tests/kernels/test_quant_kernels.py), not float32-exact. ``PAGEDLLM_INT8_ACTIVATIONS=0``
     keeps float32 activations: every path within float rounding of the dequantized model (greedy
     tokens equal ``--quantization none``; the test suite runs so)."""
-    return available() and bool(_lib.pl_has_vnni()) and _int8_wanted()
+    global _int8_cache
+    if not available():
+        return False
+    if _int8_cache is None or _int8_cache[0] is not _lib:  # asked per product: computed once per library
+        _int8_cache = (_lib, bool(_lib.pl_has_vnni()) and _int8_wanted())
+    return _int8_cache[1]
+
+
+_int8_cache: tuple[ctypes.CDLL, bool] | None = None
 
 
 def set_int8_activations(on: bool) -> None:
     """Turn the int8-activation path on or off for this process (tests; see ``int8_activations``)."""
+    global _int8_cache
     os.environ["PAGEDLLM_INT8_ACTIVATIONS"] = "1" if on else "0"
+    _int8_cache = None
     if available():
         _lib.pl_set_int8_activations(int(on))
 

@@ -130,8 +130,13 @@ static inline __attribute__((always_inline)) void qgemm_f32_body(int fmt, const 
                                                                  const float *d, const float *mn, const float *bias,
                                                                  float *y, long N, long K, int nt) {
     long nb = K / QBLOCK, tiles = (N + QT - 1) / QT, ng = q_groups(fmt, nb), tbb = q_tb(fmt);
-    float *sums = malloc(sizeof(float) * M * nb); /* the input rows' block sums (for the mins) */
-    if (!sums) return; /* unreachable in practice: M * K / 32 floats */
+    /* the input rows' block sums (for the mins): on the stack for decode-sized products */
+    float small[1024], *sums = M * nb <= 1024 ? small : malloc(sizeof(float) * M * nb);
+    if (!sums) { /* out of memory: row by row, each row's sums fit the stack when K <= 32768 */
+        for (long i = 0; i < M && nb <= 1024; i++)
+            qgemm_f32_body(fmt, x + i * K, 1, qs, d, mn, bias, y + i * N, N, K, nt);
+        return;
+    }
     for (long i = 0; i < M * nb; i++) {
         float s = 0.0f;
         for (int c = 0; c < QBLOCK; c++) s += x[i * QBLOCK + c];
@@ -161,18 +166,21 @@ static inline __attribute__((always_inline)) void qgemm_f32_body(int fmt, const 
                 for (long j = 0; j < nc; j++) y[(r0 + i) * N + n0 + j] = out[i][j] + (bias ? bias[n0 + j] : 0.0f);
         }
     }
-    free(sums);
+    if (sums != small) free(sums);
 }
 
 /* one instantiation per format: the format's branches fold away in the inner loops */
+#define QFMT_DISPATCH(body)                                                                        \
+    switch (fmt) {                                                                                 \
+    case 0: body(0, x, M, qs, d, mn, bias, y, N, K, nt); break;                                    \
+    case 1: body(1, x, M, qs, d, mn, bias, y, N, K, nt); break;                                    \
+    case 3: body(3, x, M, qs, d, mn, bias, y, N, K, nt); break;                                    \
+    default: body(4, x, M, qs, d, mn, bias, y, N, K, nt); break;                                   \
+    }
+
 static void qgemm_f32(int fmt, const float *x, long M, const uint8_t *qs, const float *d, const float *mn,
                       const float *bias, float *y, long N, long K, int nt) {
-    switch (fmt) {
-    case 0: qgemm_f32_body(0, x, M, qs, d, mn, bias, y, N, K, nt); break;
-    case 1: qgemm_f32_body(1, x, M, qs, d, mn, bias, y, N, K, nt); break;
-    case 3: qgemm_f32_body(3, x, M, qs, d, mn, bias, y, N, K, nt); break;
-    default: qgemm_f32_body(4, x, M, qs, d, mn, bias, y, N, K, nt); break;
-    }
+    QFMT_DISPATCH(qgemm_f32_body)
 }
 
 /* ---- int8 activations with VNNI integer dot products ----------------------------------------- */
@@ -375,12 +383,7 @@ static inline __attribute__((always_inline)) void qgemm_i8_body(int fmt, const f
 }
 static void qgemm_i8(int fmt, const float *x, long M, const uint8_t *qs, const float *d, const float *mn,
                      const float *bias, float *y, long N, long K, int nt) {
-    switch (fmt) {
-    case 0: qgemm_i8_body(0, x, M, qs, d, mn, bias, y, N, K, nt); break;
-    case 1: qgemm_i8_body(1, x, M, qs, d, mn, bias, y, N, K, nt); break;
-    case 3: qgemm_i8_body(3, x, M, qs, d, mn, bias, y, N, K, nt); break;
-    default: qgemm_i8_body(4, x, M, qs, d, mn, bias, y, N, K, nt); break;
-    }
+    QFMT_DISPATCH(qgemm_i8_body)
 }
 #else
 int pl_has_vnni(void) { return 0; }
@@ -414,10 +417,26 @@ static void dequant_row(int fmt, const uint8_t *qs, const float *d, const float 
         }
 }
 
-/* out [N, K] float32 = rows 0 .. N of the tiled weight (prefill multiplies it with oneDNN/MKL). */
+/* out [N, K] float32 = rows 0 .. N of the tiled weight (prefill multiplies it with oneDNN/MKL):
+ * each chunk is unpacked once for its tile's 16 rows. */
 void pl_qdequant(int fmt, const uint8_t *qs, const float *d, const float *mn, float *out, long N, long K, int nt) {
+    long nb = K / QBLOCK, tiles = (N + QT - 1) / QT, ng = q_groups(fmt, nb), tbb = q_tb(fmt);
     #pragma omp parallel for num_threads(nt) schedule(static)
-    for (long n = 0; n < N; n++) dequant_row(fmt, qs, d, mn, n, K, out + n * K);
+    for (long t = 0; t < tiles; t++) {
+        const uint8_t *tq = qs + t * nb * tbb;
+        const float *dt = d + t * ng * QT, *mt = mn ? mn + t * nb * QT : NULL;
+        long n0 = t * QT, nc = N - n0 < QT ? N - n0 : QT;
+        for (long b = 0; b < nb; b++)
+            for (int c = 0; c < chunk_count(fmt); c++) {
+                f16v w[8];
+                int nw = chunk_q(fmt, tq + b * tbb, c, w), k0 = chunk_k0(fmt, c);
+                f16v dv = load16(dt + (fmt == 3 ? 2 * b + (c >= 4) : b) * QT);
+                for (int j = 0; j < nw; j++) { /* the products' arithmetic: q * d (+ m), exact for every format */
+                    f16v v = q_min(fmt) ? w[j] * dv + load16(mt + b * QT) : w[j] * dv;
+                    for (long lane = 0; lane < nc; lane++) out[(n0 + lane) * K + b * QBLOCK + k0 + j] = v[lane];
+                }
+            }
+    }
 }
 
 /* out [R, K] float32 = weight rows rows[0 .. R) (an embedding lookup from a packed table) */

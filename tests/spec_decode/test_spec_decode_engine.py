@@ -92,33 +92,30 @@ def test_greedy_batch_of_32_on_a_tiny_model(tiny_model_dir, assert_no_leaks):
         assert_no_leaks(llm.llm_engine)
 
 
-@pytest.fixture(scope="module")
-def small_vocab_dir(tmp_path_factory):
-    """A random Llama with an 8-token vocabulary (no tokenizer: token ids in and out)."""
+def _vocab8_model(tmp_path_factory, name: str, seed: int, layers: int) -> str:
+    """A random Llama on an 8-token vocabulary (no tokenizer: token ids in and out), saved."""
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.6,
-                      bos_token_id=0, eos_token_id=7, pad_token_id=7)
-    out = tmp_path_factory.mktemp("vocab8")
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      initializer_range=0.6, bos_token_id=0, eos_token_id=7, pad_token_id=7)
+    out = tmp_path_factory.mktemp(name)
     LlamaForCausalLM(cfg).eval().save_pretrained(out)
     GenerationConfig(bos_token_id=0, eos_token_id=7, pad_token_id=7).save_pretrained(out)
     return str(out)
+
+
+@pytest.fixture(scope="module")
+def small_vocab_dir(tmp_path_factory):
+    """A random 2-layer Llama with an 8-token vocabulary."""
+    return _vocab8_model(tmp_path_factory, "vocab8", 0, 2)
 
 
 @pytest.fixture(scope="module")
 def small_vocab_draft_dir(tmp_path_factory):
     """Another random Llama on the same 8-token vocabulary, 1 layer: a draft whose distribution
     differs from the target's (so sampled drafts are both kept and rejected)."""
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(1)
-    cfg = LlamaConfig(vocab_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.6,
-                      bos_token_id=0, eos_token_id=7, pad_token_id=7)
-    out = tmp_path_factory.mktemp("vocab8-draft")
-    LlamaForCausalLM(cfg).eval().save_pretrained(out)
-    GenerationConfig(bos_token_id=0, eos_token_id=7, pad_token_id=7).save_pretrained(out)
-    return str(out)
+    return _vocab8_model(tmp_path_factory, "vocab8-draft", 1, 1)
 
 
 def _chi_square(a: list[int], b: list[int], cats: int) -> tuple[float, int]:
