@@ -190,72 +190,62 @@ void pl_set_int8_activations(int on) { int8_activations = on; }
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 int pl_has_vnni(void) { return 1; }
 
-/* 32 floats -> int8 with scale amax / 127 (round to nearest even); returns the scale, *sum = sum(q) */
-static inline float quantize_block_i8(const float *x, int8_t *q, int *sum) {
-    __m512 v0 = _mm512_loadu_ps(x), v1 = _mm512_loadu_ps(x + 16);
-    float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-    float id = amax > 0.0f ? 127.0f / amax : 0.0f;
-    __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(id)));
-    __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(id)));
-    _mm_storeu_si128((__m128i *)q, _mm512_cvtepi32_epi8(q0));
-    _mm_storeu_si128((__m128i *)(q + 16), _mm512_cvtepi32_epi8(q1));
-    *sum = _mm512_reduce_add_epi32(q0) + _mm512_reduce_add_epi32(q1);
-    return amax / 127.0f;
-}
-
 /* Every block gets a second int8 level for its rounding residual (about 15 bits in all). One level
  * (llama.cpp's Q8 activations) moved logprobs by ~0.1 on SmolLM2: the README's chat example sits
  * at a 0.08 near tie and its first token changed; the few huge channels of an MLP's intermediate
  * (hundreds to thousands of times the rest) also crushed their block's other values. With two
- * levels the logprobs are within ~0.001 of float32; batch-1 decode is memory-bound, so the second
- * dot product costs little there. An all-zero block needs none. */
+ * levels the logprobs are within ~0.001 of float32.
+ * The residual of round-to-nearest is at most half a step (dx / 2), so the second level has the
+ * fixed scale dx / 256 (|q2| <= 128, saturated to 127): both levels of a block then share one scale,
+ * and their integer dot products combine exactly in int32 as 256 s1 + s2 (|s1| <= 32 * 255 * 128,
+ * so 256 s1 stays far inside int32) before the one conversion to float and the one scale multiply. */
 
-/* One input row, quantized: xq [K] int8 with scales dx [K/32]; sxd [K/32] = each block's sum as
- * quantized (both levels, for the mins); c16 [K/16] = -128 * the sum of each 16 quants (the +128
- * offset of signed weight bytes read as unsigned); nonzero blocks b have two[b] >= 0, their residual
- * level at xq2 + 32 two[b] with scale dx2[two[b]] and offsets c16_2 [2 two[b] ..]. */
+/* One input row, quantized: xq, xq2 [K] int8, the two levels (x ~ dx (q + q2 / 256) per 32-block);
+ * dx [K/32] the blocks' scales / 256 (the combined dot's unit); sxd [K/32] = each block's sum as
+ * quantized (both levels, for the mins); c16, c16_2 [K/16] = -128 * the sum of each 16 quants of
+ * each level (the +128 offset of signed weight bytes read as unsigned). */
 typedef struct {
     int8_t *xq, *xq2;
-    float *dx, *sxd, *dx2;
+    float *dx, *sxd;
     int32_t *c16, *c16_2;
-    int *two;
 } qrow;
 
-static size_t qrow_bytes(long K) { return 2 * K + (sizeof(float) * 3 + sizeof(int32_t) * 4 + sizeof(int)) * (K / 32); }
+static size_t qrow_bytes(long K) { return 2 * K + (sizeof(float) * 2 + sizeof(int32_t) * 4) * (K / 32); }
 
 static void quantize_row(const float *x, long K, uint8_t *mem, qrow *r) {
-    long nb = K / QBLOCK, n2 = 0;
+    long nb = K / QBLOCK;
     r->xq = (int8_t *)mem;
     r->xq2 = r->xq + K;
     r->dx = (float *)(r->xq2 + K);
     r->sxd = r->dx + nb;
-    r->dx2 = r->sxd + nb;
-    r->c16 = (int32_t *)(r->dx2 + nb);
+    r->c16 = (int32_t *)(r->sxd + nb);
     r->c16_2 = r->c16 + 2 * nb;
-    r->two = (int *)(r->c16_2 + 2 * nb);
     for (long b = 0; b < nb; b++) {
-        int sum;
-        r->dx[b] = quantize_block_i8(x + b * QBLOCK, r->xq + b * QBLOCK, &sum);
-        r->sxd[b] = r->dx[b] * (float)sum;
-    }
-    for (long b = 0; b < nb; b++) {
-        r->two[b] = -1;
-        if (r->dx[b] == 0.0f) continue;
-        float res[QBLOCK];
-        for (int c = 0; c < QBLOCK; c++) res[c] = x[b * QBLOCK + c] - (float)r->xq[b * QBLOCK + c] * r->dx[b];
-        int sum;
-        r->dx2[n2] = quantize_block_i8(res, r->xq2 + n2 * QBLOCK, &sum);
-        r->sxd[b] += r->dx2[n2] * (float)sum;
-        r->two[b] = (int)n2++;
-    }
-    for (long h = 0; h < 2 * nb; h++) {
-        int s = 0, s2 = 0;
-        for (int c = 0; c < 16; c++) s += r->xq[16 * h + c];
-        r->c16[h] = -128 * s;
-        if (h < 2 * n2) {
-            for (int c = 0; c < 16; c++) s2 += r->xq2[16 * h + c];
-            r->c16_2[h] = -128 * s2;
-        }
+        const float *xb = x + b * QBLOCK;
+        __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
+        float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+        float dx = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f, id2 = amax > 0.0f ? 256.0f / dx : 0.0f;
+        __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(id)));
+        __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(id)));
+        __m512 dxv = _mm512_set1_ps(dx), id2v = _mm512_set1_ps(id2);
+        __m512 r0 = _mm512_sub_ps(v0, _mm512_mul_ps(_mm512_cvtepi32_ps(q0), dxv));
+        __m512 r1 = _mm512_sub_ps(v1, _mm512_mul_ps(_mm512_cvtepi32_ps(q1), dxv));
+        /* |q2| <= 128 (half a step, up to float rounding): clamp to int8, then narrow */
+        const __m512i hi = _mm512_set1_epi32(127), lo = _mm512_set1_epi32(-128);
+        __m512i p0 = _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(r0, id2v)), hi), lo);
+        __m512i p1 = _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(r1, id2v)), hi), lo);
+        _mm_storeu_si128((__m128i *)(r->xq + b * QBLOCK), _mm512_cvtepi32_epi8(q0));
+        _mm_storeu_si128((__m128i *)(r->xq + b * QBLOCK + 16), _mm512_cvtepi32_epi8(q1));
+        _mm_storeu_si128((__m128i *)(r->xq2 + b * QBLOCK), _mm512_cvtepi32_epi8(p0));
+        _mm_storeu_si128((__m128i *)(r->xq2 + b * QBLOCK + 16), _mm512_cvtepi32_epi8(p1));
+        int s0 = _mm512_reduce_add_epi32(q0), s1 = _mm512_reduce_add_epi32(q1);
+        int t0 = _mm512_reduce_add_epi32(p0), t1 = _mm512_reduce_add_epi32(p1);
+        r->dx[b] = dx / 256.0f;
+        r->sxd[b] = r->dx[b] * (float)(256 * (s0 + s1) + t0 + t1);
+        r->c16[2 * b] = -128 * s0;
+        r->c16[2 * b + 1] = -128 * s1;
+        r->c16_2[2 * b] = -128 * t0;
+        r->c16_2[2 * b + 1] = -128 * t1;
     }
 }
 
@@ -280,25 +270,30 @@ static inline __attribute__((always_inline)) void block_quads(int fmt, const uin
     }
 }
 
-/* sum over the quads [q0, q1) of one level: int32 per lane, then float */
-static inline __attribute__((always_inline)) __m512 level_dot(const __m512i *w, const int8_t *xb, int q0, int q1,
-                                                               int32_t start) {
-    __m512i s = _mm512_set1_epi32(start);
-    for (int q = q0; q < q1; q++) s = _mm512_dpbusd_epi32(s, w[q], bcast4(xb + 4 * q));
-    return _mm512_cvtepi32_ps(s);
+/* both levels over the quads [q0, q1): 256 (w . q) + (w . q2) per lane in int32, then float */
+static inline __attribute__((always_inline)) __m512 levels_dot(const __m512i *w, const int8_t *x1, const int8_t *x2,
+                                                                int q0, int q1, int32_t start1, int32_t start2) {
+    __m512i a = _mm512_set1_epi32(start1), c = _mm512_set1_epi32(start2);
+    for (int q = q0; q < q1; q++) {
+        a = _mm512_dpbusd_epi32(a, w[q], bcast4(x1 + 4 * q));
+        c = _mm512_dpbusd_epi32(c, w[q], bcast4(x2 + 4 * q));
+    }
+    return _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(a, 8), c));
 }
 
-/* acc + (row n of block b) . (one level of an input row's block b) * its scales, per lane n */
-static inline __attribute__((always_inline)) __m512 level_acc(int fmt, int nib, const __m512i *w, const float *dt,
-                                                               long b, const int8_t *xb, const int32_t *cs, float dx,
-                                                               __m512 acc) {
-    __m512 dxv = _mm512_set1_ps(dx);
+/* acc + (row n of block b) . (an input row's block b, both levels) * its scales, per lane n */
+static inline __attribute__((always_inline)) __m512 block_acc(int fmt, int nib, const __m512i *w, const float *dt,
+                                                               long b, const qrow *r, __m512 acc) {
+    const int8_t *x1 = r->xq + b * QBLOCK, *x2 = r->xq2 + b * QBLOCK;
+    const int32_t *c1 = r->c16 + 2 * b, *c2 = r->c16_2 + 2 * b;
+    __m512 dxv = _mm512_set1_ps(r->dx[b]);
     if (fmt == 3) { /* two scale groups of 16 weights */
-        acc = _mm512_fmadd_ps(level_dot(w, xb, 0, 4, cs[0]), _mm512_mul_ps(_mm512_loadu_ps(dt + 2 * b * QT), dxv), acc);
-        return _mm512_fmadd_ps(level_dot(w, xb, 4, 8, cs[1]),
+        acc = _mm512_fmadd_ps(levels_dot(w, x1, x2, 0, 4, c1[0], c2[0]),
+                              _mm512_mul_ps(_mm512_loadu_ps(dt + 2 * b * QT), dxv), acc);
+        return _mm512_fmadd_ps(levels_dot(w, x1, x2, 4, 8, c1[1], c2[1]),
                                _mm512_mul_ps(_mm512_loadu_ps(dt + (2 * b + 1) * QT), dxv), acc);
     }
-    return _mm512_fmadd_ps(level_dot(w, xb, 0, 8, nib ? 0 : cs[0] + cs[1]),
+    return _mm512_fmadd_ps(levels_dot(w, x1, x2, 0, 8, nib ? 0 : c1[0] + c1[1], nib ? 0 : c2[0] + c2[1]),
                            _mm512_mul_ps(_mm512_loadu_ps(dt + b * QT), dxv), acc);
 }
 
@@ -312,12 +307,8 @@ static inline __attribute__((always_inline)) void tile_block_i8(int fmt, const u
     int nib = q_nib(fmt);
 #pragma GCC unroll 16
     for (int i = 0; i < R; i++) {
-        const qrow *r = xr + i;
-        acc[i] = level_acc(fmt, nib, w, dt, b, r->xq + b * QBLOCK, r->c16 + 2 * b, r->dx[b], acc[i]);
-        int e = r->two[b];
-        if (e >= 0) /* the block's residual level: same weight quads */
-            acc[i] = level_acc(fmt, nib, w, dt, b, r->xq2 + e * QBLOCK, r->c16_2 + 2 * e, r->dx2[e], acc[i]);
-        if (q_min(fmt)) acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(mt + b * QT), _mm512_set1_ps(r->sxd[b]), acc[i]);
+        acc[i] = block_acc(fmt, nib, w, dt, b, xr + i, acc[i]);
+        if (q_min(fmt)) acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(mt + b * QT), _mm512_set1_ps(xr[i].sxd[b]), acc[i]);
     }
 }
 
@@ -328,8 +319,7 @@ static inline __attribute__((always_inline)) void tile_i8(int fmt, const uint8_t
     for (int i = 0; i < R; i++) acc[i] = _mm512_setzero_ps();
     long tbb = q_tb(fmt);
     for (long b = 0; b < nb; b++) {
-        __builtin_prefetch(tq + b * tbb + PF_BYTES, 0, 3);
-        __builtin_prefetch(tq + b * tbb + PF_BYTES + 128, 0, 3);
+        for (long c = 0; c < tbb; c += 64) __builtin_prefetch(tq + b * tbb + PF_BYTES + c, 0, 3);
         tile_block_i8(fmt, tq + b * tbb, dt, mt, b, xr, R, acc);
     }
     for (int i = 0; i < R; i++) _mm512_storeu_ps(out[i], acc[i]);

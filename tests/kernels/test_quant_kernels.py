@@ -254,20 +254,26 @@ def int8_activations(kernels):
     cpu.set_int8_activations(False)
 
 
-def _one_level(xb: np.ndarray) -> np.ndarray:
-    """Per 32-block ``round(x * 127 / max|x|) * max|x| / 127`` in float32, as the kernel rounds."""
+def _one_level(xb: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per 32-block ``q = round(x * 127 / max|x|)`` and the step ``max|x| / 127``, as the kernel rounds."""
     amax = np.abs(xb).max(1)
     scale = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
-    return (np.rint(xb * scale[:, None]) * (amax / np.float32(127))[:, None]).astype(np.float32)
+    return np.rint(xb * scale[:, None]), (amax / np.float32(127)).astype(np.float32)
 
 
 def _quantized_row(x: np.ndarray, levels: int = 2) -> np.ndarray:
-    """The kernel's int8 activations, dequantized: each 32-block's int8 level, plus (``levels=2``,
-    what the kernel does) an int8 level of its rounding residual."""
+    """The kernel's int8 activations, dequantized: each 32-block's int8 level ``q`` with step ``dx``,
+    plus (``levels=2``, what the kernel does) its rounding residual in int8 at the fixed step
+    ``dx / 256`` (the residual is at most half a step; clamped to [-128, 127])."""
     xb = x.reshape(-1, 32).astype(np.float32)
-    first = _one_level(xb)
-    out = first if levels == 1 else first + _one_level((xb - first).astype(np.float32))
-    return out.reshape(-1)
+    q, dx = _one_level(xb)
+    first = (q * dx[:, None]).astype(np.float32)
+    if levels == 1:
+        return first.reshape(-1)
+    res = (xb - first).astype(np.float32)
+    inv = np.where(dx > 0, np.float32(256) / np.where(dx > 0, dx, 1), 0).astype(np.float32)
+    q2 = np.clip(np.rint(res * inv[:, None]), -128, 127)
+    return ((q + q2 / 256) * dx[:, None]).reshape(-1)
 
 
 def test_int8_activations_keep_the_logprobs_of_the_readme_example(int8_activations):
