@@ -165,8 +165,11 @@ class SuffixProposer:
         """The most frequent continuation of the longest context of ``tail`` seen anywhere."""
         for m in range(len(tail), 0, -1):
             ctx = tuple(tail[-m:])
-            merged = Counter(own.counts.get(ctx, ()))
-            merged.update(self._global.counts.get(ctx, {}))
+            mine, seen = own.counts.get(ctx), self._global.counts.get(ctx)
+            if not mine and not seen:
+                continue  # most long contexts were never seen: no Counter built for them
+            merged = Counter(mine or ())
+            merged.update(seen or {})
             if merged:
                 token, count = max(merged.items(), key=lambda kv: (kv[1], -kv[0]))
                 return token if count >= self.min_token_prob * sum(merged.values()) else None
