@@ -50,6 +50,11 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-config", default=None,
                    help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
                         '(methods: ngram, suffix, draft_model with "model"; see docs/speculative-decoding.md)')
+    p.add_argument("--attention-backend", choices=["torch", "cpu", "cpu_kernels", "triton"], default=None,
+                   help="paged attention kernels: torch (reference), cpu (C kernels, float32), triton (CUDA; on "
+                        "the CPU only under TRITON_INTERPRET=1); default: by device (triton on CUDA)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="never capture CUDA graphs for decode steps (a no-op on the CPU, where steps are eager)")
     p.add_argument("--log-level", default="info")
 
 
@@ -72,4 +77,5 @@ def engine_args_from_cli(a: argparse.Namespace) -> EngineArgs:
                       seed=a.seed, served_model_name=getattr(a, "served_model_name", None),
                       num_threads=a.num_threads, model_impl=a.model_impl, quantization=a.quantization,
                       enable_multiprocessing=getattr(a, "enable_multiprocessing", None),
-                      async_scheduling=a.async_scheduling, speculative_config=a.speculative_config)
+                      async_scheduling=a.async_scheduling, speculative_config=a.speculative_config,
+                      attention_backend=a.attention_backend, enforce_eager=a.enforce_eager)

@@ -124,6 +124,15 @@ class EngineArgs:
             string such as ``{"method": "ngram", "num_speculative_tokens": 4}``; parsed into a
             ``pagedllm.spec_decode.config.SpeculativeConfig`` (its docstring lists the keys).
             ``None``: no speculation.
+        attention_backend: the paged attention implementation (vLLM's ``--attention-backend``):
+            ``torch`` (the reference, any device), ``cpu`` / ``cpu_kernels`` (the C CPU kernels,
+            float32), ``triton`` (Triton kernels: CUDA, or the CPU under ``TRITON_INTERPRET=1``);
+            ``None`` (the default) chooses by device and dtype (``select_attention_backend``).
+            An explicit ``torch`` or ``triton`` also runs the norms, rotary and activations in torch
+            ops (the C CPU kernels run only with their attention backend).
+        enforce_eager: never capture CUDA graphs (vLLM's ``--enforce-eager``). Graphs are only
+            captured for decode steps on CUDA devices; on the CPU every step is eager and this is
+            a no-op.
     """
 
     model: str | None = None
@@ -147,6 +156,8 @@ class EngineArgs:
     enable_multiprocessing: bool | None = None
     async_scheduling: bool | None = None
     speculative_config: Any = None
+    attention_backend: str | None = None
+    enforce_eager: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -171,6 +182,11 @@ class EngineArgs:
         parse_size(self.kv_cache_memory)
         parse_dtype(self.dtype)
         torch.device(self.device)
+        if self.attention_backend is not None:
+            from pagedllm.attention.backend import check_attention_backend
+            # the dtype of --dtype auto is resolved again at load; validate with float32 then
+            dtype = parse_dtype(self.dtype) if self.dtype != "auto" else torch.float32
+            self.attention_backend = check_attention_backend(self.attention_backend, self.device, dtype)
 
     @classmethod
     def field_names(cls) -> set[str]:

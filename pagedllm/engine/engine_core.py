@@ -112,7 +112,7 @@ class EngineCore:
         self._exec = ThreadPoolExecutor(1, "pagedllm-exec", initializer=torch.set_num_threads, initargs=(threads,))
         if model is None:
             model, _ = self._exec.submit(load_model, model_dir, dtype, device, args.model_impl,
-                                         args.quantization).result()
+                                         args.quantization, args.attention_backend).result()
         per_block = ModelRunner.kv_bytes_per_block(model, args.block_size, dtype)
         num_blocks = args.num_kv_blocks or parse_size(args.kv_cache_memory) // per_block
         if num_blocks < 1:

@@ -99,7 +99,7 @@ def check_safetensors(files: list[Path]) -> None:
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, model_impl: str = "auto",
-               quantization: str = "auto"):
+               quantization: str = "auto", attention_backend: str | None = None):
     """Build the model of ``model_dir`` (config.json + *.safetensors) without a random init.
 
     The native model is built on the meta device, materialized empty on
@@ -113,6 +113,9 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
             per output channel (``models/quant_linear.py``; float32 CPU with the C kernels only);
             ``none`` dequantizes; ``auto`` picks (``resolve_quantization``). The choice is
             ``model.quantization_method``.
+        attention_backend: the attention backend's name (``EngineArgs.attention_backend``), or ``None``
+            to choose by device. The C CPU kernels (norms, rotary, activations, the fused decode) run
+            only when the chosen backend is the C-kernel one.
     Returns:
         ``(model, config)`` with the model in eval mode; ``model.attention_backend`` is the
         attention backend chosen for ``device``/``dtype`` (``select_attention_backend``).
@@ -134,8 +137,8 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
     from pagedllm.kernels import cpu as cpu_kernels
     # the one place the kernel choice is made: building (first time on this machine, about a
     # second) or loading the C kernels happens here, not inside the first request
-    kernels_on = cpu_kernels.applies(device, dtype)
-    backend = select_attention_backend(device, dtype)
+    backend = select_attention_backend(device, dtype, attention_backend)
+    kernels_on = cpu_kernels.applies(device, dtype) and backend.uses_cpu_kernels
     logger.info("attention backend: %s; CPU kernels: %s", backend.name, "on" if kernels_on else "off (torch ops)")
     quantization = resolve_quantization(quantization, model_dir, impl, kernels_on)
     if quantization in ("gguf", "int8") and impl == "transformers":
