@@ -1,0 +1,153 @@
+"""Device-side sampling: the whole batch's draw in tensor ops and one Triton kernel, no host read.
+
+The torch sampler (``worker/sampler.py``) loops over rows in Python and reads
+flags from device tensors (``.any()``), which on a GPU is a host sync per
+step. Here every row's settings arrive as ``[R]`` tensors built on the host
+from the requests' ``SamplingParams`` (host data: nothing is read back), the
+shaping runs batched on the device in the torch sampler's order (logit bias,
+penalties, temperature, min-p, top-k, top-p), and the draw is one Triton
+kernel: per row the Gumbel-max trick, ``argmax(logit / T + G)`` with
+``G = -log(-log U)``, which picks token ``i`` with probability
+``softmax(logit / T)_i`` (the exponential race ``argmax(p / E)`` in log
+space). ``U`` comes from Philox (``tl.rand``) keyed by the request's seed
+and its output position, so a seeded request draws the same tokens in any
+batch, at any row, after any preemption. Greedy rows (temperature 0) take the
+plain argmax in the same kernel.
+
+Follows vLLM's GPU sampler (batched top-k/top-p, per-request generators) and
+FlashInfer's sampling-from-logits kernels in spirit; the random streams are not
+the torch sampler's, so only distributions (not tokens) are comparable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedllm.sampling_params import SamplingParams
+
+_SEED_MIX = 0x9E3779B97F4A7C15
+_KEY_MASK = (1 << 62) - 1
+
+
+def philox_key(seed: int) -> int:
+    """The Philox key base of a request seed (its output position is added on the device)."""
+    return (seed * _SEED_MIX) & _KEY_MASK
+
+
+@dataclass
+class DeviceSamplingTensors:
+    """One step's per-row sampling settings on the device (``R`` rows), built by ``from_params``.
+
+    Attributes:
+        temperature: ``[R]`` float32 (0: greedy).
+        top_k: ``[R]`` int64 (the vocabulary size when off); top_p, min_p: ``[R]`` float32.
+        keys: ``[R]`` int64 Philox key base per row (``philox_key`` of the request's seed, or of
+            the engine seed mixed with the step counter for unseeded rows).
+        positions: ``[R]`` int64 output position of each row's token (the seeded stream's step).
+        use_top_k, use_top_p, use_min_p, all_greedy: host flags, so no branch reads the device.
+    """
+
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    min_p: torch.Tensor
+    keys: torch.Tensor
+    positions: torch.Tensor
+    use_top_k: bool
+    use_top_p: bool
+    use_min_p: bool
+    all_greedy: bool
+
+    @classmethod
+    def from_params(cls, params: list[SamplingParams], positions: list[int], vocab: int, device: torch.device,
+                    engine_seed: int = 0, step: int = 0) -> "DeviceSamplingTensors":
+        """Build the step's tensors from host data (one small copy per field, no device read).
+
+        Args:
+            params: one ``SamplingParams`` per row; positions: each row's output position.
+            vocab: the logits' width; engine_seed, step: the key of unseeded rows (differs per step).
+        """
+        top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+        keys = [philox_key(p.seed) if p.seed is not None else philox_key(engine_seed * 0x100000001 + step + i)
+                for i, p in enumerate(params)]
+
+        def t(vals, dtype):
+            return torch.tensor(vals, dtype=dtype).to(device, non_blocking=True)
+
+        return cls(temperature=t([p.temperature for p in params], torch.float32), top_k=t(top_k, torch.int64),
+                   top_p=t([p.top_p for p in params], torch.float32), min_p=t([p.min_p for p in params], torch.float32),
+                   keys=t(keys, torch.int64), positions=t(positions, torch.int64),
+                   use_top_k=any(k < vocab for k in top_k), use_top_p=any(p.top_p < 1.0 for p in params),
+                   use_min_p=any(p.min_p > 0 for p in params), all_greedy=all(p.temperature == 0 for p in params))
+
+
+def apply_logit_bias(logits: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, vals: torch.Tensor) -> torch.Tensor:
+    """``logits[rows[j], cols[j]] += vals[j]`` for every ``j`` (``[N]`` int64, int64, float32), batched."""
+    return logits.index_put((rows, cols), vals.to(logits.dtype), accumulate=True)
+
+
+def apply_penalties(logits: torch.Tensor, output_counts: torch.Tensor, prompt_mask: torch.Tensor,
+                    presence: torch.Tensor, frequency: torch.Tensor, repetition: torch.Tensor) -> torch.Tensor:
+    """Repetition, frequency and presence penalties of every row at once (as ``sampler.apply_penalties``).
+
+    Args:
+        logits: ``[R, V]`` float32.
+        output_counts: ``[R, V]`` occurrences of each token in the row's output (kept on the device).
+        prompt_mask: ``[R, V]`` bool, the token appears in the prompt.
+        presence, frequency, repetition: ``[R]`` float32 (0, 0, 1 when off).
+    Returns:
+        ``[R, V]`` penalised logits (a new tensor).
+    """
+    counts = output_counts.to(logits.dtype)
+    seen = (counts > 0) | prompt_mask
+    r = repetition.unsqueeze(1)
+    logits = torch.where(seen, torch.where(logits > 0, logits / r, logits * r), logits)
+    return logits - frequency.unsqueeze(1) * counts - presence.unsqueeze(1) * (counts > 0).to(logits.dtype)
+
+
+def shape_logits(logits: torch.Tensor, st: DeviceSamplingTensors) -> torch.Tensor:
+    """Temperature, then min-p, top-k and top-p masks (-inf), batched; greedy rows keep their logits.
+
+    Same definitions as the torch sampler's ``target_probs`` (top-p on the top-k survivors,
+    renormalised; a token stays while the mass before it is below ``top_p``).
+
+    Returns:
+        ``[R, V]`` float32 logits whose softmax is the distribution drawn from.
+    """
+    temp = torch.where(st.temperature > 0, st.temperature, torch.ones_like(st.temperature))
+    logits = logits / temp.unsqueeze(1)
+    vocab = logits.shape[-1]
+    if st.use_min_p:
+        probs = logits.softmax(-1)
+        thresh = probs.amax(-1, keepdim=True) * st.min_p.unsqueeze(1)
+        logits = logits.masked_fill(probs < thresh, float("-inf"))
+    if st.use_top_k or st.use_top_p:
+        sorted_logits, idx = logits.sort(dim=-1, descending=True)
+        ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
+        sorted_logits = sorted_logits.masked_fill(ranks >= st.top_k.unsqueeze(1), float("-inf"))
+        if st.use_top_p:
+            probs = sorted_logits.softmax(-1)
+            remove = (probs.cumsum(-1) - probs) >= st.top_p.unsqueeze(1)
+            sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(-1, idx, sorted_logits)
+    return logits
+
+
+def gumbel_sample(logits: torch.Tensor, st: DeviceSamplingTensors) -> torch.Tensor:
+    """One token per row: argmax for greedy rows, a seeded Gumbel-max draw for the others.
+
+    Args:
+        logits: ``[R, V]`` float32 shaped logits (``shape_logits``), last dim contiguous.
+        st: the rows' settings (temperature 0 = greedy; keys and positions key the noise).
+    Returns:
+        ``[R]`` int64 token ids on the logits' device. Needs triton (on the CPU: its interpreter).
+    """
+    from pagedllm.worker import device_sampling_kernels as k
+    return k.gumbel_argmax(logits, st.temperature, st.keys, st.positions)
+
+
+def sample(logits: torch.Tensor, st: DeviceSamplingTensors) -> torch.Tensor:
+    """Shape and draw (``shape_logits`` then ``gumbel_sample``); ``[R]`` int64, no host sync."""
+    return gumbel_sample(shape_logits(logits, st), st)
