@@ -43,6 +43,22 @@ def pytest_configure(config) -> None:
     os.environ["PAGEDLLM_INT8_ACTIVATIONS"] = "0"
 
 
+def pytest_collection_modifyitems(config, items) -> None:
+    """Skip ``@pytest.mark.gpu`` tests without a CUDA device, or with Triton's interpreter on
+    (they check compiled kernels; ``benchmarks/gpu_check.sh`` runs them on a GPU machine)."""
+    gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if not gpu_items:
+        return
+    reason = None
+    if not torch.cuda.is_available():
+        reason = "needs an NVIDIA GPU (CUDA)"
+    elif os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        reason = "GPU tests run compiled kernels: unset TRITON_INTERPRET"
+    if reason:
+        for item in gpu_items:
+            item.add_marker(pytest.mark.skip(reason=reason))
+
+
 def _has_smollm2() -> bool:
     try:
         importlib.metadata.distribution(SMOLLM2_DIST)

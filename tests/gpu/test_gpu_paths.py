@@ -1,0 +1,100 @@
+"""The device path on a real NVIDIA GPU: compiled Triton kernels against the torch reference.
+
+Every test is marked ``gpu``: skipped without CUDA or with ``TRITON_INTERPRET`` set
+(tests/conftest.py). ``benchmarks/gpu_check.sh`` runs them. The same checks run
+through the interpreter on the CPU in tests/attention/triton and tests/worker/triton;
+here they cover float16 and bfloat16 and the compiled code.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+D = 64
+
+
+def _step(seed: int, bs: int, num_blocks: int = 256):
+    """A ragged step: decodes over long contexts, a fresh prefill, a chunk behind a cached prefix."""
+    from pagedllm.attention.metadata import AttentionBatch
+    rng = np.random.default_rng(seed)
+    reqs = [(int(rng.integers(1, 40 * bs)), 1) for _ in range(5)] + [(37, 37), (3 * bs + 5 + 21, 21)]
+    perm = rng.permutation(num_blocks).tolist()
+    table = np.zeros((len(reqs), 64), dtype=np.int64)
+    qsl, slots, prefix = [0], [], []
+    for i, (seq, n) in enumerate(reqs):
+        blocks = [perm.pop() for _ in range(-(-seq // bs))]
+        table[i, :len(blocks)] = blocks
+        pos = [blocks[p // bs] * bs + p % bs for p in range(seq)]
+        prefix.append(pos[:seq - n])
+        slots += pos[seq - n:]
+        qsl.append(qsl[-1] + n)
+    lens = np.array([s for s, _ in reqs], dtype=np.int64)
+    batch = AttentionBatch(query_start_loc=np.array(qsl, dtype=np.int64),
+                           num_computed=lens - np.array([n for _, n in reqs], dtype=np.int64), seq_lens=lens,
+                           slot_mapping=np.array(slots, dtype=np.int64), block_table=table,
+                           rows=np.arange(len(reqs), dtype=np.int64), block_size=bs)
+    return batch, prefix, num_blocks
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("bs,kvh,ratio,window,softcap", [(16, 2, 1, None, None), (32, 1, 8, 100, None),
+                                                         (16, 2, 3, None, 30.0)])
+def test_triton_backend_equals_torch_reference_on_cuda(dtype, bs, kvh, ratio, window, softcap):
+    from pagedllm.attention.backend import select_attention_backend
+    batch, prefix, nb = _step(7, bs)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    t = int(batch.query_start_loc[-1])
+    outs = {}
+    base = [torch.randn(kvh, nb, bs, D, generator=g, device="cuda") for _ in range(2)]
+    q = torch.randn(t, kvh * ratio, D, generator=g, device="cuda")
+    k, v = (torch.randn(t, kvh, D, generator=g, device="cuda") for _ in range(2))
+    for name in ("torch", "triton"):
+        backend = select_attention_backend("cuda", dtype, name)
+        if name == "triton":
+            backend.split_tokens = 64
+        cache = tuple(c.to(dtype).clone() for c in base)
+        meta = backend.build_metadata(batch)
+        outs[name] = backend.forward(q.to(dtype), k.to(dtype), v.to(dtype), cache, meta, D ** -0.5, window, softcap)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(outs["triton"].float(), outs["torch"].float(), rtol=tol, atol=tol)
+
+
+def test_default_backend_on_cuda_is_triton():
+    from pagedllm.attention.backend import select_attention_backend
+    assert select_attention_backend("cuda", torch.float16).name == "triton"
+
+
+def test_seeded_sampling_is_batch_invariant_on_cuda():
+    from pagedllm.sampling_params import SamplingParams
+    from pagedllm.worker import device_sampler as ds
+    vocab = 32000
+    logits = torch.randn(8, vocab, device="cuda")
+    p = SamplingParams(temperature=0.8, top_p=0.9, seed=42)
+    alone = ds.sample(logits[3:4].clone(), ds.DeviceSamplingTensors.from_params([p], [5], vocab, torch.device("cuda")))
+    params = [SamplingParams(temperature=1.0, top_k=50)] * 3 + [p] + [SamplingParams(temperature=0.0)] * 4
+    batch = ds.sample(logits, ds.DeviceSamplingTensors.from_params(params, [5] * 8, vocab, torch.device("cuda")))
+    assert int(batch[3]) == int(alone[0])
+    assert int(batch[4]) == int(logits[4].argmax())
+
+
+def test_tiny_llama_triton_equals_torch_on_cuda(tmp_path):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+    from pagedllm import LLM, SamplingParams
+    config = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                         num_key_value_heads=2, num_hidden_layers=2, max_position_embeddings=512,
+                         initializer_range=0.1, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(tmp_path)
+    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 40, 77)]
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    got = {}
+    for name in ("torch", "triton"):
+        llm = LLM(str(tmp_path), device="cuda", dtype="float32", attention_backend=name, skip_tokenizer_init=True,
+                  num_kv_blocks=64, max_num_batched_tokens=32)
+        got[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+        del llm
+    assert got["triton"] == got["torch"]
