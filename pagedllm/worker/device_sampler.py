@@ -83,6 +83,56 @@ class DeviceSamplingTensors:
                    use_min_p=any(p.min_p > 0 for p in params), all_greedy=all(p.temperature == 0 for p in params))
 
 
+def device_eligible(p: SamplingParams, output_len: int) -> bool:
+    """True when a row's draw needs only what ``sample`` does (temperature, top-k, top-p, min-p,
+    seed): no logprobs, penalties, logit bias, allowed ids, or unmet ``min_tokens``. The choice
+    depends on the request alone, so a seeded request draws from one stream in any batch."""
+    return (p.logprobs is None and not p.has_penalties and not p.logit_bias and p.allowed_token_ids is None
+            and output_len >= p.min_tokens)
+
+
+class DeviceSampler:
+    """The runner's draw on the Triton path: eligible rows (``device_eligible``) are shaped and drawn
+    on the device, the others (and their logprobs) by the torch ``Sampler``.
+
+    Args:
+        sampler: the torch sampler for the rows that need it.
+        seed: engine seed, which keys unseeded rows together with a step counter.
+    """
+
+    def __init__(self, sampler, seed: int = 0) -> None:
+        self.sampler = sampler
+        self.seed = seed
+        self.step = 0
+
+    def __call__(self, logits: torch.Tensor, md, prev_tokens: list[int] | None = None):
+        """Sample one token per row of ``logits`` ``[R, V]`` float32.
+
+        Returns:
+            ``(SamplerOutput, tokens)``: the torch sampler's output type (ids on the host, the one
+            device-to-host copy of the step) and the ``[R]`` int64 device tensor of the same ids.
+        """
+        from pagedllm.worker.sampler import SamplerOutput
+        params, lens = md.params, md.output_lens.tolist()
+        rows = [i for i, p in enumerate(params) if device_eligible(p, lens[i])]
+        self.step += 1
+        if not rows:
+            out = self.sampler(logits, md, prev_tokens)
+            return out, torch.tensor(out.token_ids, dtype=torch.int64, device=logits.device)
+        if len(rows) == len(params):
+            st = DeviceSamplingTensors.from_params(params, lens, logits.shape[-1], logits.device, self.seed, self.step)
+            tokens = sample(logits, st)
+            return SamplerOutput(tokens.tolist(), [None] * len(params)), tokens
+        out = self.sampler(logits, md, prev_tokens)  # rows that need the torch sampler
+        sel = torch.tensor(rows, device=logits.device)
+        st = DeviceSamplingTensors.from_params([params[i] for i in rows], [lens[i] for i in rows], logits.shape[-1],
+                                               logits.device, self.seed, self.step)
+        tokens = torch.tensor(out.token_ids, dtype=torch.int64, device=logits.device)
+        tokens = tokens.index_copy(0, sel, sample(logits.index_select(0, sel), st))
+        out.token_ids = tokens.tolist()
+        return out, tokens
+
+
 def apply_logit_bias(logits: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, vals: torch.Tensor) -> torch.Tensor:
     """``logits[rows[j], cols[j]] += vals[j]`` for every ``j`` (``[N]`` int64, int64, float32), batched."""
     return logits.index_put((rows, cols), vals.to(logits.dtype), accumulate=True)

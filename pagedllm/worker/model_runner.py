@@ -154,6 +154,12 @@ class ModelRunner:
                           for _ in range(layers)]
         self.input_batch = InputBatch(max_num_reqs, max_model_len, block_size)
         self.sampler = Sampler(seed, eos_token_ids)
+        # the Triton (GPU) path draws on the device (worker/device_sampler.py); the CPU backends keep
+        # the torch sampler, whose seeded streams the CPU suite pins down
+        self._device_sampler = None
+        if self.attention_backend.name == "triton":
+            from pagedllm.worker.device_sampler import DeviceSampler
+            self._device_sampler = DeviceSampler(self.sampler, seed)
         self._eos = min(eos_token_ids) if eos_token_ids else 0
         self._last: PreparedStep | None = None  # the most recently issued step
         self._executor = executor
@@ -352,14 +358,21 @@ class ModelRunner:
             if step.drafts is not None:
                 tokens = self._verify(step, sample_logits, md, prev_tokens, out)
             else:
-                sampled = self.sampler(sample_logits, md, prev_tokens)
+                on_device = None
+                if self._device_sampler is not None:
+                    sampled, on_device = self._device_sampler(sample_logits, md, prev_tokens)
+                else:
+                    sampled = self.sampler(sample_logits, md, prev_tokens)
                 tokens = (sampled.token_ids if self._script is None
                           else self._script.tokens(md.output_lens.tolist(), self._eos))
+                if self._script is None and on_device is not None:
+                    step.sampled = on_device  # the next step gathers its pending inputs from it
                 for rid, lp in zip(step.sample_ids, sampled.logprobs):
                     if lp is not None:
                         out.logprobs[rid] = lp
             step.sampled_list = tokens
-            step.sampled = torch.tensor(tokens, dtype=torch.int64, device=self.device)
+            if step.sampled is None:
+                step.sampled = torch.tensor(tokens, dtype=torch.int64, device=self.device)
             out.sampled_token_ids = dict(zip(step.sample_ids, tokens))
         if step.prompt_lp:
             self._prompt_logprobs(logits[num_rows:], step.prompt_lp, out)

@@ -1,0 +1,82 @@
+"""The Triton (device) path's step loop, served end to end through Triton's interpreter.
+
+- Host syncs: while a step runs, pagedllm code calls ``.item()``, ``.tolist()``,
+  ``.cpu()``, ``.numpy()`` or converts a tensor to a Python bool/int/float only once:
+  the sampled tokens' copy to the host. (On a GPU each such call waits for the device.)
+- A seeded sampled request draws the same tokens alone and in a batch (device draw).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections import Counter
+
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.worker import model_runner
+
+SYNC_METHODS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir):
+    return LLM(str(tiny_model_dir("llama")), attention_backend="triton", num_kv_blocks=48,
+               max_num_batched_tokens=24, max_num_seqs=4)
+
+
+def test_one_host_sync_per_step(llm, monkeypatch):
+    in_step = threading.local()
+    calls: Counter = Counter()
+    steps = []
+
+    def counting(name):
+        original = getattr(torch.Tensor, name)
+
+        def method(self, *args, **kwargs):
+            if getattr(in_step, "on", False):
+                caller = sys._getframe(1)
+                module = caller.f_globals.get("__name__", "")
+                if module.startswith("pagedllm"):  # not triton's interpreter or torch internals
+                    calls[(name, module, caller.f_lineno)] += 1
+            return original(self, *args, **kwargs)
+        return method
+
+    for name in SYNC_METHODS:
+        monkeypatch.setattr(torch.Tensor, name, counting(name))
+    run = model_runner.ModelRunner._run
+
+    def counted_run(self, *args, **kwargs):
+        in_step.on = True
+        try:
+            out = run(self, *args, **kwargs)
+        finally:
+            in_step.on = False
+        steps.append(bool(out.sampled_token_ids))
+        return out
+
+    monkeypatch.setattr(model_runner.ModelRunner, "_run", counted_run)
+    prompts = [list(range(5, 35)), list(range(7, 12)), list(range(40, 49))]
+    params = [SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+              SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=7, max_tokens=4, ignore_eos=True),
+              SamplingParams(temperature=1.0, min_p=0.05, max_tokens=4, ignore_eos=True)]
+    llm.generate(prompts, params, use_tqdm=False)
+    assert len(steps) >= 5 and not all(steps)  # a chunked prefill step samples nothing
+    # exactly one per sampling step, all at the same place: the sampled ids' copy
+    assert sum(calls.values()) == sum(steps), calls
+    assert {name for name, _, _ in calls} == {"tolist"}, calls
+    assert len({where for where in calls}) == 1, calls
+
+
+def test_seeded_request_same_alone_and_batched(llm):
+    seeded = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=5, ignore_eos=True)
+    prompt = list(range(100, 111))
+    alone = llm.generate([prompt], seeded, use_tqdm=False)[0].outputs[0].token_ids
+    others = [SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)]
+    outs = llm.generate([list(range(60, 90)), prompt, [3, 4, 5]], [others[0], seeded, others[1]], use_tqdm=False)
+    assert outs[1].outputs[0].token_ids == alone
+    greedy = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)
+    assert greedy[0].outputs[0].token_ids != alone  # sampled, not the argmax
