@@ -187,6 +187,10 @@ class EngineArgs:
             # the dtype of --dtype auto is resolved again at load; validate with float32 then
             dtype = parse_dtype(self.dtype) if self.dtype != "auto" else torch.float32
             self.attention_backend = check_attention_backend(self.attention_backend, self.device, dtype)
+        if torch.device(self.device).type == "cuda" and self.attention_backend in (None, "triton") \
+                and self.block_size < 16:
+            raise ValueError(f"block_size must be >= 16 for the Triton attention backend on CUDA "
+                             f"(attention_backend={self.attention_backend!r}), got {self.block_size}")
 
     @classmethod
     def field_names(cls) -> set[str]:

@@ -26,6 +26,8 @@ run on CPU tensors through Triton's interpreter. Importing this module needs
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -33,6 +35,13 @@ import triton.language as tl
 
 def _pow2(n: int) -> int:
     return triton.next_power_of_2(max(int(n), 1))
+
+
+def _dot_f32(dtype: torch.dtype) -> bool:
+    """Run the kernels' matrix products in float32 (IEEE): for float32 caches, and for every dtype
+    under the interpreter, whose ``tl.dot`` mishandles bfloat16 (float16/bfloat16 use the tensor
+    cores on the GPU, accumulating in float32)."""
+    return dtype == torch.float32 or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 @triton.jit
@@ -75,10 +84,10 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, va
 
 
 @triton.jit
-def _scores(q, k, scale, softcap, USE_SOFTCAP: tl.constexpr, IS_FP32: tl.constexpr):
+def _scores(q, k, scale, softcap, USE_SOFTCAP: tl.constexpr, DOT_F32: tl.constexpr):
     """``[M, N]`` float32 scaled (and soft-capped) scores of ``q`` ``[M, D]`` against ``k`` ``[N, D]``."""
-    if IS_FP32:
-        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    if DOT_F32:
+        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
     else:
         s = tl.dot(q, tl.trans(k))
     s = s * scale
@@ -88,15 +97,15 @@ def _scores(q, k, scale, softcap, USE_SOFTCAP: tl.constexpr, IS_FP32: tl.constex
 
 
 @triton.jit
-def _online_softmax_step(s, v, m_i, l_i, acc, IS_FP32: tl.constexpr):
+def _online_softmax_step(s, v, m_i, l_i, acc, DOT_F32: tl.constexpr):
     """One FlashAttention-2 update with masked scores ``s`` ``[M, N]`` (-inf: unseen) and ``v`` ``[N, D]``."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
     p = tl.exp(s - m_safe[:, None])
     alpha = tl.exp(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
-    if IS_FP32:
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+    if DOT_F32:
+        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
     else:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return m_new, l_i, acc
@@ -108,7 +117,7 @@ def _decode_kernel(query, key_cache, value_cache, block_tables, seq_lens, query_
                    stride_qt, stride_qh, stride_bt, stride_ch, stride_cb, stride_ct,
                    num_heads, head_dim, group, split_len, num_splits,
                    BLOCK_SIZE: tl.constexpr, G_P: tl.constexpr, D_P: tl.constexpr,
-                   USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, IS_FP32: tl.constexpr):
+                   USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_F32: tl.constexpr):
     i = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -137,9 +146,9 @@ def _decode_kernel(query, key_cache, value_cache, block_tables, seq_lens, query_
         lmask = kmask[:, None] & dmask[None, :]
         k = tl.load(key_cache + base, mask=lmask, other=0.0)
         v = tl.load(value_cache + base, mask=lmask, other=0.0)
-        s = _scores(q, k, scale, softcap, USE_SOFTCAP, IS_FP32)
+        s = _scores(q, k, scale, softcap, USE_SOFTCAP, DOT_F32)
         s = tl.where(kmask[None, :], s, float("-inf"))
-        m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, IS_FP32)
+        m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, DOT_F32)
     has = l_i > 0
     lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
     o = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -202,7 +211,7 @@ def decode_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Te
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         num_heads, d, group, split_len, num_splits,
         BLOCK_SIZE=bs, G_P=_pow2(max(group, 16)), D_P=d_p, USE_SOFTCAP=softcap is not None,
-        USE_WINDOW=sliding_window is not None, IS_FP32=query.dtype == torch.float32)
+        USE_WINDOW=sliding_window is not None, DOT_F32=_dot_f32(query.dtype))
     _reduce_kernel[(n, num_heads)](part_out, part_lse, out, query_start_loc, decode_req,
                                    out.stride(0), out.stride(1), num_heads, d, num_splits,
                                    S_P=_pow2(num_splits), D_P=d_p)
@@ -214,7 +223,7 @@ def _prefill_kernel(query, out, key_cache, value_cache, block_tables, seq_lens, 
                     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_ch, stride_cb, stride_ct,
                     head_dim, group,
                     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, G_P: tl.constexpr, D_P: tl.constexpr,
-                    USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, IS_FP32: tl.constexpr):
+                    USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_F32: tl.constexpr):
     j = tl.program_id(0)
     kvh = tl.program_id(1)
     r = tl.load(tile_req + j).to(tl.int64)
@@ -250,12 +259,12 @@ def _prefill_kernel(query, out, key_cache, value_cache, block_tables, seq_lens, 
         lmask = kmask[:, None] & dmask[None, :]
         k = tl.load(key_cache + base, mask=lmask, other=0.0)
         v = tl.load(value_cache + base, mask=lmask, other=0.0)
-        s = _scores(q, k, scale, softcap, USE_SOFTCAP, IS_FP32)
+        s = _scores(q, k, scale, softcap, USE_SOFTCAP, DOT_F32)
         vis = kmask[None, :] & (kpos[None, :] <= qpos[:, None])
         if USE_WINDOW:
             vis = vis & (kpos[None, :] > qpos[:, None] - window)
         s = tl.where(vis, s, float("-inf"))
-        m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, IS_FP32)
+        m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, DOT_F32)
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out + (qs + tok)[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
              o.to(out.dtype.element_ty), mask=qmask)
@@ -296,4 +305,4 @@ def prefill_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.T
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), d, group,
         BLOCK_SIZE=bs, BLOCK_Q=block_q, G_P=_pow2(group), D_P=_pow2(max(d, 16)),
         USE_SOFTCAP=softcap is not None, USE_WINDOW=sliding_window is not None,
-        IS_FP32=query.dtype == torch.float32)
+        DOT_F32=_dot_f32(query.dtype))

@@ -33,6 +33,8 @@ from pagedllm.attention.metadata import AttentionBatch
 # at most MAX_SPLITS (vLLM's paged attention v2 uses partitions of 512)
 SPLIT_TOKENS = 512
 MAX_SPLITS = 16
+# a KV block is one tile of the kernels' products, and tl.dot wants tiles of 16 or more on the GPU
+MIN_CUDA_BLOCK_SIZE = 16
 
 
 def triton_available() -> bool:
@@ -118,8 +120,13 @@ class TritonPagedBackend(AttentionBackend):
 
         The decode split count follows the longest decode context: ``ceil(max_len / split_tokens)``
         splits, at most ``max_splits``, each a whole number of blocks.
+
+        Raises:
+            ValueError: a block size under 16 on CUDA (``tl.dot`` needs 16-wide tiles there).
         """
         bs, qsl = batch.block_size, batch.query_start_loc
+        if bs < MIN_CUDA_BLOCK_SIZE and self.device.type == "cuda":
+            raise ValueError(f"attention backend 'triton' needs block_size >= {MIN_CUDA_BLOCK_SIZE} on CUDA, got {bs}")
         r = qsl.shape[0] - 1
         n = qsl[1:] - qsl[:-1]
         nblk = max(1, -(-int(batch.seq_lens.max()) // bs)) if r else 1

@@ -52,3 +52,10 @@ def test_cli_flags_reach_engine_args():
     defaults = engine_args_from_cli(p.parse_args([]))
     assert defaults.attention_backend is None and defaults.enforce_eager is False
     assert EngineArgs(attention_backend="torch").attention_backend == "torch"
+
+
+def test_small_blocks_on_cuda_are_refused_for_triton(monkeypatch):
+    monkeypatch.setattr(triton_paged, "triton_available", lambda: True)
+    with pytest.raises(ValueError, match="block_size must be >= 16"):
+        EngineArgs(device="cuda", block_size=8)
+    assert EngineArgs(device="cuda", block_size=8, attention_backend="torch").block_size == 8
