@@ -73,8 +73,11 @@ class DeviceSamplingTensors:
         keys = [philox_key(p.seed) if p.seed is not None else philox_key(engine_seed * 0x100000001 + step + i)
                 for i, p in enumerate(params)]
 
-        def t(vals, dtype):
-            return torch.tensor(vals, dtype=dtype).to(device, non_blocking=True)
+        pin = torch.device(device).type == "cuda"
+
+        def t(vals, dtype):  # from pinned memory a non-blocking copy queues without a stream sync
+            host = torch.tensor(vals, dtype=dtype)
+            return (host.pin_memory() if pin else host).to(device, non_blocking=True)
 
         return cls(temperature=t([p.temperature for p in params], torch.float32), top_k=t(top_k, torch.int64),
                    top_p=t([p.top_p for p in params], torch.float32), min_p=t([p.min_p for p in params], torch.float32),

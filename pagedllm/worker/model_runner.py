@@ -34,6 +34,7 @@ from pagedllm.structured_output.manager import GrammarMask
 from pagedllm.worker.input_batch import InputBatch, SamplingMetadata
 from pagedllm.worker.sampler import Sampler, gather_logprobs
 from pagedllm.worker.spec_verify import verify
+from pagedllm.worker.upload import to_device
 from pagedllm.worker.scripted import ScriptedOutput
 
 
@@ -198,12 +199,12 @@ class ModelRunner:
         input_ids, positions, meta = self._prepare_inputs(slots, n, start, end, qsl)
         sample, pend, pending_src, slot_row, sampling = self._prepare_sampling(slots, end, spec)
         rows, prompt_lp = self._prepare_prompt_logprobs(rids, slots, start, end, qsl, sample, spec)
-        dev = self.device
+        input_ids, positions, logits_rows, pending_idx, pending_src = to_device(
+            [input_ids, positions, rows, qsl[1:][pend] - 1, pending_src], self.device)
         return PreparedStep(
             input_ids=input_ids, positions=positions, meta=meta,
-            logits_rows=torch.from_numpy(rows).to(dev), sample_ids=[rids[i] for i in sample.tolist()],
-            sampling=sampling, prompt_lp=prompt_lp,
-            pending_idx=torch.from_numpy(qsl[1:][pend] - 1).to(dev), pending_src=torch.from_numpy(pending_src).to(dev),
+            logits_rows=logits_rows, sample_ids=[rids[i] for i in sample.tolist()],
+            sampling=sampling, prompt_lp=prompt_lp, pending_idx=pending_idx, pending_src=pending_src,
             slot_row=slot_row, grammar=self._grammar_rows(rids, sample, sampling),
             drafts=None if not so.spec_token_ids else [so.spec_token_ids.get(rids[i], []) for i in sample.tolist()],
             draft_probs=None if not so.spec_draft_probs else [so.spec_draft_probs.get(rids[i]) for i in sample.tolist()])
@@ -231,7 +232,7 @@ class ModelRunner:
         return GrammarMask(rows, [rids[int(sample[i])] for i in rows])
 
     def _prepare_inputs(self, slots: np.ndarray, n: np.ndarray, start: np.ndarray, end: np.ndarray,
-                        qsl: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+                        qsl: np.ndarray) -> tuple[np.ndarray, np.ndarray, AttentionMetadata]:
         """The model inputs of the scheduled requests, and the attention backend's metadata.
 
         Args:
@@ -240,9 +241,10 @@ class ModelRunner:
             qsl: ``[R + 1]`` cumulative ``n``.
         Returns:
             ``input_ids`` ``[T]`` int64 (a pending token's entry is filled when the step runs),
-            ``positions`` ``[T]`` int64, and the metadata. Marks the tokens computed in the batch.
+            ``positions`` ``[T]`` int64 (host arrays: ``_prepare`` copies them to the device with the
+            step's other arrays in one transfer), and the metadata. Marks the tokens computed in the batch.
         """
-        b, bs, dev = self.input_batch, self.block_size, self.device
+        b, bs = self.input_batch, self.block_size
         row_slot = np.repeat(slots, n)
         pos = np.arange(qsl[-1], dtype=np.int64) - np.repeat(qsl[:-1] - start, n)
         input_ids = b.token_ids[row_slot, pos].astype(np.int64)
@@ -251,7 +253,7 @@ class ModelRunner:
         meta = self.attention_backend.build_metadata(AttentionBatch(
             query_start_loc=qsl, num_computed=start, seq_lens=end, slot_mapping=slot_mapping,
             block_table=b.block_table, rows=slots, block_size=bs))
-        return torch.from_numpy(input_ids).to(dev), torch.from_numpy(pos).to(dev), meta
+        return input_ids, pos, meta
 
     def _prepare_sampling(self, slots: np.ndarray, end: np.ndarray, spec: np.ndarray):
         """Which requests sample a token this step, and where their pending inputs come from.
