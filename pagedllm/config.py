@@ -187,10 +187,14 @@ class EngineArgs:
             # the dtype of --dtype auto is resolved again at load; validate with float32 then
             dtype = parse_dtype(self.dtype) if self.dtype != "auto" else torch.float32
             self.attention_backend = check_attention_backend(self.attention_backend, self.device, dtype)
-        if torch.device(self.device).type == "cuda" and self.attention_backend in (None, "triton") \
-                and self.block_size < 16:
+        if torch.device(self.device).type == "cuda" and self.block_size < 16 and self._triton_on_cuda():
             raise ValueError(f"block_size must be >= 16 for the Triton attention backend on CUDA "
                              f"(attention_backend={self.attention_backend!r}), got {self.block_size}")
+
+    def _triton_on_cuda(self) -> bool:
+        """The Triton backend serves this CUDA device: asked for, or the default with triton installed."""
+        from pagedllm.attention.triton_paged import triton_available
+        return self.attention_backend == "triton" or (self.attention_backend is None and triton_available())
 
     @classmethod
     def field_names(cls) -> set[str]:

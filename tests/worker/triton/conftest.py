@@ -15,7 +15,7 @@ import os
 
 import pytest
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ["TRITON_INTERPRET"] = "1"
 
 
 def pytest_collection_modifyitems(config, items) -> None:
