@@ -124,6 +124,13 @@ class EngineArgs:
             string such as ``{"method": "ngram", "num_speculative_tokens": 4}``; parsed into a
             ``pagedllm.spec_decode.config.SpeculativeConfig`` (its docstring lists the keys).
             ``None``: no speculation.
+        tensor_parallel_size: ranks that split every layer (vLLM's ``--tensor-parallel-size``;
+            Megatron-style, ``models/layers/parallel.py``); above 1 needs a native model, float
+            weights and an ``mp`` executor.
+        pipeline_parallel_size: ranks that split the layers (``--pipeline-parallel-size``); only 1
+            is implemented.
+        distributed_executor_backend: ``mp`` (one process per extra rank, the default above one
+            rank), ``uni`` (one rank in process) or ``ray`` (not implemented yet); vLLM's name.
     """
 
     model: str | None = None
@@ -147,6 +154,9 @@ class EngineArgs:
     enable_multiprocessing: bool | None = None
     async_scheduling: bool | None = None
     speculative_config: Any = None
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -168,9 +178,39 @@ class EngineArgs:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         from pagedllm.spec_decode.config import SpeculativeConfig
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        self._check_parallel()
         parse_size(self.kv_cache_memory)
         parse_dtype(self.dtype)
         torch.device(self.device)
+
+    def _check_parallel(self) -> None:
+        """Refuse parallel settings that are not implemented (each message names its flag).
+
+        Raises:
+            ValueError: a size below 1, ``pipeline_parallel_size`` above 1, an unknown or
+                unimplemented executor backend, ``uni`` with several ranks, or a draft model or packed
+                (``gguf``/``int8``) weights with them.
+        """
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
+        if self.pipeline_parallel_size != 1:
+            raise ValueError(f"--pipeline-parallel-size {self.pipeline_parallel_size} is not implemented yet "
+                             "(only 1)")
+        backend = self.distributed_executor_backend
+        if backend not in (None, "mp", "uni", "ray"):
+            raise ValueError(f"--distributed-executor-backend must be mp, uni or ray, got {backend!r}")
+        if backend == "ray":
+            raise ValueError("--distributed-executor-backend ray is not implemented yet (use mp)")
+        if backend == "uni" and self.tensor_parallel_size > 1:
+            raise ValueError(f"--distributed-executor-backend uni runs one rank; --tensor-parallel-size "
+                             f"{self.tensor_parallel_size} needs mp")
+        if self.tensor_parallel_size > 1 and self.quantization in ("gguf", "int8"):
+            raise ValueError(f"--tensor-parallel-size {self.tensor_parallel_size} serves float weights only: use "
+                             f"--quantization none (or auto), not {self.quantization!r}")
+        spec = self.speculative_config
+        if self.tensor_parallel_size > 1 and spec is not None and spec.method == "draft_model":
+            raise ValueError("--speculative-config with a draft_model is not implemented with "
+                             "--tensor-parallel-size above 1 (ngram and suffix are)")
 
     @classmethod
     def field_names(cls) -> set[str]:

@@ -1,0 +1,123 @@
+"""The process group of a tensor-parallel job, and the rank helpers the model layers ask.
+
+Follows vLLM's ``vllm.distributed.parallel_state`` in shape: one ``torch.distributed``
+process group per engine (gloo on the CPU, NCCL on CUDA), the tensor-parallel group
+being the whole world while pipeline parallelism is not implemented. The state is
+per process: the engine core holds rank 0, each worker process one other rank.
+A process without a group (the default) is rank 0 of a group of size 1, so the
+model code asks ``get_tp_size()`` and never whether a group exists.
+
+The communication helpers count calls and bytes (``CommStats``), which is how the
+per-step all-reduce traffic of ``docs/distributed.md`` was measured.
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class CommStats:
+    """Collective calls and payload bytes (per rank, as sent by this rank) since the last reset."""
+
+    all_reduce_calls: int = 0
+    all_reduce_bytes: int = 0
+    gather_calls: int = 0
+    gather_bytes: int = 0
+    broadcast_calls: int = 0
+
+    def reset(self) -> None:
+        """Zero every counter."""
+        self.all_reduce_calls = self.all_reduce_bytes = self.gather_calls = self.gather_bytes = 0
+        self.broadcast_calls = 0
+
+
+_STATE = {"tp_rank": 0, "tp_size": 1, "group": None}
+COMM_STATS = CommStats()
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for the group's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(rank: int, world_size: int, init_method: str, backend: str = "gloo",
+                     timeout_s: float = 1800.0) -> None:
+    """Join the job's process group as ``rank`` of ``world_size`` and make it the TP group.
+
+    Args:
+        init_method: rendezvous URL, ``tcp://127.0.0.1:PORT`` (every rank passes the same).
+        backend: ``gloo`` (CPU tensors) or ``nccl`` (CUDA).
+        timeout_s: how long a collective waits for a missing peer (seconds).
+    Raises:
+        RuntimeError: a group already exists in this process, or the rendezvous failed.
+    """
+    if _STATE["group"] is not None:
+        raise RuntimeError("this process already belongs to a tensor-parallel group")
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    _STATE.update(tp_rank=rank, tp_size=world_size, group=dist.group.WORLD)
+
+
+def destroy_distributed() -> None:
+    """Leave the process group (no-op without one); afterwards this process is rank 0 of 1 again."""
+    if _STATE["group"] is not None:
+        try:
+            dist.destroy_process_group()
+        finally:
+            _STATE.update(tp_rank=0, tp_size=1, group=None)
+
+
+def get_tp_rank() -> int:
+    """This process's tensor-parallel rank (0 without a group)."""
+    return _STATE["tp_rank"]
+
+
+def get_tp_size() -> int:
+    """Ranks in the tensor-parallel group (1 without a group)."""
+    return _STATE["tp_size"]
+
+
+def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """Sum ``x`` over the TP ranks, in place; returns ``x`` (any shape and dtype)."""
+    if _STATE["tp_size"] == 1:
+        return x
+    COMM_STATS.all_reduce_calls += 1
+    COMM_STATS.all_reduce_bytes += x.numel() * x.element_size()
+    dist.all_reduce(x, group=_STATE["group"])
+    return x
+
+
+def tp_gather_last_dim(x: torch.Tensor) -> torch.Tensor | None:
+    """Concatenate every rank's ``x`` ``[..., n]`` along the last dim on rank 0.
+
+    Every rank passes the same shape. Returns ``[..., tp_size * n]`` on rank 0 and ``None``
+    on the others (vLLM's ``tensor_model_parallel_gather``).
+    """
+    size = _STATE["tp_size"]
+    if size == 1:
+        return x
+    x = x.contiguous()
+    COMM_STATS.gather_calls += 1
+    COMM_STATS.gather_bytes += x.numel() * x.element_size()
+    rank = _STATE["tp_rank"]
+    parts = [torch.empty_like(x) for _ in range(size)] if rank == 0 else None
+    dist.gather(x, parts, dst=0, group=_STATE["group"])
+    return torch.cat(parts, dim=-1) if rank == 0 else None
+
+
+def tp_broadcast_object(obj=None):
+    """Rank 0's ``obj`` on every rank (pickled; for small per-step messages)."""
+    if _STATE["tp_size"] == 1:
+        return obj
+    COMM_STATS.broadcast_calls += 1
+    box = [obj]
+    dist.broadcast_object_list(box, src=0, group=_STATE["group"])
+    return box[0]
