@@ -99,7 +99,7 @@ class MultiprocExecutor(Executor):
                 parent, child = ctx.Pipe()
                 p = ctx.Process(target=worker.worker_main, args=(rank, world_size, url, args, str(model_dir), child),
                                 name=f"pagedllm-tp{rank}", daemon=True)
-                p.start()
+                _start_child(p)
                 child.close()
                 self.procs.append(p)
                 self.conns.append(parent)
@@ -194,6 +194,24 @@ class MultiprocExecutor(Executor):
             destroy_distributed()
         except Exception:  # a group whose peers died cannot be torn down cleanly; it is dropped anyway
             logger.debug("process group teardown failed", exc_info=True)
+
+
+def _start_child(p) -> None:
+    """Start process ``p``, also from a daemonic process (the core process of ``pagedllm serve`` is one).
+
+    ``multiprocessing`` refuses children to daemonic processes so that none outlives its parent at
+    exit; a worker cannot: it exits when its pipe closes, and ``shutdown`` reaps it.
+    """
+    config = mp.current_process()._config
+    daemon = config.get("daemon")
+    config["daemon"] = False
+    try:
+        p.start()
+    finally:
+        if daemon is not None:
+            config["daemon"] = daemon
+        else:
+            config.pop("daemon", None)
 
 
 class _CheckedHandle:

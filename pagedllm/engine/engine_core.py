@@ -219,6 +219,18 @@ class EngineCore:
             raise ValueError(f"unknown engine core utility {name!r} (known: {sorted(self.UTILITIES)})")
         return getattr(self, name)(*args)
 
+    def check_health(self) -> None:
+        """Return when every rank can step; raise ``WorkerDiedError`` when a worker process is gone."""
+        self.executor.check_health()
+
+    def is_healthy(self) -> bool:
+        """False once a worker process of the executor is gone (``/health`` then answers 503)."""
+        try:
+            self.executor.check_health()
+        except RuntimeError:
+            return False
+        return True
+
     def has_unfinished_requests(self) -> bool:
         """True while any request waits or runs, or a step's results are still to be applied."""
         return self.scheduler.has_unfinished_requests() or self._in_flight is not None

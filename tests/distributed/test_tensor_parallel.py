@@ -29,6 +29,28 @@ def _children() -> list:
     return [p for p in multiprocessing.active_children() if p.name.startswith("pagedllm-tp")]
 
 
+def _children_of(pid: int) -> list[int]:
+    """Pids whose parent is ``pid`` (read from /proc)."""
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                stat = open(f"/proc/{d}/stat").read()
+            except OSError:
+                continue
+            if int(stat.rpartition(")")[2].split()[1]) == pid:
+                out.append(int(d))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie."""
+    try:
+        return open(f"/proc/{pid}/stat").read().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def _generate(path, prompts, **kw) -> tuple[list[list[int]], LLM]:
     llm = LLM(str(path), num_kv_blocks=64, num_threads=1, **kw)
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
@@ -129,6 +151,22 @@ def test_tp2_sync_scheduling_and_sampling_seeded(tiny_model_dir):
     assert outs[1] == outs[2]
 
 
+def test_tp2_in_core_process(tiny_model_dir):
+    """``pagedllm serve``'s shape: the core in its own (daemonic) process starts the worker."""
+    path = tiny_model_dir("llama")
+    want, llm1 = _generate(path, PROMPTS[:2])
+    llm1.engine.shutdown()
+    got, llm2 = _generate(path, PROMPTS[:2], tensor_parallel_size=2, enable_multiprocessing=True)
+    workers = _children_of(llm2.engine.client.proc.pid)
+    assert len(workers) == 1
+    llm2.engine.shutdown()
+    assert got == want
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(pid) for pid in workers), "a worker outlived its core process"
+
+
 # ---------------------------------------------------------------- failure
 
 def test_killed_worker_fails_fast_and_leaves_no_process(tiny_model_dir):
@@ -141,4 +179,20 @@ def test_killed_worker_fails_fast_and_leaves_no_process(tiny_model_dir):
         llm.generate([PROMPTS[0]] * 4, long, use_tqdm=False)
     assert time.monotonic() - t0 < 30
     llm.engine.shutdown()
+    assert _children() == []
+
+
+def test_worker_dying_while_idle_marks_engine_dead(tiny_model_dir):
+    """``/health`` reads ``is_alive``: it turns False without a request, and the next request fails."""
+    llm = LLM(str(tiny_model_dir("llama")), num_kv_blocks=64, num_threads=1, tensor_parallel_size=2)
+    try:
+        assert llm.engine.is_alive()
+        (worker,) = _children()
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.join(5)
+        assert not llm.engine.is_alive()
+        with pytest.raises(RuntimeError, match="worker rank 1"):
+            llm.generate([PROMPTS[0]], GREEDY, use_tqdm=False)
+    finally:
+        llm.engine.shutdown()
     assert _children() == []
