@@ -196,3 +196,21 @@ def test_worker_dying_while_idle_marks_engine_dead(tiny_model_dir):
     finally:
         llm.engine.shutdown()
     assert _children() == []
+
+
+# ---------------------------------------------------------------- the real model
+
+def test_smollm2_tp2_greedy_equals_tp1(smollm2_dir, smollm2_tokenizer, hf_smollm2, greedy_ref):
+    """SmolLM2's 9 heads in 3 KV groups split 6 + 3 over the two ranks (float32 weights)."""
+    texts = ["The capital of France is", "def fibonacci(n):\n    ", "Once upon a time, in a small village,"]
+    prompts = [smollm2_tokenizer(t)["input_ids"] for t in texts]
+    want, llm1 = _generate(smollm2_dir, prompts, quantization="none")
+    llm1.engine.shutdown()
+    got, llm2 = _generate(smollm2_dir, prompts, quantization="none", tensor_parallel_size=2)
+    try:
+        attn = llm2.engine.core.runner.model.layers[0].self_attn
+        assert (attn.num_heads, attn.num_kv_heads) == (6, 2)
+    finally:
+        llm2.engine.shutdown()
+    for k, (g, w) in enumerate(zip(got, want)):
+        greedy_ref.assert_same_greedy(g, w, prompts[k], hf_smollm2, f"smollm2 TP=2 prompt {k}")
