@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime
 import socket
+import time
 from dataclasses import dataclass
 
 import torch
@@ -23,18 +24,23 @@ import torch.distributed as dist
 
 @dataclass
 class CommStats:
-    """Collective calls and payload bytes (per rank, as sent by this rank) since the last reset."""
+    """Collective calls, payload bytes (this rank's tensor) and wall seconds (``time.perf_counter``,
+    waiting for slower peers included) since the last reset."""
 
     all_reduce_calls: int = 0
     all_reduce_bytes: int = 0
+    all_reduce_s: float = 0.0
     gather_calls: int = 0
     gather_bytes: int = 0
+    gather_s: float = 0.0
     broadcast_calls: int = 0
+    broadcast_s: float = 0.0
 
     def reset(self) -> None:
         """Zero every counter."""
         self.all_reduce_calls = self.all_reduce_bytes = self.gather_calls = self.gather_bytes = 0
         self.broadcast_calls = 0
+        self.all_reduce_s = self.gather_s = self.broadcast_s = 0.0
 
 
 _STATE = {"tp_rank": 0, "tp_size": 1, "group": None}
@@ -91,7 +97,9 @@ def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
         return x
     COMM_STATS.all_reduce_calls += 1
     COMM_STATS.all_reduce_bytes += x.numel() * x.element_size()
+    t0 = time.perf_counter()
     dist.all_reduce(x, group=_STATE["group"])
+    COMM_STATS.all_reduce_s += time.perf_counter() - t0
     return x
 
 
@@ -109,7 +117,9 @@ def tp_gather_last_dim(x: torch.Tensor) -> torch.Tensor | None:
     COMM_STATS.gather_bytes += x.numel() * x.element_size()
     rank = _STATE["tp_rank"]
     parts = [torch.empty_like(x) for _ in range(size)] if rank == 0 else None
+    t0 = time.perf_counter()
     dist.gather(x, parts, dst=0, group=_STATE["group"])
+    COMM_STATS.gather_s += time.perf_counter() - t0
     return torch.cat(parts, dim=-1) if rank == 0 else None
 
 
@@ -119,5 +129,7 @@ def tp_broadcast_object(obj=None):
         return obj
     COMM_STATS.broadcast_calls += 1
     box = [obj]
+    t0 = time.perf_counter()
     dist.broadcast_object_list(box, src=0, group=_STATE["group"])
+    COMM_STATS.broadcast_s += time.perf_counter() - t0
     return box[0]
