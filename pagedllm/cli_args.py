@@ -53,7 +53,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="ranks that split every layer (Megatron-style; native Llama/Qwen2, float weights)")
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
-                   help="ranks that split the layers (only 1 is implemented)")
+                   help="ranks that split the layers into stages (not together with --tensor-parallel-size yet)")
     p.add_argument("--distributed-executor-backend", choices=["mp", "uni", "ray"], default=None,
                    help="mp: one process per extra rank (default with several ranks); uni: in process; "
                         "ray: not implemented yet")

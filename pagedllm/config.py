@@ -127,8 +127,8 @@ class EngineArgs:
         tensor_parallel_size: ranks that split every layer (vLLM's ``--tensor-parallel-size``;
             Megatron-style, ``models/layers/parallel.py``); above 1 needs a native model, float
             weights and an ``mp`` executor.
-        pipeline_parallel_size: ranks that split the layers (``--pipeline-parallel-size``); only 1
-            is implemented.
+        pipeline_parallel_size: ranks that split the layers into stages (``--pipeline-parallel-size``,
+            ``models/layers/pipeline.py``); not together with tensor parallelism yet.
         distributed_executor_backend: ``mp`` (one process per extra rank, the default above one
             rank), ``uni`` (one rank in process) or ``ray`` (not implemented yet); vLLM's name.
     """
@@ -187,30 +187,33 @@ class EngineArgs:
         """Refuse parallel settings that are not implemented (each message names its flag).
 
         Raises:
-            ValueError: a size below 1, ``pipeline_parallel_size`` above 1, an unknown or
+            ValueError: a size below 1, tensor and pipeline parallelism together, an unknown or
                 unimplemented executor backend, ``uni`` with several ranks, or a draft model or packed
                 (``gguf``/``int8``) weights with them.
         """
         if self.tensor_parallel_size < 1:
             raise ValueError(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
-        if self.pipeline_parallel_size != 1:
-            raise ValueError(f"--pipeline-parallel-size {self.pipeline_parallel_size} is not implemented yet "
-                             "(only 1)")
+        if self.pipeline_parallel_size < 1:
+            raise ValueError(f"--pipeline-parallel-size must be >= 1, got {self.pipeline_parallel_size}")
+        if self.pipeline_parallel_size > 1 and self.tensor_parallel_size > 1:
+            raise ValueError("--tensor-parallel-size and --pipeline-parallel-size above 1 together are not "
+                             "implemented yet (use one of them)")
+        world = self.tensor_parallel_size * self.pipeline_parallel_size
         backend = self.distributed_executor_backend
         if backend not in (None, "mp", "uni", "ray"):
             raise ValueError(f"--distributed-executor-backend must be mp, uni or ray, got {backend!r}")
         if backend == "ray":
             raise ValueError("--distributed-executor-backend ray is not implemented yet (use mp)")
-        if backend == "uni" and self.tensor_parallel_size > 1:
-            raise ValueError(f"--distributed-executor-backend uni runs one rank; --tensor-parallel-size "
-                             f"{self.tensor_parallel_size} needs mp")
-        if self.tensor_parallel_size > 1 and self.quantization in ("gguf", "int8"):
-            raise ValueError(f"--tensor-parallel-size {self.tensor_parallel_size} serves float weights only: use "
-                             f"--quantization none (or auto), not {self.quantization!r}")
+        flag = "--tensor-parallel-size" if self.tensor_parallel_size > 1 else "--pipeline-parallel-size"
+        if backend == "uni" and world > 1:
+            raise ValueError(f"--distributed-executor-backend uni runs one rank; {flag} {world} needs mp")
+        if world > 1 and self.quantization in ("gguf", "int8"):
+            raise ValueError(f"{flag} {world} serves float weights only: use --quantization none (or auto), "
+                             f"not {self.quantization!r}")
         spec = self.speculative_config
-        if self.tensor_parallel_size > 1 and spec is not None and spec.method == "draft_model":
-            raise ValueError("--speculative-config with a draft_model is not implemented with "
-                             "--tensor-parallel-size above 1 (ngram and suffix are)")
+        if world > 1 and spec is not None and spec.method == "draft_model":
+            raise ValueError(f"--speculative-config with a draft_model is not implemented with {flag} above 1 "
+                             "(ngram and suffix are)")
 
     @classmethod
     def field_names(cls) -> set[str]:

@@ -74,7 +74,7 @@ class MultiprocExecutor(Executor):
     Args:
         args: the engine's ``EngineArgs`` (the workers load the same model with them).
         model_dir: the resolved model directory.
-        world_size: ranks in all (``tensor_parallel_size``).
+        world_size: ranks in all (``tensor_parallel_size`` or ``pipeline_parallel_size``).
         run_on_exec: runs a function on the core's execution thread and returns its result
             (rank 0 joins the process group there).
     Raises:
@@ -104,7 +104,8 @@ class MultiprocExecutor(Executor):
                 self.procs.append(p)
                 self.conns.append(parent)
             backend = "nccl" if args.torch_device.type == "cuda" else "gloo"
-            run_on_exec(lambda: init_distributed(0, world_size, url, backend))
+            run_on_exec(lambda: init_distributed(0, world_size, url, backend,
+                                                 pipeline_parallel_size=args.pipeline_parallel_size))
         except BaseException:
             self.shutdown()
             raise
@@ -239,15 +240,16 @@ class _CheckedHandle:
 
 
 def create_executor(args, model_dir, run_on_exec) -> Executor:
-    """The executor ``args`` ask for (``distributed_executor_backend``, ``tensor_parallel_size``).
+    """The executor ``args`` ask for (``distributed_executor_backend``, ``tensor_parallel_size``,
+    ``pipeline_parallel_size``).
 
     Raises:
         ValueError: an executor backend not implemented yet (``ray``).
     """
-    tp = args.tensor_parallel_size
+    world = args.tensor_parallel_size * args.pipeline_parallel_size
     backend = args.distributed_executor_backend or "mp"
-    if tp == 1 or backend == "uni":
+    if world == 1 or backend == "uni":
         return UniProcExecutor()
     if backend == "mp":
-        return MultiprocExecutor(args, model_dir, tp, run_on_exec)
+        return MultiprocExecutor(args, model_dir, world, run_on_exec)
     raise ValueError(f"--distributed-executor-backend {backend!r} is not implemented yet (use mp or uni)")

@@ -1,11 +1,11 @@
 """The process group of a tensor-parallel job, and the rank helpers the model layers ask.
 
 Follows vLLM's ``vllm.distributed.parallel_state`` in shape: one ``torch.distributed``
-process group per engine (gloo on the CPU, NCCL on CUDA), the tensor-parallel group
-being the whole world while pipeline parallelism is not implemented. The state is
+process group per engine (gloo on the CPU, NCCL on CUDA), which is either the tensor-parallel
+group or the pipeline (TP and PP do not combine yet). The state is
 per process: the engine core holds rank 0, each worker process one other rank.
 A process without a group (the default) is rank 0 of a group of size 1, so the
-model code asks ``get_tp_size()`` and never whether a group exists.
+model code asks ``get_tp_size()`` / ``get_pp_size()`` and never whether a group exists.
 
 The communication helpers count calls and bytes (``CommStats``), which is how the
 per-step all-reduce traffic of ``docs/distributed.md`` was measured.
@@ -35,15 +35,18 @@ class CommStats:
     gather_s: float = 0.0
     broadcast_calls: int = 0
     broadcast_s: float = 0.0
+    p2p_calls: int = 0
+    p2p_bytes: int = 0
+    p2p_s: float = 0.0
 
     def reset(self) -> None:
         """Zero every counter."""
         self.all_reduce_calls = self.all_reduce_bytes = self.gather_calls = self.gather_bytes = 0
-        self.broadcast_calls = 0
-        self.all_reduce_s = self.gather_s = self.broadcast_s = 0.0
+        self.broadcast_calls = self.p2p_calls = self.p2p_bytes = 0
+        self.all_reduce_s = self.gather_s = self.broadcast_s = self.p2p_s = 0.0
 
 
-_STATE = {"tp_rank": 0, "tp_size": 1, "group": None}
+_STATE = {"rank": 0, "world_size": 1, "tp_rank": 0, "tp_size": 1, "pp_rank": 0, "pp_size": 1, "group": None}
 COMM_STATS = CommStats()
 
 
@@ -55,8 +58,9 @@ def free_port() -> int:
 
 
 def init_distributed(rank: int, world_size: int, init_method: str, backend: str = "gloo",
-                     timeout_s: float = 1800.0) -> None:
-    """Join the job's process group as ``rank`` of ``world_size`` and make it the TP group.
+                     timeout_s: float = 1800.0, pipeline_parallel_size: int = 1) -> None:
+    """Join the job's process group as ``rank`` of ``world_size``: the tensor-parallel group, or with
+    ``pipeline_parallel_size`` > 1 the pipeline (rank ``r`` is stage ``r``; TP and PP do not combine yet).
 
     Args:
         init_method: rendezvous URL, ``tcp://127.0.0.1:PORT`` (every rank passes the same).
@@ -69,7 +73,9 @@ def init_distributed(rank: int, world_size: int, init_method: str, backend: str 
         raise RuntimeError("this process already belongs to a tensor-parallel group")
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
-    _STATE.update(tp_rank=rank, tp_size=world_size, group=dist.group.WORLD)
+    pp = pipeline_parallel_size > 1
+    _STATE.update(rank=rank, world_size=world_size, tp_rank=0 if pp else rank, tp_size=1 if pp else world_size,
+                  pp_rank=rank if pp else 0, pp_size=world_size if pp else 1, group=dist.group.WORLD)
 
 
 def destroy_distributed() -> None:
@@ -78,7 +84,7 @@ def destroy_distributed() -> None:
         try:
             dist.destroy_process_group()
         finally:
-            _STATE.update(tp_rank=0, tp_size=1, group=None)
+            _STATE.update(rank=0, world_size=1, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, group=None)
 
 
 def get_tp_rank() -> int:
@@ -89,6 +95,39 @@ def get_tp_rank() -> int:
 def get_tp_size() -> int:
     """Ranks in the tensor-parallel group (1 without a group)."""
     return _STATE["tp_size"]
+
+
+def get_world_size() -> int:
+    """Ranks in the job (tensor times pipeline parallel; 1 without a group)."""
+    return _STATE["world_size"]
+
+
+def get_pp_rank() -> int:
+    """This process's pipeline stage (0 without a group)."""
+    return _STATE["pp_rank"]
+
+
+def get_pp_size() -> int:
+    """Pipeline stages (1 without a group)."""
+    return _STATE["pp_size"]
+
+
+def pp_send(x: torch.Tensor, dst: int) -> None:
+    """Send ``x`` (contiguous, any dtype) to pipeline rank ``dst`` (blocks until received by gloo)."""
+    COMM_STATS.p2p_calls += 1
+    COMM_STATS.p2p_bytes += x.numel() * x.element_size()
+    t0 = time.perf_counter()
+    dist.send(x.contiguous(), dst, group=_STATE["group"])
+    COMM_STATS.p2p_s += time.perf_counter() - t0
+
+
+def pp_recv(shape: tuple[int, ...], dtype: torch.dtype, src: int, device=None) -> torch.Tensor:
+    """Receive a ``shape`` ``dtype`` tensor from pipeline rank ``src``."""
+    x = torch.empty(shape, dtype=dtype, device=device)
+    t0 = time.perf_counter()
+    dist.recv(x, src, group=_STATE["group"])
+    COMM_STATS.p2p_s += time.perf_counter() - t0
+    return x
 
 
 def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
@@ -123,9 +162,9 @@ def tp_gather_last_dim(x: torch.Tensor) -> torch.Tensor | None:
     return torch.cat(parts, dim=-1) if rank == 0 else None
 
 
-def tp_broadcast_object(obj=None):
-    """Rank 0's ``obj`` on every rank (pickled; for small per-step messages)."""
-    if _STATE["tp_size"] == 1:
+def broadcast_object(obj=None):
+    """Rank 0's ``obj`` on every rank of the job (pickled; for small per-step messages)."""
+    if _STATE["world_size"] == 1:
         return obj
     COMM_STATS.broadcast_calls += 1
     box = [obj]

@@ -22,7 +22,7 @@ import traceback
 import torch
 
 from pagedllm.core.scheduler_output import ModelRunnerOutput
-from pagedllm.distributed.parallel_state import destroy_distributed, init_distributed, tp_broadcast_object
+from pagedllm.distributed.parallel_state import destroy_distributed, init_distributed, broadcast_object
 from pagedllm.worker.model_runner import ModelRunner, PreparedStep
 
 logger = logging.getLogger(__name__)
@@ -35,7 +35,7 @@ class DriverModelRunner(ModelRunner):
     def _run(self, step: PreparedStep, prev: PreparedStep | None, timer) -> ModelRunnerOutput:
         """Forward and sample as ``ModelRunner``; then send ``(sampled ids, emitted drafts)`` to every rank."""
         out = super()._run(step, prev, timer)
-        tp_broadcast_object((step.sampled_list, step.emitted))
+        broadcast_object((step.sampled_list, step.emitted))
         return out
 
 
@@ -52,7 +52,7 @@ class WorkerModelRunner(ModelRunner):
         if step.pending_idx.numel():
             step.input_ids[step.pending_idx] = prev.sampled[step.pending_src]
         self.model(step.input_ids, step.positions, self.kv_caches, step.meta, step.logits_rows)
-        got = tp_broadcast_object()
+        got = broadcast_object()
         if got is None:
             raise RuntimeError("rank 0 sent no tokens for the step")
         step.sampled_list, step.emitted = got
@@ -70,7 +70,8 @@ def worker_main(rank: int, world_size: int, init_method: str, args, model_dir: s
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(args.num_threads or torch.get_num_threads())
     try:
-        init_distributed(rank, world_size, init_method, "nccl" if args.torch_device.type == "cuda" else "gloo")
+        init_distributed(rank, world_size, init_method, "nccl" if args.torch_device.type == "cuda" else "gloo",
+                         pipeline_parallel_size=args.pipeline_parallel_size)
         from pagedllm.models.registry import load_model
         model, _ = load_model(model_dir, args.torch_dtype, args.torch_device, args.model_impl, args.quantization)
         kwargs = conn.recv()

@@ -18,10 +18,11 @@ from torch import nn
 
 from pagedllm.attention.backend import AttentionBackend, select_attention_backend
 from pagedllm.attention.metadata import AttentionMetadata
-from pagedllm.distributed.parallel_state import get_tp_rank, get_tp_size
+from pagedllm.distributed.parallel_state import get_pp_size, get_tp_rank, get_tp_size
 from pagedllm.kernels import cpu as cpu_kernels
 from pagedllm.models.layers import (RMSNorm, RotaryEmbedding, RotaryStep, build_rms_norm, build_rotary,
                                     build_silu_and_mul)
+from pagedllm.models.layers.pipeline import pipeline_forward, stage_layers, stage_roles, stage_weights
 
 __all__ = ["LlamaForCausalLM", "RMSNorm", "RotaryEmbedding"]
 
@@ -173,12 +174,20 @@ class LlamaForCausalLM(nn.Module):
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         rotary = build_rotary(config, head_dim, config.max_position_embeddings, cpu_kernels)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.tp_size = get_tp_size()
+        self.tp_size, self.pp_size = get_tp_size(), get_pp_size()
+        # a pipeline stage holds its layers, and the embedding / final norm and head where it needs them
+        self.first_layer, end = stage_layers(config.num_hidden_layers)
+        has_embed, _, self.is_last_stage = stage_roles(self.tie_word_embeddings)
         self.embed_tokens, self.lm_head, parallel_logits = embedding_and_head(
             config.vocab_size, config.hidden_size, self.tie_word_embeddings)
+        if not has_embed:
+            self.embed_tokens = None
+        if not self.is_last_stage:
+            self.lm_head = None
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary, self.attention_backend, cpu_kernels)
-                                    for _ in range(config.num_hidden_layers))
-        self.norm = build_rms_norm(config.hidden_size, config.rms_norm_eps, cpu_kernels)
+                                    for _ in range(self.first_layer, end))
+        self.norm = (build_rms_norm(config.hidden_size, config.rms_norm_eps, cpu_kernels) if self.is_last_stage
+                     else None)
         self.rotary = rotary
         self.packed_head = parallel_logits  # set by ``prepack`` (tensor parallel: gathers the vocabulary shards)
         # batch-1 decode runs the whole stack in one C call (only on the kernel path, see ``forward``)
@@ -202,8 +211,10 @@ class LlamaForCausalLM(nn.Module):
             meta: the attention backend's metadata of the step.
             logits_indices: ``[R]`` int64 rows whose logits are needed.
         Returns:
-            ``[R, vocab]`` float32 logits.
+            ``[R, vocab]`` float32 logits (a pipeline stage other than rank 0: ``[R, 0]``).
         """
+        if self.pp_size > 1:
+            return pipeline_forward(self, input_ids, positions, kv_caches, meta, logits_indices)
         x = self.embed_tokens(input_ids)
         one = (self._one_sequence(x.shape[0], meta, kv_caches[0][0].shape[2])
                if self.cpu_kernels and self.fused_decode else None)
@@ -284,6 +295,8 @@ class LlamaForCausalLM(nn.Module):
         if self.tp_size > 1:  # each rank copies only its rows / columns
             from pagedllm.models.layers.parallel import load_parallel_weights
             return load_parallel_weights(self, weights, TP_FUSED, {"lm_head.weight"} if self.lm_head is None else ())
+        if self.pp_size > 1:  # this stage's tensors, renamed to its local layer indices
+            weights = stage_weights(self, weights)
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         attn0 = self.layers[0].self_attn

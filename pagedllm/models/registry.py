@@ -134,9 +134,9 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
     from pagedllm.kernels import cpu as cpu_kernels
     # the one place the kernel choice is made: building (first time on this machine, about a
     # second) or loading the C kernels happens here, not inside the first request
-    from pagedllm.distributed.parallel_state import get_tp_size
-    tp = get_tp_size()
-    # tensor parallel (one rank of a group): the torch layers and attention, float weights
+    from pagedllm.distributed.parallel_state import get_world_size
+    tp = get_world_size()
+    # one rank of a tensor- or pipeline-parallel group: the torch layers and attention, float weights
     kernels_on = tp == 1 and cpu_kernels.applies(device, dtype)
     backend = select_attention_backend(device, dtype, None if tp == 1 else "torch")
     logger.info("attention backend: %s; CPU kernels: %s", backend.name, "on" if kernels_on else "off (torch ops)")
@@ -161,7 +161,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
         for f in files:
             with safe_open(str(f), framework="pt", device="cpu") as fh:
                 for name in fh.keys():
-                    # a tensor-parallel rank reads only its slices of each tensor
+                    # a tensor-parallel rank reads only its slices of each tensor, a stage only its tensors
                     yield name, fh.get_tensor(name) if tp == 1 else fh.get_slice(name)
 
     model.load_weights(tensors())
@@ -181,19 +181,19 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
     return model, config
 
 
-def check_tensor_parallel(impl: str, quantization: str, tp: int) -> str:
-    """The weight format a tensor-parallel rank serves: float weights only (``auto`` -> ``none``).
+def check_tensor_parallel(impl: str, quantization: str, world: int) -> str:
+    """The weight format a rank of a parallel job serves: float weights only (``auto`` -> ``none``).
 
     Raises:
-        ValueError: the Transformers backend, or ``--quantization gguf|int8``, with
-            ``--tensor-parallel-size`` above 1 (the message names both flags).
+        ValueError: the Transformers backend, or ``--quantization gguf|int8``, with more than one
+            rank (the message names the flags).
     """
     if impl != "native":
-        raise ValueError(f"--tensor-parallel-size {tp} needs a native model (Llama, Qwen2); "
-                         "--model-impl transformers is not tensor-parallel")
+        raise ValueError(f"--tensor-parallel-size / --pipeline-parallel-size ({world} ranks) need a native "
+                         "model (Llama, Qwen2); --model-impl transformers is not parallel")
     if quantization not in ("auto", "none"):
-        raise ValueError(f"--tensor-parallel-size {tp} serves float weights only: use --quantization none "
-                         f"(or auto), not {quantization!r}")
+        raise ValueError(f"--tensor-parallel-size / --pipeline-parallel-size ({world} ranks) serve float "
+                         f"weights only: use --quantization none (or auto), not {quantization!r}")
     return "none"
 
 

@@ -1,4 +1,5 @@
-"""Tensor parallelism over gloo: TP=2 gives TP=1's greedy tokens; refused settings; a dead worker fails fast.
+"""Tensor and pipeline parallelism over gloo: TP=2 and PP=2 give TP=1's greedy tokens; refused settings;
+a dead worker fails fast.
 
 Each engine here starts one worker process (rank 1) beside the test process (rank 0), so the
 tests keep models tiny and generations short: the machine's cores are shared.
@@ -78,7 +79,8 @@ def test_head_shard_whole_groups_and_replication():
 # ---------------------------------------------------------------- flags
 
 @pytest.mark.parametrize("kwargs, flag", [
-    (dict(pipeline_parallel_size=2), "--pipeline-parallel-size"),
+    (dict(pipeline_parallel_size=2, tensor_parallel_size=2), "--pipeline-parallel-size above 1 together"),
+    (dict(pipeline_parallel_size=2, quantization="gguf"), "--pipeline-parallel-size 2 serves float"),
     (dict(tensor_parallel_size=2, distributed_executor_backend="ray"), "--distributed-executor-backend ray"),
     (dict(tensor_parallel_size=2, distributed_executor_backend="uni"), "--distributed-executor-backend uni"),
     (dict(tensor_parallel_size=0), "--tensor-parallel-size"),
@@ -135,6 +137,29 @@ def test_tp2_greedy_equals_tp1(kind, tiny_model_dir, greedy_ref):
 
     for k, (g, w) in enumerate(zip(got, want)):
         greedy_ref.assert_same_greedy(g, w, PROMPTS[k], hf, f"{kind} TP=2 prompt {k}")
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_pp2_greedy_equals_tp1(kind, tiny_model_dir, greedy_ref):
+    """Layers split 2 + 1 (llama) and 2 + 2 with tied embeddings on both ends (qwen2)."""
+    path = tiny_model_dir(kind)
+    want, llm1 = _generate(path, PROMPTS)
+    llm1.engine.shutdown()
+    got, llm2 = _generate(path, PROMPTS, pipeline_parallel_size=2)
+    try:
+        model = llm2.engine.core.runner.model
+        assert len(model.layers) == 2 and model.norm is None and model.lm_head is None
+        assert len(llm2.engine.core.runner.kv_caches) == 2  # this stage's layers only
+    finally:
+        llm2.engine.shutdown()
+    assert _children() == []
+
+    def hf():
+        from transformers import AutoModelForCausalLM
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+    for k, (g, w) in enumerate(zip(got, want)):
+        greedy_ref.assert_same_greedy(g, w, PROMPTS[k], hf, f"{kind} PP=2 prompt {k}")
 
 
 def test_tp2_sync_scheduling_and_sampling_seeded(tiny_model_dir):
@@ -200,17 +225,22 @@ def test_worker_dying_while_idle_marks_engine_dead(tiny_model_dir):
 
 # ---------------------------------------------------------------- the real model
 
-def test_smollm2_tp2_greedy_equals_tp1(smollm2_dir, smollm2_tokenizer, hf_smollm2, greedy_ref):
-    """SmolLM2's 9 heads in 3 KV groups split 6 + 3 over the two ranks (float32 weights)."""
+@pytest.mark.parametrize("parallel", ["tp", "pp"])
+def test_smollm2_tp2_and_pp2_greedy_equal_tp1(parallel, smollm2_dir, smollm2_tokenizer, hf_smollm2, greedy_ref):
+    """TP: SmolLM2's 9 heads in 3 KV groups split 6 + 3 over the two ranks; PP: 15 + 15 layers
+    (float32 weights)."""
     texts = ["The capital of France is", "def fibonacci(n):\n    ", "Once upon a time, in a small village,"]
     prompts = [smollm2_tokenizer(t)["input_ids"] for t in texts]
     want, llm1 = _generate(smollm2_dir, prompts, quantization="none")
     llm1.engine.shutdown()
-    got, llm2 = _generate(smollm2_dir, prompts, quantization="none", tensor_parallel_size=2)
+    size = {"tp": "tensor_parallel_size", "pp": "pipeline_parallel_size"}[parallel]
+    got, llm2 = _generate(smollm2_dir, prompts, quantization="none", **{size: 2})
     try:
-        attn = llm2.engine.core.runner.model.layers[0].self_attn
-        assert (attn.num_heads, attn.num_kv_heads) == (6, 2)
+        model = llm2.engine.core.runner.model
+        attn = model.layers[0].self_attn
+        want_shape = (6, 2, 30) if parallel == "tp" else (9, 3, 15)
+        assert (attn.num_heads, attn.num_kv_heads, len(model.layers)) == want_shape
     finally:
         llm2.engine.shutdown()
     for k, (g, w) in enumerate(zip(got, want)):
-        greedy_ref.assert_same_greedy(g, w, prompts[k], hf_smollm2, f"smollm2 TP=2 prompt {k}")
+        greedy_ref.assert_same_greedy(g, w, prompts[k], hf_smollm2, f"smollm2 {parallel}=2 prompt {k}")
