@@ -22,7 +22,7 @@ from pagedllm.distributed.parallel_state import get_pp_size, get_tp_rank, get_tp
 from pagedllm.kernels import cpu as cpu_kernels
 from pagedllm.models.layers import (RMSNorm, RotaryEmbedding, RotaryStep, build_rms_norm, build_rotary,
                                     build_silu_and_mul)
-from pagedllm.models.layers.pipeline import pipeline_forward, stage_layers, stage_roles, stage_weights
+from pagedllm.models.layers.pipeline import holds_ends, pipeline_forward, stage_layers, stage_weights
 
 __all__ = ["LlamaForCausalLM", "RMSNorm", "RotaryEmbedding"]
 
@@ -175,19 +175,14 @@ class LlamaForCausalLM(nn.Module):
         rotary = build_rotary(config, head_dim, config.max_position_embeddings, cpu_kernels)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.tp_size, self.pp_size = get_tp_size(), get_pp_size()
-        # a pipeline stage holds its layers, and the embedding / final norm and head where it needs them
+        # a pipeline stage holds its layers; rank 0 (every rank without a pipeline) also both ends
         self.first_layer, end = stage_layers(config.num_hidden_layers)
-        has_embed, _, self.is_last_stage = stage_roles(self.tie_word_embeddings)
-        self.embed_tokens, self.lm_head, parallel_logits = embedding_and_head(
-            config.vocab_size, config.hidden_size, self.tie_word_embeddings)
-        if not has_embed:
-            self.embed_tokens = None
-        if not self.is_last_stage:
-            self.lm_head = None
+        ends = holds_ends()
+        self.embed_tokens, self.lm_head, parallel_logits = (embedding_and_head(
+            config.vocab_size, config.hidden_size, self.tie_word_embeddings) if ends else (None, None, None))
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary, self.attention_backend, cpu_kernels)
                                     for _ in range(self.first_layer, end))
-        self.norm = (build_rms_norm(config.hidden_size, config.rms_norm_eps, cpu_kernels) if self.is_last_stage
-                     else None)
+        self.norm = build_rms_norm(config.hidden_size, config.rms_norm_eps, cpu_kernels) if ends else None
         self.rotary = rotary
         self.packed_head = parallel_logits  # set by ``prepack`` (tensor parallel: gathers the vocabulary shards)
         # batch-1 decode runs the whole stack in one C call (only on the kernel path, see ``forward``)

@@ -1,13 +1,13 @@
 """Pipeline parallelism: the decoder layers split into stages, one per rank (GPipe, Huang et al. 2019,
 without micro-batches; shaped as vLLM's ``make_layers`` / ``IntermediateTensors``).
 
-Stage ``r`` holds layers ``[first, last)`` (``stage_layers``; earlier stages take the extra layer
-when the split is uneven), stage 0 the embedding, the last stage the final norm and the LM head
-(and the embedding too when tied). Per step, stage ``r`` receives the hidden state and residual
-``[2, T, hidden]`` from stage ``r - 1``, runs its layers and sends them on; the last stage
-computes the ``[R, vocab]`` float32 logits of the requested rows and sends them back to rank 0,
-which samples (and broadcasts the tokens, as in tensor parallelism). Every stage keeps the KV
-cache of its own layers only.
+Stage ``r`` holds layers ``[first, end)`` (``stage_layers``; earlier stages take the extra layer
+when the split is uneven); rank 0 also holds both ends, the embedding and the final norm with the
+LM head, so the pipeline is a ring: per step, each stage receives the residual stream
+``[T, hidden]`` from the stage before, runs its layers and sends it on; the last stage sends only
+the ``[R, hidden]`` rows whose logits are needed back to rank 0, which computes the logits and
+samples (and broadcasts the tokens, as in tensor parallelism). Per token that is one hidden row
+per stage boundary, not a row of logits. Every stage keeps the KV cache of its own layers only.
 """
 
 from __future__ import annotations
@@ -33,24 +33,22 @@ def stage_layers(num_layers: int) -> tuple[int, int]:
     return first, first + base + (rank < extra)
 
 
-def stage_roles(tied: bool) -> tuple[bool, bool, bool]:
-    """``(holds the embedding, is the first stage, is the last stage)`` of this rank."""
-    rank, size = get_pp_rank(), get_pp_size()
-    first, last = rank == 0, rank == size - 1
-    return first or (last and tied), first, last
+def holds_ends() -> bool:
+    """Whether this rank holds the embedding, the final norm and the LM head (rank 0 does)."""
+    return get_pp_rank() == 0
 
 
 def stage_weights(model, weights):
     """Keep the checkpoint tensors of this stage, renamed to its local layer indices.
 
     Args:
-        model: a ``LlamaForCausalLM`` built for this stage (``first_layer``, ``layers``,
-            ``embed_tokens`` / ``norm`` / ``lm_head`` ``None`` where the stage has none).
+        model: a ``LlamaForCausalLM`` built for this stage (``first_layer``, ``layers``;
+            ``embed_tokens``, ``norm`` and ``lm_head`` only on rank 0).
         weights: ``(name, tensor or safetensors slice)``; a kept slice is read whole here.
     Yields:
         ``(name, tensor)`` with ``layers.<local index>`` names.
     """
-    n = len(model.layers)
+    n, ends = len(model.layers), holds_ends()
     for name, source in weights:
         parts = name.removeprefix("model.").split(".")
         if parts[0] == "layers":
@@ -58,9 +56,7 @@ def stage_weights(model, weights):
             if not 0 <= i < n:
                 continue
             parts[1] = str(i)
-        elif parts[0] == "embed_tokens" and model.embed_tokens is None:
-            continue
-        elif parts[0] in ("norm", "lm_head") and not model.is_last_stage:
+        elif parts[0] in ("embed_tokens", "norm", "lm_head") and not ends:
             continue
         yield ".".join(parts), source if isinstance(source, torch.Tensor) else source[:]
 
@@ -69,29 +65,29 @@ def pipeline_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, kv
                      logits_indices: torch.Tensor) -> torch.Tensor:
     """One step of this stage (``LlamaForCausalLM.forward``'s arguments; ``kv_caches``: this stage's layers).
 
+    Rank 0 embeds, runs its layers and sends the hidden state ``[T, hidden]`` (the residual stream,
+    ``x + residual``) on; each stage runs its layers on it (a stage's first layer takes it as a
+    first layer takes the embeddings); the last sends the ``[R, hidden]`` rows of
+    ``logits_indices`` back to rank 0, which applies the final norm and the LM head.
+
     Returns:
         ``[R, vocab]`` float32 logits on rank 0; ``[R, 0]`` on the other stages.
     """
     rank, size = get_pp_rank(), get_pp_size()
     t, hidden, dev = input_ids.shape[0], model.config.hidden_size, input_ids.device
     dtype = model.layers[0].input_layernorm.weight.dtype
-    if rank == 0:
-        x, residual = model.embed_tokens(input_ids), None
-    else:
-        x, residual = pp_recv((2, t, hidden), dtype, rank - 1, dev).unbind(0)
+    x = model.embed_tokens(input_ids) if rank == 0 else pp_recv((t, hidden), dtype, rank - 1, dev)
+    residual = None
     rope = model.rotary.prepare(positions, x.dtype)
     for layer, kv in zip(model.layers, kv_caches):
         x, residual = layer(rope, x, residual, kv, meta)
-    r = logits_indices.shape[0]
+    stream = x + residual
     if rank < size - 1:
-        pp_send(torch.stack((x, residual)), rank + 1)
-        if rank == 0:
-            return pp_recv((r, model.config.vocab_size), torch.float32, size - 1, dev)
-        return x.new_empty(r, 0)
-    x, _ = model.norm(x.index_select(0, logits_indices), residual.index_select(0, logits_indices))
+        pp_send(stream, rank + 1)
+    else:
+        pp_send(stream.index_select(0, logits_indices), 0)
+    if rank != 0:
+        return x.new_empty(logits_indices.shape[0], 0)
+    rows = pp_recv((logits_indices.shape[0], hidden), dtype, size - 1, dev)
     w = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-    logits = F.linear(x, w).float()
-    if rank == 0:
-        return logits
-    pp_send(logits, 0)
-    return logits.new_empty(r, 0)
+    return F.linear(model.norm(rows), w).float()
