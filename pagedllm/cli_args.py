@@ -55,8 +55,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
                    help="ranks that split the layers into stages (not together with --tensor-parallel-size yet)")
     p.add_argument("--distributed-executor-backend", choices=["mp", "uni", "ray"], default=None,
-                   help="mp: one process per extra rank (default with several ranks); uni: in process; "
-                        "ray: not implemented yet")
+                   help="mp: one process per extra rank (default with several ranks); ray: Ray actors "
+                        "(RAY_ADDRESS joins a cluster); uni: one rank in process")
     p.add_argument("--log-level", default="info")
 
 

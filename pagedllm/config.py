@@ -130,7 +130,8 @@ class EngineArgs:
         pipeline_parallel_size: ranks that split the layers into stages (``--pipeline-parallel-size``,
             ``models/layers/pipeline.py``); not together with tensor parallelism yet.
         distributed_executor_backend: ``mp`` (one process per extra rank, the default above one
-            rank), ``uni`` (one rank in process) or ``ray`` (not implemented yet); vLLM's name.
+            rank), ``ray`` (Ray actors placed by a placement group: the job may span machines) or
+            ``uni`` (one rank in process); vLLM's name.
     """
 
     model: str | None = None
@@ -187,8 +188,8 @@ class EngineArgs:
         """Refuse parallel settings that are not implemented (each message names its flag).
 
         Raises:
-            ValueError: a size below 1, tensor and pipeline parallelism together, an unknown or
-                unimplemented executor backend, ``uni`` with several ranks, or a draft model or packed
+            ValueError: a size below 1, tensor and pipeline parallelism together, an unknown
+                executor backend, ``uni`` with several ranks, or a draft model or packed
                 (``gguf``/``int8``) weights with them.
         """
         if self.tensor_parallel_size < 1:
@@ -202,8 +203,6 @@ class EngineArgs:
         backend = self.distributed_executor_backend
         if backend not in (None, "mp", "uni", "ray"):
             raise ValueError(f"--distributed-executor-backend must be mp, uni or ray, got {backend!r}")
-        if backend == "ray":
-            raise ValueError("--distributed-executor-backend ray is not implemented yet (use mp)")
         flag = "--tensor-parallel-size" if self.tensor_parallel_size > 1 else "--pipeline-parallel-size"
         if backend == "uni" and world > 1:
             raise ValueError(f"--distributed-executor-backend uni runs one rank; {flag} {world} needs mp")

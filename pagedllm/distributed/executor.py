@@ -30,7 +30,7 @@ from pagedllm.worker.model_runner import ModelRunner, StepHandle
 
 logger = logging.getLogger(__name__)
 
-EXECUTOR_BACKENDS = ("uni", "mp", "ray")  # --distributed-executor-backend
+EXECUTOR_BACKENDS = ("uni", "mp", "ray")  # --distributed-executor-backend (Ray: ray_executor.py)
 
 
 class WorkerDiedError(RuntimeError):
@@ -59,6 +59,10 @@ class Executor:
 
     def check_health(self) -> None:
         """Return when every rank is alive, else raise ``WorkerDiedError``."""
+
+    def await_failure(self, timeout_s: float) -> None:
+        """After a collective failed: wait up to ``timeout_s`` seconds for a dead rank to be seen
+        (a peer's death breaks the collective a moment before it is reaped or reported)."""
 
     def shutdown(self) -> None:
         """Stop the other ranks (safe to call twice)."""
@@ -154,6 +158,10 @@ class MultiprocExecutor(Executor):
         if self.failure is not None:
             raise WorkerDiedError(self.failure)
 
+    def await_failure(self, timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` seconds in all for a worker process to exit."""
+        wait([p.sentinel for p in self.procs], timeout=timeout_s)
+
     def execute(self, so, timer=None, non_blocking: bool = False) -> StepHandle:
         """Send ``so`` to every worker, then issue it on rank 0.
 
@@ -233,8 +241,7 @@ class _CheckedHandle:
         except WorkerDiedError:
             raise
         except Exception:
-            for p in self._executor.procs:  # a peer's death breaks the collective a moment before it is reaped
-                p.join(0.5)
+            self._executor.await_failure(5.0)
             self._executor.check_health()
             raise
 
@@ -244,7 +251,8 @@ def create_executor(args, model_dir, run_on_exec) -> Executor:
     ``pipeline_parallel_size``).
 
     Raises:
-        ValueError: an executor backend not implemented yet (``ray``).
+        ValueError: an unknown executor backend.
+        ImportError: ``ray`` without Ray installed.
     """
     world = args.tensor_parallel_size * args.pipeline_parallel_size
     backend = args.distributed_executor_backend or "mp"
@@ -252,4 +260,7 @@ def create_executor(args, model_dir, run_on_exec) -> Executor:
         return UniProcExecutor()
     if backend == "mp":
         return MultiprocExecutor(args, model_dir, world, run_on_exec)
-    raise ValueError(f"--distributed-executor-backend {backend!r} is not implemented yet (use mp or uni)")
+    if backend == "ray":
+        from pagedllm.distributed.ray_executor import RayExecutor
+        return RayExecutor(args, model_dir, world, run_on_exec)
+    raise ValueError(f"--distributed-executor-backend must be mp, ray or uni, got {backend!r}")

@@ -81,7 +81,7 @@ def test_head_shard_whole_groups_and_replication():
 @pytest.mark.parametrize("kwargs, flag", [
     (dict(pipeline_parallel_size=2, tensor_parallel_size=2), "--pipeline-parallel-size above 1 together"),
     (dict(pipeline_parallel_size=2, quantization="gguf"), "--pipeline-parallel-size 2 serves float"),
-    (dict(tensor_parallel_size=2, distributed_executor_backend="ray"), "--distributed-executor-backend ray"),
+    (dict(tensor_parallel_size=2, distributed_executor_backend="spark"), "--distributed-executor-backend"),
     (dict(tensor_parallel_size=2, distributed_executor_backend="uni"), "--distributed-executor-backend uni"),
     (dict(tensor_parallel_size=0), "--tensor-parallel-size"),
     (dict(tensor_parallel_size=2, speculative_config={"method": "draft_model", "model": "x",
