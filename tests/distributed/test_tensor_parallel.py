@@ -177,15 +177,21 @@ def test_tp2_sync_scheduling_and_sampling_seeded(tiny_model_dir):
 
 
 def test_tp2_in_core_process(tiny_model_dir):
-    """``pagedllm serve``'s shape: the core in its own (daemonic) process starts the worker."""
+    """``pagedllm serve``'s shape: the core in its own (daemonic) process starts the worker, and
+    exits when the worker dies (the server's ``/health`` reads ``is_alive``)."""
     path = tiny_model_dir("llama")
     want, llm1 = _generate(path, PROMPTS[:2])
     llm1.engine.shutdown()
     got, llm2 = _generate(path, PROMPTS[:2], tensor_parallel_size=2, enable_multiprocessing=True)
     workers = _children_of(llm2.engine.client.proc.pid)
-    assert len(workers) == 1
+    assert len(workers) == 1 and got == want
+    # the worker dies while the engine is idle: the core process notices, reports and exits
+    os.kill(workers[0], signal.SIGKILL)
+    deadline = time.monotonic() + 15
+    while llm2.engine.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not llm2.engine.is_alive()
     llm2.engine.shutdown()
-    assert got == want
     deadline = time.monotonic() + 10
     while any(_alive(pid) for pid in workers) and time.monotonic() < deadline:
         time.sleep(0.1)
