@@ -177,7 +177,7 @@ class MultiprocExecutor(Executor):
                 self.check_health()
                 raise WorkerDiedError(f"a tensor-parallel worker stopped reading steps ({e})") from e
         handle = self.runner.execute(so, timer, non_blocking=non_blocking)
-        return _CheckedHandle(handle, self)
+        return CheckedHandle(handle, self)
 
     def shutdown(self) -> None:
         """Ask each worker to stop, wait up to 5 s, then terminate (and kill) what is left; leave the group."""
@@ -223,7 +223,7 @@ def _start_child(p) -> None:
             config.pop("daemon", None)
 
 
-class _CheckedHandle:
+class CheckedHandle:
     """A step handle whose ``result()`` turns a collective broken by a dead worker into ``WorkerDiedError``."""
 
     def __init__(self, handle: StepHandle, executor: MultiprocExecutor) -> None:

@@ -20,7 +20,7 @@ import logging
 import os
 import threading
 
-from pagedllm.distributed.executor import Executor, WorkerDiedError, _CheckedHandle
+from pagedllm.distributed.executor import Executor, WorkerDiedError, CheckedHandle
 from pagedllm.worker.model_runner import ModelRunner, StepHandle
 
 logger = logging.getLogger(__name__)
@@ -186,7 +186,7 @@ class RayExecutor(Executor):
         self.check_health()
         if not so.is_empty or so.finished_req_ids:
             self._pending += [a.execute.remote(so) for a in self.actors]
-        return _CheckedHandle(self.runner.execute(so, timer, non_blocking=non_blocking), self)
+        return CheckedHandle(self.runner.execute(so, timer, non_blocking=non_blocking), self)
 
     def shutdown(self) -> None:
         """Stop and kill the actors, remove the placement group, leave the group; stop a Ray we started."""

@@ -198,6 +198,22 @@ def test_tp2_in_core_process(tiny_model_dir):
     assert not any(_alive(pid) for pid in workers), "a worker outlived its core process"
 
 
+def test_tp2_ngram_speculation_equals_tp1(tiny_model_dir):
+    """Draft verification runs on rank 0; the workers record every emitted token from the broadcast."""
+    path = tiny_model_dir("llama")
+    prompts = [PROMPTS[1], [5, 6, 7, 8] * 8]
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "dynamic": False, "prompt_lookup_min": 1}
+    want, llm1 = _generate(path, prompts)
+    llm1.engine.shutdown()
+    got, llm2 = _generate(path, prompts, tensor_parallel_size=2, speculative_config=spec)
+    try:
+        stats = llm2.engine.get_stats()
+        assert stats.spec_num_draft_tokens > 0 and stats.spec_num_accepted_tokens > 0, stats
+    finally:
+        llm2.engine.shutdown()
+    assert got == want
+
+
 # ---------------------------------------------------------------- failure
 
 def test_killed_worker_fails_fast_and_leaves_no_process(tiny_model_dir):

@@ -230,7 +230,7 @@ def load_parallel_weights(model: nn.Module, weights, fused: dict[str, tuple[str,
         weights: ``(name, tensor or safetensors slice)`` pairs with ``transformers`` names.
         fused: checkpoint module name -> ``(fused module name, piece)``, e.g.
             ``{"q_proj": ("qkv_proj", "q")}``.
-        skip: predicate-free names to ignore (e.g. ``lm_head.weight`` of a tied model).
+        skip: checkpoint names to ignore (``lm_head.weight`` of a tied model).
     Raises:
         KeyError: a checkpoint tensor the model does not have, or a parameter left unloaded.
     """
