@@ -178,11 +178,13 @@ class LlamaForCausalLM(nn.Module):
         # a pipeline stage holds its layers; rank 0 (every rank without a pipeline) also both ends
         self.first_layer, end = stage_layers(config.num_hidden_layers)
         ends = holds_ends()
-        self.embed_tokens, self.lm_head, parallel_logits = (embedding_and_head(
-            config.vocab_size, config.hidden_size, self.tie_word_embeddings) if ends else (None, None, None))
+        embed, head, parallel_logits = (embedding_and_head(config.vocab_size, config.hidden_size,
+                                                           self.tie_word_embeddings) if ends else (None, None, None))
+        self.embed_tokens = embed
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary, self.attention_backend, cpu_kernels)
                                     for _ in range(self.first_layer, end))
         self.norm = build_rms_norm(config.hidden_size, config.rms_norm_eps, cpu_kernels) if ends else None
+        self.lm_head = head  # registered last, as before tensor parallelism (parameter order unchanged)
         self.rotary = rotary
         self.packed_head = parallel_logits  # set by ``prepack`` (tensor parallel: gathers the vocabulary shards)
         # batch-1 decode runs the whole stack in one C call (only on the kernel path, see ``forward``)
