@@ -58,14 +58,17 @@ def free_port() -> int:
 
 
 def init_distributed(rank: int, world_size: int, init_method: str, backend: str = "gloo",
-                     timeout_s: float = 1800.0, pipeline_parallel_size: int = 1) -> None:
+                     timeout_s: float = 300.0, pipeline_parallel_size: int = 1) -> None:
     """Join the job's process group as ``rank`` of ``world_size``: the tensor-parallel group, or with
     ``pipeline_parallel_size`` > 1 the pipeline (rank ``r`` is stage ``r``; TP and PP do not combine yet).
 
     Args:
         init_method: rendezvous URL, ``tcp://127.0.0.1:PORT`` (every rank passes the same).
         backend: ``gloo`` (CPU tensors) or ``nccl`` (CUDA).
-        timeout_s: how long a collective waits for a missing peer (seconds).
+        timeout_s: how long the rendezvous or a collective waits for a missing peer (seconds; a
+            peer that died fails a collective at once, this bounds one that hangs). Ranks meet
+            in collectives only while stepping (idle workers wait on their pipe), so no legitimate
+            wait comes near it.
     Raises:
         RuntimeError: a group already exists in this process, or the rendezvous failed.
     """
