@@ -50,6 +50,13 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-config", default=None,
                    help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
                         '(methods: ngram, suffix, draft_model with "model"; see docs/speculative-decoding.md)')
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="ranks that split every layer (Megatron-style; native Llama/Qwen2, float weights)")
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                   help="ranks that split the layers into stages (not together with --tensor-parallel-size yet)")
+    p.add_argument("--distributed-executor-backend", choices=["mp", "uni", "ray"], default=None,
+                   help="mp: one process per extra rank (default with several ranks); ray: Ray actors "
+                        "(RAY_ADDRESS joins a cluster); uni: one rank in process")
     p.add_argument("--log-level", default="info")
 
 
@@ -72,4 +79,6 @@ def engine_args_from_cli(a: argparse.Namespace) -> EngineArgs:
                       seed=a.seed, served_model_name=getattr(a, "served_model_name", None),
                       num_threads=a.num_threads, model_impl=a.model_impl, quantization=a.quantization,
                       enable_multiprocessing=getattr(a, "enable_multiprocessing", None),
-                      async_scheduling=a.async_scheduling, speculative_config=a.speculative_config)
+                      async_scheduling=a.async_scheduling, speculative_config=a.speculative_config,
+                      tensor_parallel_size=a.tensor_parallel_size, pipeline_parallel_size=a.pipeline_parallel_size,
+                      distributed_executor_backend=a.distributed_executor_backend)
