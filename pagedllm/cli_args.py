@@ -50,6 +50,13 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-config", default=None,
                    help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
                         '(methods: ngram, suffix, draft_model with "model"; see docs/speculative-decoding.md)')
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="ranks that split every layer (Megatron-style; native Llama/Qwen2, float weights)")
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                   help="ranks that split the layers into stages (not together with --tensor-parallel-size yet)")
+    p.add_argument("--distributed-executor-backend", choices=["mp", "uni", "ray"], default=None,
+                   help="mp: one process per extra rank (default with several ranks); ray: Ray actors "
+                        "(RAY_ADDRESS joins a cluster); uni: one rank in process")
     p.add_argument("--attention-backend", choices=["torch", "cpu", "cpu_kernels", "triton"], default=None,
                    help="paged attention kernels: torch (reference), cpu (C kernels, float32), triton (CUDA; on "
                         "the CPU only under TRITON_INTERPRET=1); default: by device (triton on CUDA)")
@@ -78,4 +85,6 @@ def engine_args_from_cli(a: argparse.Namespace) -> EngineArgs:
                       num_threads=a.num_threads, model_impl=a.model_impl, quantization=a.quantization,
                       enable_multiprocessing=getattr(a, "enable_multiprocessing", None),
                       async_scheduling=a.async_scheduling, speculative_config=a.speculative_config,
-                      attention_backend=a.attention_backend, enforce_eager=a.enforce_eager)
+                      attention_backend=a.attention_backend, enforce_eager=a.enforce_eager,
+                      tensor_parallel_size=a.tensor_parallel_size, pipeline_parallel_size=a.pipeline_parallel_size,
+                      distributed_executor_backend=a.distributed_executor_backend)

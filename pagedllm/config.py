@@ -124,6 +124,14 @@ class EngineArgs:
             string such as ``{"method": "ngram", "num_speculative_tokens": 4}``; parsed into a
             ``pagedllm.spec_decode.config.SpeculativeConfig`` (its docstring lists the keys).
             ``None``: no speculation.
+        tensor_parallel_size: ranks that split every layer (vLLM's ``--tensor-parallel-size``;
+            Megatron-style, ``models/layers/parallel.py``); above 1 needs a native model, float
+            weights and an ``mp`` executor.
+        pipeline_parallel_size: ranks that split the layers into stages (``--pipeline-parallel-size``,
+            ``models/layers/pipeline.py``); not together with tensor parallelism yet.
+        distributed_executor_backend: ``mp`` (one process per extra rank, the default above one
+            rank), ``ray`` (Ray actors placed by a placement group: the job may span machines) or
+            ``uni`` (one rank in process); vLLM's name.
         attention_backend: the paged attention implementation (vLLM's ``--attention-backend``):
             ``torch`` (the reference, any device), ``cpu`` / ``cpu_kernels`` (the C CPU kernels,
             float32), ``triton`` (Triton kernels: CUDA, or the CPU under ``TRITON_INTERPRET=1``);
@@ -156,6 +164,9 @@ class EngineArgs:
     enable_multiprocessing: bool | None = None
     async_scheduling: bool | None = None
     speculative_config: Any = None
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
     attention_backend: str | None = None
     enforce_eager: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
@@ -179,6 +190,7 @@ class EngineArgs:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         from pagedllm.spec_decode.config import SpeculativeConfig
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        self._check_parallel()
         parse_size(self.kv_cache_memory)
         parse_dtype(self.dtype)
         torch.device(self.device)
@@ -195,6 +207,36 @@ class EngineArgs:
         """The Triton backend serves this CUDA device: asked for, or the default with triton installed."""
         from pagedllm.attention.triton_paged import triton_available
         return self.attention_backend == "triton" or (self.attention_backend is None and triton_available())
+
+    def _check_parallel(self) -> None:
+        """Refuse parallel settings that are not implemented (each message names its flag).
+
+        Raises:
+            ValueError: a size below 1, tensor and pipeline parallelism together, an unknown
+                executor backend, ``uni`` with several ranks, or a draft model or packed
+                (``gguf``/``int8``) weights with them.
+        """
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
+        if self.pipeline_parallel_size < 1:
+            raise ValueError(f"--pipeline-parallel-size must be >= 1, got {self.pipeline_parallel_size}")
+        if self.pipeline_parallel_size > 1 and self.tensor_parallel_size > 1:
+            raise ValueError("--tensor-parallel-size and --pipeline-parallel-size above 1 together are not "
+                             "implemented yet (use one of them)")
+        world = self.tensor_parallel_size * self.pipeline_parallel_size
+        backend = self.distributed_executor_backend
+        if backend not in (None, "mp", "uni", "ray"):
+            raise ValueError(f"--distributed-executor-backend must be mp, uni or ray, got {backend!r}")
+        flag = "--tensor-parallel-size" if self.tensor_parallel_size > 1 else "--pipeline-parallel-size"
+        if backend == "uni" and world > 1:
+            raise ValueError(f"--distributed-executor-backend uni runs one rank; {flag} {world} needs mp")
+        if world > 1 and self.quantization in ("gguf", "int8"):
+            raise ValueError(f"{flag} {world} serves float weights only: use --quantization none (or auto), "
+                             f"not {self.quantization!r}")
+        spec = self.speculative_config
+        if world > 1 and spec is not None and spec.method == "draft_model":
+            raise ValueError(f"--speculative-config with a draft_model is not implemented with {flag} above 1 "
+                             "(ngram and suffix are)")
 
     @classmethod
     def field_names(cls) -> set[str]:

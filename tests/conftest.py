@@ -26,6 +26,8 @@ TINY_KINDS = {
     "llama_bias_tied": ("LlamaConfig", dict(num_hidden_layers=2, tie_word_embeddings=True,
                                             attention_bias=True, mlp_bias=True)),
     "qwen2": ("Qwen2Config", dict(num_hidden_layers=4, tie_word_embeddings=True)),
+    # one KV head (multi-query): tensor parallelism replicates it on every rank
+    "llama_mqa": ("LlamaConfig", dict(num_hidden_layers=2, tie_word_embeddings=False, num_key_value_heads=1)),
 }
 
 
@@ -104,10 +106,10 @@ def build_tiny_model(kind: str, out: Path, src_tokenizer_dir: Path, seed: int = 
     import transformers
     from transformers import AutoModelForCausalLM, GenerationConfig
     cls_name, extra = TINY_KINDS[kind]
-    config = getattr(transformers, cls_name)(
+    config = getattr(transformers, cls_name)(**(dict(
         vocab_size=49152, hidden_size=64, intermediate_size=128, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.1,
-        rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=2, **extra)
+        rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=2) | extra))
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     out.mkdir(parents=True, exist_ok=True)

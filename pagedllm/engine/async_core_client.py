@@ -179,8 +179,8 @@ class AsyncInprocClient:
         return self.stats
 
     def is_alive(self) -> bool:
-        """False once the core thread has crashed."""
-        return self.error is None and (self._thread is None or self._thread.is_alive())
+        """False once the core thread has crashed, or a worker process of the core's executor died."""
+        return self.error is None and (self._thread is None or self._thread.is_alive()) and self.core.is_healthy()
 
     def shutdown(self) -> None:
         """Stop the core thread (pending requests are dropped) and the core's execution thread."""

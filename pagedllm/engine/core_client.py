@@ -121,8 +121,8 @@ class InprocClient:
         return self.core.call_utility(name, *args)
 
     def is_alive(self) -> bool:
-        """Always True: the core lives in this process."""
-        return True
+        """True while the in-process core can step (False once a worker process of its executor died)."""
+        return self.core.is_healthy()
 
     def shutdown(self) -> None:
         """Finish the step in flight and stop the core's execution thread."""
@@ -162,6 +162,7 @@ def run_engine_core(args: EngineArgs, model_dir: str, max_model_len: int, eos_to
     out = ctx.socket(zmq.PUSH)
     out.connect(output_addr)
     enc, dec = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(TO_CORE)
+    core = None
     try:
         eos = set(eos_token_ids)  # one set shared by all requests, as in the in-process engine
         core = EngineCore(args, model_dir, max_model_len, eos)
@@ -179,6 +180,7 @@ def run_engine_core(args: EngineArgs, model_dir: str, max_model_len: int, eos_to
             if not busy and not inp.poll(100):
                 if os.getppid() != parent_pid:
                     return  # the front end is gone: do not linger as an orphan
+                core.check_health()  # a dead worker process ends the core while idle too (WorkerDiedError)
                 continue
             while inp.poll(0):
                 msg = dec.decode(inp.recv())
@@ -206,6 +208,8 @@ def run_engine_core(args: EngineArgs, model_dir: str, max_model_len: int, eos_to
         except zmq.ZMQError:
             pass
     finally:
+        if core is not None:
+            core.executor.shutdown()  # worker processes of a tensor-parallel core go with it
         out.close(linger=linger_ms)
         inp.close(linger=0)
         ctx.term()

@@ -31,6 +31,7 @@ from pagedllm.config import EngineArgs, parse_size
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.scheduler_output import EngineCoreOutput
+from pagedllm.distributed.executor import UniProcExecutor, create_executor
 from pagedllm.engine.messages import EngineCoreRequest
 from pagedllm.request import Request, RequestStatus
 from pagedllm.spec_decode.config import TargetInfo
@@ -104,15 +105,28 @@ class EngineCore:
 
     def __init__(self, args: EngineArgs, model_dir, max_model_len: int, eos_token_ids: set[int],
                  model=None, scripted_output=None) -> None:
-        from pagedllm.models.registry import load_model
         self.eos_token_ids = eos_token_ids
-        dtype, device = args.torch_dtype, args.torch_device
         # every torch op of the core (loading, KV allocation, steps) runs on this one thread
         threads = args.num_threads or torch.get_num_threads()
         self._exec = ThreadPoolExecutor(1, "pagedllm-exec", initializer=torch.set_num_threads, initargs=(threads,))
+        # one rank in process, or rank 0 here and a worker process per other rank (distributed/executor.py)
+        self.executor = create_executor(args, model_dir, lambda fn: self._exec.submit(fn).result())
+        try:
+            self._init_model(args, model_dir, max_model_len, model, scripted_output)
+        except BaseException:
+            self.executor.shutdown()
+            self._exec.shutdown(wait=False)
+            raise
+
+    def _init_model(self, args: EngineArgs, model_dir, max_model_len: int, model, scripted_output) -> None:
+        """Load the model, size the KV pool, build the scheduler and every rank's runner."""
+        from pagedllm.models.registry import load_model
+        eos_token_ids, dtype, device = self.eos_token_ids, args.torch_dtype, args.torch_device
         if model is None:
             model, _ = self._exec.submit(load_model, model_dir, dtype, device, args.model_impl,
                                          args.quantization, args.attention_backend).result()
+        elif not isinstance(self.executor, UniProcExecutor):
+            raise ValueError("a prebuilt model serves one rank: --tensor-parallel-size must be 1")
         per_block = ModelRunner.kv_bytes_per_block(model, args.block_size, dtype)
         num_blocks = args.num_kv_blocks or parse_size(args.kv_cache_memory) // per_block
         if num_blocks < 1:
@@ -130,10 +144,11 @@ class EngineCore:
                         "dynamic" if args.speculative_config.dynamic else "fixed")
         self.scheduler = Scheduler(self.kv_cache_manager, args.max_num_seqs, args.max_num_batched_tokens,
                                    max_model_len, args.enable_chunked_prefill, spec)
-        self.runner = self._exec.submit(
-            ModelRunner, model, num_blocks, args.block_size, dtype, device, args.seed, eos_token_ids=eos_token_ids,
-            max_num_reqs=args.max_num_seqs, max_model_len=max_model_len, executor=self._exec,
-            scripted_output=scripted_output).result()
+        sizes = dict(num_blocks=num_blocks, block_size=args.block_size, dtype=dtype, device=device, seed=args.seed,
+                     eos_token_ids=eos_token_ids, max_num_reqs=args.max_num_seqs, max_model_len=max_model_len)
+        self.runner = self._exec.submit(self.executor.runner_class, model, **sizes, executor=self._exec,
+                                        scripted_output=scripted_output).result()
+        self.executor.start(self.runner, sizes)
         self.async_scheduling = args.async_scheduling
         self._in_flight = None  # (SchedulerOutput, StepHandle) issued but not yet applied
         self.num_prompt_tokens = self.num_generation_tokens = self.num_steps = self.max_num_running = 0
@@ -204,6 +219,18 @@ class EngineCore:
             raise ValueError(f"unknown engine core utility {name!r} (known: {sorted(self.UTILITIES)})")
         return getattr(self, name)(*args)
 
+    def check_health(self) -> None:
+        """Return when every rank can step; raise ``WorkerDiedError`` when a worker process is gone."""
+        self.executor.check_health()
+
+    def is_healthy(self) -> bool:
+        """False once a worker process of the executor is gone (``/health`` then answers 503)."""
+        try:
+            self.executor.check_health()
+        except RuntimeError:
+            return False
+        return True
+
     def has_unfinished_requests(self) -> bool:
         """True while any request waits or runs, or a step's results are still to be applied."""
         return self.scheduler.has_unfinished_requests() or self._in_flight is not None
@@ -226,7 +253,7 @@ class EngineCore:
             self.timer.pause()
             if self._structured is not None and self.scheduler.waiting:
                 self._structured.wait_for_compiles(0.05)  # only grammar-waiting requests: do not spin
-        handle = self.runner.execute(so, self.timer, non_blocking=True)
+        handle = self.executor.execute(so, self.timer, non_blocking=True)
         if not self.async_scheduling:
             self._fill_grammar(handle)
             return errors + self._apply(so, handle)
@@ -274,9 +301,13 @@ class EngineCore:
     def shutdown(self) -> None:
         """Finish the step in flight, if any, and stop the execution thread."""
         if self._in_flight is not None:
-            self._in_flight[1].result()
+            try:
+                self._in_flight[1].result()
+            except Exception:  # the step failed (a dead worker): its error was or will be reported
+                logger.debug("the step in flight failed at shutdown", exc_info=True)
             self._in_flight = None
         self._exec.shutdown(wait=True)
+        self.executor.shutdown()
         if self._structured is not None:
             self._structured.shutdown()
 

@@ -18,11 +18,56 @@ from torch import nn
 
 from pagedllm.attention.backend import AttentionBackend, select_attention_backend
 from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.distributed.parallel_state import get_pp_size, get_tp_rank, get_tp_size
 from pagedllm.kernels import cpu as cpu_kernels
 from pagedllm.models.layers import (RMSNorm, RotaryEmbedding, RotaryStep, build_rms_norm, build_rotary,
                                     build_silu_and_mul)
+from pagedllm.models.layers.pipeline import holds_ends, pipeline_forward, stage_layers, stage_weights
 
 __all__ = ["LlamaForCausalLM", "RMSNorm", "RotaryEmbedding"]
+
+# checkpoint projection -> (fused module, piece): how the tensor-parallel loader finds a tensor's place
+TP_FUSED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+            "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up")}
+
+
+def attention_linears(hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, qkv_bias: bool,
+                      o_bias: bool) -> tuple[nn.Module, nn.Module, int, int]:
+    """``(qkv_proj, o_proj, local heads, local KV heads)``: plain ``nn.Linear`` at one rank, else
+    column-parallel QKV (whole heads, ``layers.parallel.head_shard``) and a row-parallel output."""
+    tp = get_tp_size()
+    if tp == 1:
+        q, kv = num_heads * head_dim, num_kv_heads * head_dim
+        return (nn.Linear(hidden, q + 2 * kv, bias=qkv_bias), nn.Linear(q, hidden, bias=o_bias),
+                num_heads, num_kv_heads)
+    from pagedllm.models.layers.parallel import ColumnParallelLinear, RowParallelLinear, head_shard
+    s, d = head_shard(num_heads, num_kv_heads, tp, get_tp_rank()), head_dim
+    kv = (s.kv_start * d, s.kv_heads * d)
+    qkv = ColumnParallelLinear(hidden, {"q": (s.q_start * d, s.q_heads * d), "k": kv, "v": kv}, qkv_bias)
+    return qkv, RowParallelLinear((s.q_start * d, s.q_heads * d), hidden, o_bias), s.q_heads, s.kv_heads
+
+
+def mlp_linears(hidden: int, inter: int, bias: bool) -> tuple[nn.Module, nn.Module, int]:
+    """``(gate_up_proj, down_proj, local intermediate size)``: plain at one rank, else column-parallel
+    gate/up (this rank's share of the intermediate size in both halves) and row-parallel down."""
+    tp = get_tp_size()
+    if tp == 1:
+        return nn.Linear(hidden, 2 * inter, bias=bias), nn.Linear(inter, hidden, bias=bias), inter
+    from pagedllm.models.layers.parallel import ColumnParallelLinear, RowParallelLinear, balanced_split
+    part = balanced_split(inter, tp, get_tp_rank())
+    return (ColumnParallelLinear(hidden, {"gate": part, "up": part}, bias), RowParallelLinear(part, hidden, bias),
+            part[1])
+
+
+def embedding_and_head(vocab: int, hidden: int, tied: bool):
+    """``(embed_tokens, lm_head or None when tied, logits function or None)``: plain at one rank, else
+    vocabulary-parallel tables and a ``ParallelLogits`` that gathers the logits on rank 0."""
+    if get_tp_size() == 1:
+        return nn.Embedding(vocab, hidden), None if tied else nn.Linear(hidden, vocab, bias=False), None
+    from pagedllm.models.layers.parallel import ParallelLMHead, ParallelLogits, VocabParallelEmbedding
+    embed = VocabParallelEmbedding(vocab, hidden)
+    head = None if tied else ParallelLMHead(vocab, hidden)
+    return embed, head, ParallelLogits(head or embed)
 
 
 class LlamaAttention(nn.Module):
@@ -42,10 +87,12 @@ class LlamaAttention(nn.Module):
         # Llama's attention_bias covers q/k/v/o; Qwen2 always has q/k/v bias and no o bias
         attn_bias = bool(getattr(config, "attention_bias", False))
         qkv_bias = attn_bias or config.model_type == "qwen2"
+        # this rank's heads (all of them at one rank)
+        self.qkv_proj, self.o_proj, self.num_heads, self.num_kv_heads = attention_linears(
+            config.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim, qkv_bias,
+            attn_bias and config.model_type != "qwen2")
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=attn_bias and config.model_type != "qwen2")
         self.rotary = rotary
         self.backend = backend
         self.scale = self.head_dim ** -0.5
@@ -76,9 +123,7 @@ class LlamaMLP(nn.Module):
     def __init__(self, config, cpu_kernels: bool = False) -> None:
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
-        self.inter = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.inter, bias=bias)
-        self.down_proj = nn.Linear(self.inter, config.hidden_size, bias=bias)
+        self.gate_up_proj, self.down_proj, self.inter = mlp_linears(config.hidden_size, config.intermediate_size, bias)
         self.act = build_silu_and_mul(cpu_kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -128,14 +173,20 @@ class LlamaForCausalLM(nn.Module):
         self.cpu_kernels = cpu_kernels
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         rotary = build_rotary(config, head_dim, config.max_position_embeddings, cpu_kernels)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary, self.attention_backend, cpu_kernels)
-                                    for _ in range(config.num_hidden_layers))
-        self.norm = build_rms_norm(config.hidden_size, config.rms_norm_eps, cpu_kernels)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tp_size, self.pp_size = get_tp_size(), get_pp_size()
+        # a pipeline stage holds its layers; rank 0 (every rank without a pipeline) also both ends
+        self.first_layer, end = stage_layers(config.num_hidden_layers)
+        ends = holds_ends()
+        embed, head, parallel_logits = (embedding_and_head(config.vocab_size, config.hidden_size,
+                                                           self.tie_word_embeddings) if ends else (None, None, None))
+        self.embed_tokens = embed
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary, self.attention_backend, cpu_kernels)
+                                    for _ in range(self.first_layer, end))
+        self.norm = build_rms_norm(config.hidden_size, config.rms_norm_eps, cpu_kernels) if ends else None
+        self.lm_head = head  # registered last, as before tensor parallelism (parameter order unchanged)
         self.rotary = rotary
-        self.packed_head = None  # set by ``prepack``
+        self.packed_head = parallel_logits  # set by ``prepack`` (tensor parallel: gathers the vocabulary shards)
         # batch-1 decode runs the whole stack in one C call (only on the kernel path, see ``forward``)
         self.fused_decode = True
         self._stack_table, self._stack_key = None, None
@@ -157,8 +208,10 @@ class LlamaForCausalLM(nn.Module):
             meta: the attention backend's metadata of the step.
             logits_indices: ``[R]`` int64 rows whose logits are needed.
         Returns:
-            ``[R, vocab]`` float32 logits.
+            ``[R, vocab]`` float32 logits (a pipeline stage other than rank 0: ``[R, 0]``).
         """
+        if self.pp_size > 1:
+            return pipeline_forward(self, input_ids, positions, kv_caches, meta, logits_indices)
         x = self.embed_tokens(input_ids)
         one = (self._one_sequence(x.shape[0], meta, kv_caches[0][0].shape[2])
                if self.cpu_kernels and self.fused_decode else None)
@@ -236,6 +289,11 @@ class LlamaForCausalLM(nn.Module):
         Raises:
             KeyError: a parameter is missing from, or unknown to, the checkpoint.
         """
+        if self.tp_size > 1:  # each rank copies only its rows / columns
+            from pagedllm.models.layers.parallel import load_parallel_weights
+            return load_parallel_weights(self, weights, TP_FUSED, {"lm_head.weight"} if self.lm_head is None else ())
+        if self.pp_size > 1:  # this stage's tensors, renamed to its local layer indices
+            weights = stage_weights(self, weights)
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         attn0 = self.layers[0].self_attn

@@ -137,10 +137,16 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
     from pagedllm.kernels import cpu as cpu_kernels
     # the one place the kernel choice is made: building (first time on this machine, about a
     # second) or loading the C kernels happens here, not inside the first request
-    backend = select_attention_backend(device, dtype, attention_backend)
-    kernels_on = cpu_kernels.applies(device, dtype) and backend.uses_cpu_kernels
+    from pagedllm.distributed.parallel_state import get_world_size
+    tp = get_world_size()
+    # one rank of a tensor- or pipeline-parallel group: the torch layers and attention (or Triton's when
+    # asked), float weights
+    name = attention_backend if tp == 1 or attention_backend == "triton" else "torch"
+    backend = select_attention_backend(device, dtype, name)
+    kernels_on = tp == 1 and cpu_kernels.applies(device, dtype) and backend.uses_cpu_kernels
     logger.info("attention backend: %s; CPU kernels: %s", backend.name, "on" if kernels_on else "off (torch ops)")
-    quantization = resolve_quantization(quantization, model_dir, impl, kernels_on)
+    quantization = (resolve_quantization(quantization, model_dir, impl, kernels_on) if tp == 1
+                    else check_tensor_parallel(impl, quantization, tp))
     if quantization in ("gguf", "int8") and impl == "transformers":
         raise ValueError(f"quantization={quantization!r} serves the native implementation only; use "
                          "model_impl='native' or quantization='none'")
@@ -160,7 +166,8 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
         for f in files:
             with safe_open(str(f), framework="pt", device="cpu") as fh:
                 for name in fh.keys():
-                    yield name, fh.get_tensor(name)
+                    # a tensor-parallel rank reads only its slices of each tensor, a stage only its tensors
+                    yield name, fh.get_tensor(name) if tp == 1 else fh.get_slice(name)
 
     model.load_weights(tensors())
     model.eval()
@@ -173,10 +180,26 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
         from pagedllm.memory import return_freed_memory
         return_freed_memory()  # the float32 weights just replaced (glibc keeps ~170 MB of SmolLM2's mapped)
     from pagedllm.models.cpu_linear import prepack_available
-    if prepack_available(device, dtype):
+    if tp == 1 and prepack_available(device, dtype):
         logger.info("oneDNN-packed weights: %d linear layers", model.prepack())
     logger.info("loaded %s (%s) in %.1f s", model_dir, config.architectures, time.perf_counter() - t0)
     return model, config
+
+
+def check_tensor_parallel(impl: str, quantization: str, world: int) -> str:
+    """The weight format a rank of a parallel job serves: float weights only (``auto`` -> ``none``).
+
+    Raises:
+        ValueError: the Transformers backend, or ``--quantization gguf|int8``, with more than one
+            rank (the message names the flags).
+    """
+    if impl != "native":
+        raise ValueError(f"--tensor-parallel-size / --pipeline-parallel-size ({world} ranks) need a native "
+                         "model (Llama, Qwen2); --model-impl transformers is not parallel")
+    if quantization not in ("auto", "none"):
+        raise ValueError(f"--tensor-parallel-size / --pipeline-parallel-size ({world} ranks) serve float "
+                         f"weights only: use --quantization none (or auto), not {quantization!r}")
+    return "none"
 
 
 def _serve_gguf_blocks(model, model_dir: Path, config, kernels_on: bool) -> None:

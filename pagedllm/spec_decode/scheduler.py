@@ -7,8 +7,15 @@ step is planned; it then goes on without drafts (on its placeholder, as without 
 unless the proposer already finds a match on the tokens known so far: then it sits that step
 out, and the next step, planned once its token has arrived, carries the drafts. A request with
 drafts in flight is never planned again until their verdict arrives (its accepted count moves
-``num_computed_tokens``). Requests with structured outputs get no drafts (their grammar would
-have to judge draft tokens before the target does).
+``num_computed_tokens``).
+
+Structured outputs: a constrained request gets drafts once its grammar judges its tokens (compiled,
+past any reasoning); point-mass drafts (n-gram, suffix) are cut at the first token the grammar
+refuses, which is exact (that draft would be rejected with probability 1). Drafts sampled from a
+distribution (``draft_model``) are kept whole: cutting them would change the proposal the
+rejection rule corrects for, and a refused draft is rejected by the masked target anyway. The
+core fills one mask row per logits row, consuming the drafts and rolling the matcher back
+(``GrammarState.fill``).
 
 A ``batched`` proposer (``draft_model``: one model forward serves many requests) is asked once
 per step, in ``begin_step``, for every running request that may get drafts, each at the depth
@@ -96,13 +103,16 @@ class SpecDecoding:
             drafts = self.proposer.propose([item]).get(req.request_id, [])
         if pending:
             return HOLD if drafts else []  # drafts from the known tokens would be one token stale
+        if req.structured is not None and getattr(self.proposer, "take_probs", None) is None:
+            drafts = req.structured.valid_drafts(drafts[:k])
         self.depth.planned(req.request_id, len(drafts[:k]))
         return drafts[:k]
 
     @staticmethod
     def _decoding(req: Request) -> bool:
-        """A request that may get drafts: decoding (prefill done), unconstrained, no drafts in flight."""
-        return (req.structured is None and not req.spec_token_ids
+        """A request that may get drafts: decoding (prefill done), no drafts in flight, and either
+        unconstrained or with a grammar that judges its next tokens."""
+        return ((req.structured is None or req.structured.constraining) and not req.spec_token_ids
                 and req.num_computed_tokens == req.num_tokens + req.num_output_placeholders - 1)
 
     def _room(self, req: Request) -> int:

@@ -90,14 +90,39 @@ class GrammarState:
             return "error"
         return "stop" if m.is_stopped() else None
 
-    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+    @property
+    def constraining(self) -> bool:
+        """True when the next token is judged by the grammar (compiled, no error, past the reasoning)."""
+        return self.active and self.error is None and self.matcher is not None
+
+    def valid_drafts(self, drafts: list[int]) -> list[int]:
+        """The longest prefix of ``drafts`` the grammar allows after the kept tokens (the matcher
+        is left as it was)."""
+        if not drafts or not self.constraining:
+            return []
+        return drafts[:self.matcher.validate_tokens(drafts)]
+
+    def fill(self, bitmask: torch.Tensor, row: int, drafts: list[int] = ()) -> None:
         """Write the allowed next tokens into ``bitmask[row]`` (``[W]`` int32; all allowed while
-        the reasoning runs or after an error)."""
-        if not self.active or self.error is not None or self.matcher is None:
-            bitmask[row].fill_(-1)
+        the reasoning runs or after an error) and, with draft tokens scheduled after the kept ones,
+        the allowed tokens after each draft into the next ``len(drafts)`` rows: row ``row + j`` is
+        the mask after drafts ``0 .. j - 1``. The matcher consumes the grammar-valid drafts for that
+        and is rolled back, so it still holds exactly the kept tokens. Rows after the first draft
+        the grammar refuses are all-allowed: that draft's masked probability is 0, so verification
+        rejects it and never reads them."""
+        if not self.constraining:
+            bitmask[row:row + 1 + len(drafts)].fill_(-1)
             return
-        v = bitmask[row]
-        self.matcher.unsafe_compute_mask_ptr(v.data_ptr(), v.numel() * v.element_size())
+        m = self.matcher
+        n = m.validate_tokens(list(drafts)) if drafts else 0
+        for j in range(n + 1):
+            if j:
+                m.consume_token(drafts[j - 1])
+            v = bitmask[row + j]
+            m.unsafe_compute_mask_ptr(v.data_ptr(), v.numel() * v.element_size())
+        if n:
+            m.rollback(n)
+        bitmask[row + n + 1:row + 1 + len(drafts)].fill_(-1)
 
 
 class GrammarMask:
@@ -105,13 +130,16 @@ class GrammarMask:
     for by the execution thread before it samples.
 
     Attributes:
-        rows: ``G`` indices of the constrained rows among the step's sampled rows.
+        rows: ``G`` indices of the constrained requests among the step's sampled requests.
         req_ids: their request ids.
-        bitmask: ``[G, W]`` int32 once published.
+        drafts: their draft tokens scheduled this step (``[]``: none), ``G`` lists.
+        bitmask: ``[sum(1 + len(drafts[g])), W]`` int32 once published: each request's rows in
+            order, one per logits row it has (its token, then one after each draft).
     """
 
-    def __init__(self, rows: list[int], req_ids: list[str]) -> None:
+    def __init__(self, rows: list[int], req_ids: list[str], drafts: list[list[int]] | None = None) -> None:
         self.rows, self.req_ids = rows, req_ids
+        self.drafts = drafts if drafts is not None else [[] for _ in rows]
         self.bitmask: torch.Tensor | None = None
         self._ready = threading.Event()
 
@@ -173,16 +201,18 @@ class StructuredOutputManager:
             wait(pending, timeout=timeout, return_when=FIRST_COMPLETED)
 
     def fill(self, mask: GrammarMask, states: dict[str, GrammarState]) -> torch.Tensor:
-        """The ``[G, W]`` int32 bitmask of a step's constrained rows; a request gone (finished
-        while the step ran) gets an all-allowed row, as its token will be dropped."""
+        """The int32 bitmask of a step's constrained rows (``GrammarMask.bitmask``'s layout); a
+        request gone (finished while the step ran) gets all-allowed rows, as its tokens will be dropped."""
         words = bitmask_words(self._backend.vocab_size if self._backend else self._vocab)
-        bitmask = torch.empty((len(mask.req_ids), words), dtype=torch.int32)
-        for row, rid in enumerate(mask.req_ids):
+        bitmask = torch.empty((sum(1 + len(d) for d in mask.drafts), words), dtype=torch.int32)
+        row = 0
+        for rid, drafts in zip(mask.req_ids, mask.drafts):
             state = states.get(rid)
             if state is None or not state.ready:
-                bitmask[row].fill_(-1)
+                bitmask[row:row + 1 + len(drafts)].fill_(-1)
             else:
-                state.fill(bitmask, row)
+                state.fill(bitmask, row, drafts)
+            row += 1 + len(drafts)
         return bitmask
 
     def shutdown(self) -> None:

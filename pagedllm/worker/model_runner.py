@@ -205,7 +205,7 @@ class ModelRunner:
             input_ids=input_ids, positions=positions, meta=meta,
             logits_rows=logits_rows, sample_ids=[rids[i] for i in sample.tolist()],
             sampling=sampling, prompt_lp=prompt_lp, pending_idx=pending_idx, pending_src=pending_src,
-            slot_row=slot_row, grammar=self._grammar_rows(rids, sample, sampling),
+            slot_row=slot_row, grammar=self._grammar_rows(rids, sample, sampling, so.spec_token_ids),
             drafts=None if not so.spec_token_ids else [so.spec_token_ids.get(rids[i], []) for i in sample.tolist()],
             draft_probs=None if not so.spec_draft_probs else [so.spec_draft_probs.get(rids[i]) for i in sample.tolist()])
 
@@ -224,12 +224,15 @@ class ModelRunner:
         return spec
 
     @staticmethod
-    def _grammar_rows(rids: list[str], sample: np.ndarray, sampling: SamplingMetadata | None) -> GrammarMask | None:
-        """The sampled rows with structured outputs, whose mask the core fills (``None``: none)."""
+    def _grammar_rows(rids: list[str], sample: np.ndarray, sampling: SamplingMetadata | None,
+                      drafts: dict[str, list[int]]) -> GrammarMask | None:
+        """The sampled requests with structured outputs, whose mask rows (one per logits row: the
+        token, then one after each draft) the core fills (``None``: none)."""
         if sampling is None or not sampling.any_structured:
             return None
         rows = [i for i, p in enumerate(sampling.params) if p.structured_outputs is not None]
-        return GrammarMask(rows, [rids[int(sample[i])] for i in rows])
+        ids = [rids[int(sample[i])] for i in rows]
+        return GrammarMask(rows, ids, [list(drafts.get(rid, ())) for rid in ids])
 
     def _prepare_inputs(self, slots: np.ndarray, n: np.ndarray, start: np.ndarray, end: np.ndarray,
                         qsl: np.ndarray) -> tuple[np.ndarray, np.ndarray, AttentionMetadata]:
@@ -405,13 +408,14 @@ class ModelRunner:
     def _constrain(logits: torch.Tensor, grammar: GrammarMask, drafts: list[list[int]] | None = None) -> torch.Tensor:
         """Wait for the step's token bitmask and mask the constrained rows' logits in place
         (``[R', V]`` float32, the model's own output: nothing else reads them unmasked). With drafts
-        in the step, request ``i``'s row is its first (constrained requests get no drafts)."""
+        in the step, sampled request ``i`` owns ``1 + len(drafts[i])`` consecutive logits rows, and
+        the mask has a row for each (``GrammarMask``)."""
         bitmask = grammar.wait()
         if bitmask is not None:
             rows = grammar.rows
             if drafts is not None:
                 firsts = np.concatenate([[0], np.cumsum([1 + len(d) for d in drafts])])
-                rows = [int(firsts[r]) for r in rows]
+                rows = [int(firsts[r]) + j for r in rows for j in range(1 + len(drafts[r]))]
             apply_bitmask(logits, rows, bitmask)
         return logits
 

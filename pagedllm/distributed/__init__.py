@@ -1,0 +1,1 @@
+"""Distributed execution: process groups (``parallel_state``) and executors (``executor``)."""

@@ -1,0 +1,266 @@
+"""Executors: what stands between the engine core and its model runners (vLLM's ``Executor``).
+
+```
+EngineCore ──execute(SchedulerOutput)──> Executor ──> handle.result() -> ModelRunnerOutput
+   UniProcExecutor:   rank 0's ModelRunner on the core's execution thread (today's path)
+   MultiprocExecutor: rank 0's DriverModelRunner on the same thread, plus one process per rank
+                      1..N-1 (WorkerModelRunner); each step's SchedulerOutput goes down a pipe to
+                      every worker; the forward's all-reduces (gloo / NCCL) keep the ranks in step;
+                      rank 0 samples and broadcasts the tokens
+```
+The pipe carries the step's plan before rank 0 runs it, so a worker starts preparing step N+1
+while rank 0 still runs step N: the async overlap of the core (``engine_core.py``) is unchanged,
+and every collective of rank 0 runs on its one execution thread, in issue order.
+
+Failure: a monitor thread waits on the workers' process sentinels; a worker that dies makes
+``check_health`` (called before each step) and the step in flight raise ``WorkerDiedError``
+naming the rank, pid and exit code, which fails the engine's requests as any core error does.
+``shutdown`` asks the workers to stop, then terminates and kills what is left: no process
+stays behind.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import threading
+from multiprocessing.connection import wait
+
+from pagedllm.worker.model_runner import ModelRunner, StepHandle
+
+logger = logging.getLogger(__name__)
+
+EXECUTOR_BACKENDS = ("uni", "mp", "ray")  # --distributed-executor-backend (Ray: ray_executor.py)
+
+
+class WorkerDiedError(RuntimeError):
+    """A tensor-parallel worker process is gone: the job cannot step any more."""
+
+
+class Executor:
+    """Runs each scheduled step on every rank; rank 0's runner is ``self.runner``.
+
+    Subclasses set ``runner_class`` (rank 0's runner type) and implement ``start``,
+    ``execute``, ``check_health`` and ``shutdown``.
+    """
+
+    runner_class: type[ModelRunner] = ModelRunner
+
+    def __init__(self) -> None:
+        self.runner: ModelRunner | None = None
+
+    def start(self, runner: ModelRunner, runner_kwargs: dict) -> None:
+        """Take rank 0's built runner; give the other ranks theirs (``runner_kwargs``: the sizes)."""
+        self.runner = runner
+
+    def execute(self, so, timer=None, non_blocking: bool = False) -> StepHandle:
+        """Issue step ``so`` on every rank; returns rank 0's handle (``ModelRunner.execute``'s contract)."""
+        return self.runner.execute(so, timer, non_blocking=non_blocking)
+
+    def check_health(self) -> None:
+        """Return when every rank is alive, else raise ``WorkerDiedError``."""
+
+    def await_failure(self, timeout_s: float) -> None:
+        """After a collective failed: wait up to ``timeout_s`` seconds for a dead rank to be seen
+        (a peer's death breaks the collective a moment before it is reaped or reported)."""
+
+    def shutdown(self) -> None:
+        """Stop the other ranks (safe to call twice)."""
+
+
+class UniProcExecutor(Executor):
+    """One rank, in the engine core's process: today's path, no communication."""
+
+
+class MultiprocExecutor(Executor):
+    """Rank 0 in this process, ranks 1..N-1 in spawned processes (one per rank).
+
+    Args:
+        args: the engine's ``EngineArgs`` (the workers load the same model with them).
+        model_dir: the resolved model directory.
+        world_size: ranks in all (``tensor_parallel_size`` or ``pipeline_parallel_size``).
+        run_on_exec: runs a function on the core's execution thread and returns its result
+            (rank 0 joins the process group there).
+    Raises:
+        RuntimeError: a worker failed to start (its traceback is in the message).
+    """
+
+    runner_class = None  # set in __init__: the driver runner (imported lazily, it imports torch.distributed)
+
+    def __init__(self, args, model_dir, world_size: int, run_on_exec) -> None:
+        super().__init__()
+        from pagedllm.distributed import worker
+        from pagedllm.distributed.parallel_state import free_port, init_distributed
+        self.runner_class = worker.DriverModelRunner
+        self.world_size = world_size
+        self.failure: str | None = None
+        self._closing = False
+        ctx = mp.get_context("spawn")
+        url = f"tcp://127.0.0.1:{free_port()}"
+        self.procs, self.conns = [], []
+        try:
+            for rank in range(1, world_size):
+                parent, child = ctx.Pipe()
+                p = ctx.Process(target=worker.worker_main, args=(rank, world_size, url, args, str(model_dir), child),
+                                name=f"pagedllm-tp{rank}", daemon=True)
+                _start_child(p)
+                child.close()
+                self.procs.append(p)
+                self.conns.append(parent)
+            backend = "nccl" if args.torch_device.type == "cuda" else "gloo"
+            run_on_exec(lambda: init_distributed(0, world_size, url, backend,
+                                                 pipeline_parallel_size=args.pipeline_parallel_size))
+        except BaseException:
+            self.shutdown()
+            raise
+        self._monitor = threading.Thread(target=self._watch, name="pagedllm-tp-monitor", daemon=True)
+        self._monitor.start()
+
+    def start(self, runner: ModelRunner, runner_kwargs: dict) -> None:
+        """Send every worker its runner's sizes and wait until each has built its runner.
+
+        Raises:
+            RuntimeError: a worker reported an error or died while starting.
+        """
+        super().start(runner, runner_kwargs)
+        for conn in self.conns:
+            conn.send(runner_kwargs)
+        for rank, (p, conn) in enumerate(zip(self.procs, self.conns), start=1):
+            try:
+                kind, detail = conn.recv()
+            except EOFError:
+                raise RuntimeError(f"tensor-parallel worker rank {rank} died while starting "
+                                   f"(exit code {p.exitcode})") from None
+            if kind != "ready":
+                raise RuntimeError(f"tensor-parallel worker rank {rank} failed to start:\n{detail}")
+
+    def _watch(self) -> None:
+        """Wait for a worker's exit; record it as the failure unless shutting down."""
+        sentinels = {p.sentinel: (rank, p) for rank, p in enumerate(self.procs, start=1)}
+        if not sentinels:
+            return
+        ready = wait(list(sentinels))
+        if self._closing:
+            return
+        rank, p = sentinels[ready[0]]
+        p.join(0.1)
+        self.failure = (f"tensor-parallel worker rank {rank} (pid {p.pid}) died with exit code {p.exitcode}; "
+                        "the engine cannot step any more")
+        logger.error("%s", self.failure)
+
+    def check_health(self) -> None:
+        """Raise ``WorkerDiedError`` when a worker process has exited."""
+        if self.failure is None:
+            for rank, p in enumerate(self.procs, start=1):
+                if not p.is_alive():
+                    self.failure = (f"tensor-parallel worker rank {rank} (pid {p.pid}) died with exit code "
+                                    f"{p.exitcode}; the engine cannot step any more")
+        if self.failure is not None:
+            raise WorkerDiedError(self.failure)
+
+    def await_failure(self, timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` seconds in all for a worker process to exit."""
+        wait([p.sentinel for p in self.procs], timeout=timeout_s)
+
+    def execute(self, so, timer=None, non_blocking: bool = False) -> StepHandle:
+        """Send ``so`` to every worker, then issue it on rank 0.
+
+        Raises:
+            WorkerDiedError: a worker is gone (also from the returned handle's ``result()``).
+        """
+        self.check_health()
+        if not so.is_empty or so.finished_req_ids:
+            try:
+                for conn in self.conns:
+                    conn.send(so)
+            except OSError as e:
+                self.check_health()
+                raise WorkerDiedError(f"a tensor-parallel worker stopped reading steps ({e})") from e
+        handle = self.runner.execute(so, timer, non_blocking=non_blocking)
+        return CheckedHandle(handle, self)
+
+    def shutdown(self) -> None:
+        """Ask each worker to stop, wait up to 5 s, then terminate (and kill) what is left; leave the group."""
+        self._closing = True
+        for conn in self.conns:
+            try:
+                conn.send(None)
+            except OSError:
+                pass
+        for p in self.procs:
+            p.join(5)
+            if p.is_alive():
+                p.terminate()
+                p.join(2)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        for conn in self.conns:
+            conn.close()
+        self.conns = []
+        from pagedllm.distributed.parallel_state import destroy_distributed
+        try:
+            destroy_distributed()
+        except Exception:  # a group whose peers died cannot be torn down cleanly; it is dropped anyway
+            logger.debug("process group teardown failed", exc_info=True)
+
+
+def _start_child(p) -> None:
+    """Start process ``p``, also from a daemonic process (the core process of ``pagedllm serve`` is one).
+
+    ``multiprocessing`` refuses children to daemonic processes so that none outlives its parent at
+    exit; a worker cannot: it exits when its pipe closes, and ``shutdown`` reaps it.
+    """
+    config = mp.current_process()._config
+    daemon = config.get("daemon")
+    config["daemon"] = False
+    try:
+        p.start()
+    finally:
+        if daemon is not None:
+            config["daemon"] = daemon
+        else:
+            config.pop("daemon", None)
+
+
+class CheckedHandle:
+    """A step handle whose ``result()`` turns a collective broken by a dead worker into ``WorkerDiedError``."""
+
+    def __init__(self, handle: StepHandle, executor: MultiprocExecutor) -> None:
+        self._handle, self._executor = handle, executor
+        self.grammar = handle.grammar
+
+    def result(self):
+        """Rank 0's ``ModelRunnerOutput``.
+
+        Raises:
+            WorkerDiedError: a worker died (the collective's own error is chained).
+        """
+        try:
+            return self._handle.result()
+        except WorkerDiedError:
+            raise
+        except Exception:
+            self._executor.await_failure(5.0)
+            self._executor.check_health()
+            raise
+
+
+def create_executor(args, model_dir, run_on_exec) -> Executor:
+    """The executor ``args`` ask for (``distributed_executor_backend``, ``tensor_parallel_size``,
+    ``pipeline_parallel_size``).
+
+    Raises:
+        ValueError: an unknown executor backend.
+        ImportError: ``ray`` without Ray installed.
+    """
+    world = args.tensor_parallel_size * args.pipeline_parallel_size
+    backend = args.distributed_executor_backend or "mp"
+    if world == 1 or backend == "uni":
+        return UniProcExecutor()
+    if backend == "mp":
+        return MultiprocExecutor(args, model_dir, world, run_on_exec)
+    if backend == "ray":
+        from pagedllm.distributed.ray_executor import RayExecutor
+        return RayExecutor(args, model_dir, world, run_on_exec)
+    raise ValueError(f"--distributed-executor-backend must be mp, ray or uni, got {backend!r}")

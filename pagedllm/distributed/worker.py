@@ -1,0 +1,95 @@
+"""The two sides of a tensor-parallel step: rank 0's runner (the driver) and the other ranks' workers.
+
+Every rank holds a ``ModelRunner`` over its shard of the model and applies the same
+``SchedulerOutput`` to its own persistent batch, so the ranks' batches stay equal without
+sending them. Each rank runs the forward (the all-reduces inside keep them in step); rank 0
+alone gets the logits (``ParallelLogits`` gathers them), samples, and broadcasts the sampled
+tokens, which the workers record as rank 0 does: the next step's pending inputs, and the
+token history the batch keeps, are then the same on every rank. Sampling once and
+broadcasting (rather than sampling on every rank) keeps structured-output masks, scripted
+outputs and draft verification, all of which live on rank 0, out of the workers.
+
+``worker_main`` is a worker process's whole life: join the group, load the shard, build the
+runner with the sizes rank 0 sends, then run each ``SchedulerOutput`` from the pipe until
+``None`` (shutdown) or the pipe closes (rank 0's process is gone).
+"""
+
+from __future__ import annotations
+
+import logging
+import traceback
+
+import torch
+
+from pagedllm.core.scheduler_output import ModelRunnerOutput
+from pagedllm.distributed.parallel_state import destroy_distributed, init_distributed, broadcast_object
+from pagedllm.worker.model_runner import ModelRunner, PreparedStep
+
+logger = logging.getLogger(__name__)
+
+
+class DriverModelRunner(ModelRunner):
+    """Rank 0's runner: a ``ModelRunner`` that broadcasts each step's tokens to the workers."""
+
+    @torch.inference_mode()
+    def _run(self, step: PreparedStep, prev: PreparedStep | None, timer) -> ModelRunnerOutput:
+        """Forward and sample as ``ModelRunner``; then send ``(sampled ids, emitted drafts)`` to every rank."""
+        out = super()._run(step, prev, timer)
+        broadcast_object((step.sampled_list, step.emitted))
+        return out
+
+
+class WorkerModelRunner(ModelRunner):
+    """A worker rank's runner: forwards its shard, samples nothing, takes rank 0's tokens."""
+
+    @torch.inference_mode()
+    def _run(self, step: PreparedStep, prev: PreparedStep | None, timer) -> ModelRunnerOutput:
+        """Forward (the collectives pair with rank 0's), then record rank 0's broadcast tokens.
+
+        Raises:
+            RuntimeError: rank 0 sent no tokens (it failed mid-step).
+        """
+        if step.pending_idx.numel():
+            step.input_ids[step.pending_idx] = prev.sampled[step.pending_src]
+        self.model(step.input_ids, step.positions, self.kv_caches, step.meta, step.logits_rows)
+        got = broadcast_object()
+        if got is None:
+            raise RuntimeError("rank 0 sent no tokens for the step")
+        step.sampled_list, step.emitted = got
+        step.sampled = torch.tensor(step.sampled_list, dtype=torch.int64, device=self.device)
+        return ModelRunnerOutput()
+
+
+def worker_main(rank: int, world_size: int, init_method: str, args, model_dir: str, conn) -> None:
+    """A worker process (``rank`` >= 1): join the group, load the shard, run steps from ``conn``.
+
+    Messages on ``conn`` (a ``multiprocessing`` pipe end): in, ``runner kwargs`` (dict) once, then
+    a ``SchedulerOutput`` per step, ``None`` to stop; out, ``("ready", None)`` once the runner is
+    built, or ``("error", traceback text)`` when anything fails (then the process exits with 1).
+    """
+    logging.basicConfig(level=logging.WARNING)
+    torch.set_num_threads(args.num_threads or torch.get_num_threads())
+    try:
+        init_distributed(rank, world_size, init_method, "nccl" if args.torch_device.type == "cuda" else "gloo",
+                         pipeline_parallel_size=args.pipeline_parallel_size)
+        from pagedllm.models.registry import load_model
+        model, _ = load_model(model_dir, args.torch_dtype, args.torch_device, args.model_impl, args.quantization,
+                              args.attention_backend)
+        kwargs = conn.recv()
+        runner = WorkerModelRunner(model, **kwargs)
+        conn.send(("ready", None))
+        while (so := conn.recv()) is not None:
+            runner.execute(so).result()
+    except EOFError:  # rank 0's process closed the pipe: nothing to report to
+        raise SystemExit(1)
+    except BaseException:
+        try:
+            conn.send(("error", traceback.format_exc()))
+        except OSError:
+            pass
+        raise SystemExit(1)
+    finally:
+        try:
+            destroy_distributed()
+        except Exception:  # the group is broken when a peer died: nothing left to release cleanly
+            pass
