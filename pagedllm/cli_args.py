@@ -28,7 +28,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", help="float32 (default), bfloat16 or float16")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
-    p.add_argument("--kv-cache-memory", default="1GiB", help="KV cache pool size, e.g. 2GiB or 512MiB")
+    p.add_argument("--kv-cache-memory", default="1GiB",
+                   help="KV cache pool size, e.g. 2GiB or 512MiB (per engine core: with --data-parallel-size N, "
+                        "N pools of this size)")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache pool size in blocks (overrides memory)")
     p.add_argument("--max-num-seqs", type=int, default=128, help="most requests per step")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
@@ -50,6 +52,10 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-config", default=None,
                    help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
                         '(methods: ngram, suffix, draft_model with "model"; see docs/speculative-decoding.md)')
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="engine cores behind one front end, each in its own process with its own KV pool "
+                        "(--kv-cache-memory each) and weights; requests go to the core holding the longest "
+                        "cached prefix of their prompt, else to the least loaded (default 1)")
     p.add_argument("--log-level", default="info")
 
 
@@ -72,4 +78,5 @@ def engine_args_from_cli(a: argparse.Namespace) -> EngineArgs:
                       seed=a.seed, served_model_name=getattr(a, "served_model_name", None),
                       num_threads=a.num_threads, model_impl=a.model_impl, quantization=a.quantization,
                       enable_multiprocessing=getattr(a, "enable_multiprocessing", None),
-                      async_scheduling=a.async_scheduling, speculative_config=a.speculative_config)
+                      async_scheduling=a.async_scheduling, speculative_config=a.speculative_config,
+                      data_parallel_size=a.data_parallel_size)

@@ -124,6 +124,13 @@ class EngineArgs:
             string such as ``{"method": "ngram", "num_speculative_tokens": 4}``; parsed into a
             ``pagedllm.spec_decode.config.SpeculativeConfig`` (its docstring lists the keys).
             ``None``: no speculation.
+        data_parallel_size: engine cores (replicas) behind one front end (vLLM's
+            ``--data-parallel-size``), each in its own process with its own KV pool of
+            ``kv_cache_memory`` (or ``num_kv_blocks``) and its own copy of the weights; a
+            router (``engine/router.py``) sends each request to the replica holding the longest
+            cached prefix of its prompt, else to the least loaded one. Above 1 the cores must
+            run in their own processes: ``enable_multiprocessing=None`` then means True and
+            ``False`` is refused (``ValueError``).
     """
 
     model: str | None = None
@@ -147,6 +154,7 @@ class EngineArgs:
     enable_multiprocessing: bool | None = None
     async_scheduling: bool | None = None
     speculative_config: Any = None
+    data_parallel_size: int = 1
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -156,6 +164,13 @@ class EngineArgs:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if not isinstance(self.data_parallel_size, int) or self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be an integer >= 1, got {self.data_parallel_size!r}")
+        if self.data_parallel_size > 1:
+            if self.enable_multiprocessing is False:
+                raise ValueError(f"data_parallel_size={self.data_parallel_size} runs each engine core in its own "
+                                 "process: drop --no-enable-multiprocessing (enable_multiprocessing=False)")
+            self.enable_multiprocessing = True
         if self.enable_multiprocessing is None:
             self.enable_multiprocessing = os.environ.get("PAGEDLLM_ENABLE_MULTIPROCESSING", "0") == "1"
         if self.async_scheduling is None:

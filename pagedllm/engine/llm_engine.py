@@ -12,8 +12,9 @@ from pathlib import Path
 
 from pagedllm.config import EngineArgs
 from pagedllm.engine.core_client import EngineCoreClient, InprocClient, MPEngineCoreClient
+from pagedllm.engine.dp_client import DPClient
 from pagedllm.engine.engine_core import EngineCore
-from pagedllm.engine.messages import EngineCoreRequest
+from pagedllm.engine.messages import EngineCoreRequest, EngineDeadError
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.processor import Processor, PromptTooLongError  # noqa: F401  (re-exported)
 from pagedllm.outputs import RequestOutput
@@ -67,7 +68,8 @@ class LLMEngine:
         if self.multiprocess and scripted_output is not None:
             raise ValueError("scripted_output works in process only (enable_multiprocessing=False)")
         self.client: EngineCoreClient = (
-            MPEngineCoreClient(args, self.model_dir, self.max_model_len, self.eos_token_ids) if self.multiprocess
+            DPClient(args, self.model_dir, self.max_model_len, self.eos_token_ids) if args.data_parallel_size > 1
+            else MPEngineCoreClient(args, self.model_dir, self.max_model_len, self.eos_token_ids) if self.multiprocess
             else InprocClient(EngineCore(args, self.model_dir, self.max_model_len, self.eos_token_ids,
                                          scripted_output=scripted_output)))
         self.num_blocks = self.client.num_blocks
@@ -202,8 +204,16 @@ class LLMEngine:
             delta: return only the new text/tokens of each request (streaming).
         Returns:
             Outputs of the requests that produced a token this step.
+        Raises:
+            EngineDeadError: the core died, or a data-parallel replica died (its requests are
+                dropped and named in the message; the other replicas keep serving).
         """
         core_outputs = self.client.get_output(timeout_ms=100)
+        failed = self.client.pop_failed_requests()  # a data-parallel replica died: fail only its requests
+        if failed:
+            for rid in failed:
+                self.output_processor.abort(rid)
+            raise EngineDeadError(f"{next(iter(failed.values()))} (failed requests: {', '.join(sorted(failed))})")
         outputs, stopped = self.output_processor.process(core_outputs, delta)
         if stopped:
             self.client.abort_requests(stopped, RequestStatus.FINISHED_STOPPED)
