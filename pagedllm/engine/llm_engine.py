@@ -75,6 +75,7 @@ class LLMEngine:
         self.num_blocks = self.client.num_blocks
         self.processor = Processor(self.tokenizer, self.hf_config.vocab_size, self.context_limit)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids)
+        self._held: list[RequestOutput] = []  # outputs of a step that raised for a dead DP replica
 
     def is_alive(self) -> bool:
         """False once the core has died."""
@@ -206,19 +207,22 @@ class LLMEngine:
             Outputs of the requests that produced a token this step.
         Raises:
             EngineDeadError: the core died, or a data-parallel replica died (its requests are
-                dropped and named in the message; the other replicas keep serving).
+                dropped and named in the message; the other replicas keep serving, and the outputs
+                this step had for their requests come with the next ``step()``).
         """
         core_outputs = self.client.get_output(timeout_ms=100)
         failed = self.client.pop_failed_requests()  # a data-parallel replica died: fail only its requests
-        if failed:
-            for rid in failed:
-                self.output_processor.abort(rid)
-            raise EngineDeadError(f"{next(iter(failed.values()))} (failed requests: {', '.join(sorted(failed))})")
+        for rid in failed:
+            self.output_processor.abort(rid)
         outputs, stopped = self.output_processor.process(core_outputs, delta)
         if stopped:
             self.client.abort_requests(stopped, RequestStatus.FINISHED_STOPPED)
         if not self.output_processor.states:
             self.client.settle()  # nothing live: a step still in flight is applied now, not later
+        outputs, self._held = self._held + outputs, []
+        if failed:  # the other replicas' outputs of this step come with the next one
+            self._held = outputs
+            raise EngineDeadError(f"{next(iter(failed.values()))} (failed requests: {', '.join(sorted(failed))})")
         return outputs
 
     def get_stats(self) -> SchedulerStats:
