@@ -165,7 +165,8 @@ class EngineArgs:
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if not isinstance(self.data_parallel_size, int) or self.data_parallel_size < 1:
-            raise ValueError(f"data_parallel_size must be an integer >= 1, got {self.data_parallel_size!r}")
+            raise ValueError("--data-parallel-size (data_parallel_size) must be an integer >= 1, "
+                             f"got {self.data_parallel_size!r}")
         if self.data_parallel_size > 1:
             if self.enable_multiprocessing is False:
                 raise ValueError(f"data_parallel_size={self.data_parallel_size} runs each engine core in its own "

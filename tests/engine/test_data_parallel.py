@@ -81,7 +81,7 @@ def test_args_and_flags():
     with pytest.raises(ValueError, match="--no-enable-multiprocessing"):
         EngineArgs(data_parallel_size=2, enable_multiprocessing=False)
     for bad in (0, -1):
-        with pytest.raises(ValueError, match="data_parallel_size must be an integer >= 1"):
+        with pytest.raises(ValueError, match=r"--data-parallel-size \(data_parallel_size\) must be an integer >= 1"):
             EngineArgs(data_parallel_size=bad)
     import argparse
     p = argparse.ArgumentParser()
