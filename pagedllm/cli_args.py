@@ -28,7 +28,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", help="float32 (default), bfloat16 or float16")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
-    p.add_argument("--kv-cache-memory", default="1GiB", help="KV cache pool size, e.g. 2GiB or 512MiB")
+    p.add_argument("--kv-cache-memory", default="1GiB",
+                   help="KV cache pool size, e.g. 2GiB or 512MiB (per engine core: with --data-parallel-size N, "
+                        "N pools of this size)")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache pool size in blocks (overrides memory)")
     p.add_argument("--max-num-seqs", type=int, default=128, help="most requests per step")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
@@ -62,6 +64,10 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "the CPU only under TRITON_INTERPRET=1); default: by device (triton on CUDA)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="never capture CUDA graphs for decode steps (a no-op on the CPU, where steps are eager)")
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="engine cores behind one front end, each in its own process with its own KV pool "
+                        "(--kv-cache-memory each) and weights; requests go to the core holding the longest "
+                        "cached prefix of their prompt, else to the least loaded (default 1)")
     p.add_argument("--log-level", default="info")
 
 
@@ -87,4 +93,5 @@ def engine_args_from_cli(a: argparse.Namespace) -> EngineArgs:
                       async_scheduling=a.async_scheduling, speculative_config=a.speculative_config,
                       attention_backend=a.attention_backend, enforce_eager=a.enforce_eager,
                       tensor_parallel_size=a.tensor_parallel_size, pipeline_parallel_size=a.pipeline_parallel_size,
-                      distributed_executor_backend=a.distributed_executor_backend)
+                      distributed_executor_backend=a.distributed_executor_backend,
+                      data_parallel_size=a.data_parallel_size)

@@ -141,6 +141,13 @@ class EngineArgs:
         enforce_eager: never capture CUDA graphs (vLLM's ``--enforce-eager``). Graphs are only
             captured for decode steps on CUDA devices; on the CPU every step is eager and this is
             a no-op.
+        data_parallel_size: engine cores (replicas) behind one front end (vLLM's
+            ``--data-parallel-size``), each in its own process with its own KV pool of
+            ``kv_cache_memory`` (or ``num_kv_blocks``) and its own copy of the weights; a
+            router (``engine/router.py``) sends each request to the replica holding the longest
+            cached prefix of its prompt, else to the least loaded one. Above 1 the cores must
+            run in their own processes: ``enable_multiprocessing=None`` then means True and
+            ``False`` is refused (``ValueError``).
     """
 
     model: str | None = None
@@ -169,6 +176,7 @@ class EngineArgs:
     distributed_executor_backend: str | None = None
     attention_backend: str | None = None
     enforce_eager: bool = False
+    data_parallel_size: int = 1
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -178,6 +186,14 @@ class EngineArgs:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if not isinstance(self.data_parallel_size, int) or self.data_parallel_size < 1:
+            raise ValueError("--data-parallel-size (data_parallel_size) must be an integer >= 1, "
+                             f"got {self.data_parallel_size!r}")
+        if self.data_parallel_size > 1:
+            if self.enable_multiprocessing is False:
+                raise ValueError(f"data_parallel_size={self.data_parallel_size} runs each engine core in its own "
+                                 "process: drop --no-enable-multiprocessing (enable_multiprocessing=False)")
+            self.enable_multiprocessing = True
         if self.enable_multiprocessing is None:
             self.enable_multiprocessing = os.environ.get("PAGEDLLM_ENABLE_MULTIPROCESSING", "0") == "1"
         if self.async_scheduling is None:
@@ -212,7 +228,8 @@ class EngineArgs:
         """Refuse parallel settings that are not implemented (each message names its flag).
 
         Raises:
-            ValueError: a size below 1, tensor and pipeline parallelism together, an unknown
+            ValueError: a size below 1, tensor and pipeline parallelism together (or either with data
+                parallelism), an unknown
                 executor backend, ``uni`` with several ranks, or a draft model or packed
                 (``gguf``/``int8``) weights with them.
         """
@@ -224,6 +241,9 @@ class EngineArgs:
             raise ValueError("--tensor-parallel-size and --pipeline-parallel-size above 1 together are not "
                              "implemented yet (use one of them)")
         world = self.tensor_parallel_size * self.pipeline_parallel_size
+        if world > 1 and self.data_parallel_size > 1:
+            raise ValueError("--data-parallel-size above 1 together with --tensor-parallel-size or "
+                             "--pipeline-parallel-size above 1 is not implemented yet (use one of them)")
         backend = self.distributed_executor_backend
         if backend not in (None, "mp", "uni", "ray"):
             raise ValueError(f"--distributed-executor-backend must be mp, uni or ray, got {backend!r}")

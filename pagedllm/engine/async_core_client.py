@@ -92,6 +92,10 @@ class AsyncMPClient:
         """True while the core process runs."""
         return self.sync.is_alive()
 
+    def pop_failed_requests(self) -> dict[str, str]:
+        """Always empty: one core fails as a whole (``EngineCoreClient.pop_failed_requests``)."""
+        return {}
+
     def shutdown(self) -> None:
         """Stop the core process and reap it; safe to call twice."""
         self.sync.shutdown()
@@ -181,6 +185,10 @@ class AsyncInprocClient:
     def is_alive(self) -> bool:
         """False once the core thread has crashed, or a worker process of the core's executor died."""
         return self.error is None and (self._thread is None or self._thread.is_alive()) and self.core.is_healthy()
+
+    def pop_failed_requests(self) -> dict[str, str]:
+        """Always empty: one core fails as a whole (``EngineCoreClient.pop_failed_requests``)."""
+        return {}
 
     def shutdown(self) -> None:
         """Stop the core thread (pending requests are dropped) and the core's execution thread."""

@@ -18,6 +18,7 @@ from typing import AsyncIterator
 import msgspec
 
 from pagedllm.engine.async_core_client import async_client
+from pagedllm.engine.dp_client import AsyncDPClient, DPClient
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.messages import EngineCoreRequest, EngineDeadError  # noqa: F401  (the server imports it here)
 from pagedllm.outputs import RequestOutput
@@ -44,7 +45,8 @@ class AsyncLLM:
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self.client = async_client(engine.client)
+        dp = isinstance(engine.client, DPClient)
+        self.client = AsyncDPClient(engine.client) if dp else async_client(engine.client)
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._lock = threading.Lock()
         self.errored: BaseException | None = None
@@ -91,6 +93,12 @@ class AsyncLLM:
     def get_stats(self) -> SchedulerStats:
         """Engine counters as of the last step."""
         return self._stats
+
+    def replica_stats(self) -> list[dict]:
+        """Each data-parallel replica's counters and state (``DPClient.replica_stats``); empty with
+        one engine core."""
+        fn = getattr(self.client, "replica_stats", None)
+        return fn() if fn is not None else []
 
     def add_finished_callback(self, fn) -> None:
         """Call ``fn(output)`` on the event loop for every request that finishes (not for
@@ -142,6 +150,9 @@ class AsyncLLM:
                     if out.finished:
                         self._on_finished(out)
                     self._deliver(out.request_id, out)
+                for rid, error in self.client.pop_failed_requests().items():  # a dead DP replica's
+                    processor.abort(rid)
+                    self._deliver(rid, EngineDeadError(error))
                 self._stats = self.client.get_stats()
         except asyncio.CancelledError:
             raise

@@ -70,6 +70,11 @@ class EngineCoreClient(Protocol):
     def is_alive(self) -> bool:
         """False once the core has died."""
 
+    def pop_failed_requests(self) -> dict[str, str]:
+        """Requests that failed without their core's output since the last call, each with its
+        error message (a data-parallel replica that died: ``engine/dp_client.py``); one core's
+        death is ``EngineDeadError`` from ``get_output`` instead, so here always empty."""
+
     def shutdown(self) -> None:
         """Stop the core (safe to call twice)."""
 
@@ -123,6 +128,10 @@ class InprocClient:
     def is_alive(self) -> bool:
         """True while the in-process core can step (False once a worker process of its executor died)."""
         return self.core.is_healthy()
+
+    def pop_failed_requests(self) -> dict[str, str]:
+        """Always empty: one core fails as a whole (``EngineCoreClient.pop_failed_requests``)."""
+        return {}
 
     def shutdown(self) -> None:
         """Finish the step in flight and stop the core's execution thread."""
@@ -231,12 +240,14 @@ class MPEngineCoreClient:
     Args:
         args, model_dir, max_model_len, eos_token_ids: as ``EngineCore``.
         startup_timeout_s: how long to wait for the model to load (seconds).
+        wait: wait here until the core is ready; ``False`` returns once the process is started,
+            and the caller must call ``wait_ready`` (data parallelism starts N cores at once).
     Raises:
         EngineDeadError: the core failed to start (its error is in the message).
     """
 
     def __init__(self, args: EngineArgs, model_dir, max_model_len: int, eos_token_ids: set[int],
-                 startup_timeout_s: float = 600.0) -> None:
+                 startup_timeout_s: float = 600.0, wait: bool = True) -> None:
         base = os.path.join(tempfile.gettempdir(), f"pagedllm-{uuid.uuid4().hex[:12]}")
         self._paths = [f"{base}-in", f"{base}-out"]
         in_addr, out_addr = (f"ipc://{p}" for p in self._paths)
@@ -255,6 +266,16 @@ class MPEngineCoreClient:
         self.stats = SchedulerStats()
         self._pending: list[EngineCoreOutput] = []  # outputs read while waiting for a utility answer
         self._calls = 0
+        if wait:
+            self.wait_ready(startup_timeout_s)
+
+    def wait_ready(self, startup_timeout_s: float = 600.0) -> None:
+        """Wait until the core has loaded the model and sent its first counters.
+
+        Raises:
+            EngineDeadError: the core failed or was not ready within ``startup_timeout_s``
+                seconds (the process is then stopped and reaped).
+        """
         deadline = time.monotonic() + startup_timeout_s
         try:
             while True:
@@ -347,6 +368,10 @@ class MPEngineCoreClient:
     def is_alive(self) -> bool:
         """True while the core process runs."""
         return self.proc.is_alive()
+
+    def pop_failed_requests(self) -> dict[str, str]:
+        """Always empty: one core fails as a whole (``EngineCoreClient.pop_failed_requests``)."""
+        return {}
 
     def shutdown(self) -> None:
         """Stop the core process and reap it (SIGKILL after 5 s); safe to call twice."""

@@ -12,8 +12,9 @@ from pathlib import Path
 
 from pagedllm.config import EngineArgs
 from pagedllm.engine.core_client import EngineCoreClient, InprocClient, MPEngineCoreClient
+from pagedllm.engine.dp_client import DPClient
 from pagedllm.engine.engine_core import EngineCore
-from pagedllm.engine.messages import EngineCoreRequest
+from pagedllm.engine.messages import EngineCoreRequest, EngineDeadError
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.processor import Processor, PromptTooLongError  # noqa: F401  (re-exported)
 from pagedllm.outputs import RequestOutput
@@ -67,12 +68,14 @@ class LLMEngine:
         if self.multiprocess and scripted_output is not None:
             raise ValueError("scripted_output works in process only (enable_multiprocessing=False)")
         self.client: EngineCoreClient = (
-            MPEngineCoreClient(args, self.model_dir, self.max_model_len, self.eos_token_ids) if self.multiprocess
+            DPClient(args, self.model_dir, self.max_model_len, self.eos_token_ids) if args.data_parallel_size > 1
+            else MPEngineCoreClient(args, self.model_dir, self.max_model_len, self.eos_token_ids) if self.multiprocess
             else InprocClient(EngineCore(args, self.model_dir, self.max_model_len, self.eos_token_ids,
                                          scripted_output=scripted_output)))
         self.num_blocks = self.client.num_blocks
         self.processor = Processor(self.tokenizer, self.hf_config.vocab_size, self.context_limit)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids)
+        self._held: list[RequestOutput] = []  # outputs of a step that raised for a dead DP replica
 
     def is_alive(self) -> bool:
         """False once the core has died."""
@@ -202,13 +205,24 @@ class LLMEngine:
             delta: return only the new text/tokens of each request (streaming).
         Returns:
             Outputs of the requests that produced a token this step.
+        Raises:
+            EngineDeadError: the core died, or a data-parallel replica died (its requests are
+                dropped and named in the message; the other replicas keep serving, and the outputs
+                this step had for their requests come with the next ``step()``).
         """
         core_outputs = self.client.get_output(timeout_ms=100)
+        failed = self.client.pop_failed_requests()  # a data-parallel replica died: fail only its requests
+        for rid in failed:
+            self.output_processor.abort(rid)
         outputs, stopped = self.output_processor.process(core_outputs, delta)
         if stopped:
             self.client.abort_requests(stopped, RequestStatus.FINISHED_STOPPED)
         if not self.output_processor.states:
             self.client.settle()  # nothing live: a step still in flight is applied now, not later
+        outputs, self._held = self._held + outputs, []
+        if failed:  # the other replicas' outputs of this step come with the next one
+            self._held = outputs
+            raise EngineDeadError(f"{next(iter(failed.values()))} (failed requests: {', '.join(sorted(failed))})")
         return outputs
 
     def get_stats(self) -> SchedulerStats:

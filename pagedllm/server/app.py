@@ -239,7 +239,8 @@ def build_app(llm: AsyncLLM, model_name: str, chat_template: str | None = None, 
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
-        """200 while the engine loop runs, 503 once it has died."""
+        """200 while the engine loop runs, 503 once it has died (with data parallelism: 200 while
+        any replica lives; ``/stats``'s ``replicas`` tells which are dead)."""
         return Response(status_code=200 if llm.is_healthy else 503)
 
     @app.api_route("/ping", methods=["GET", "POST"])
@@ -262,8 +263,13 @@ def build_app(llm: AsyncLLM, model_name: str, chat_template: str | None = None, 
 
     @app.get("/stats")
     async def stats() -> dict:
-        """Debugging aid: the engine counters as of the last step (see ``LLMEngine.get_stats``)."""
-        return llm.get_stats().to_dict()
+        """Debugging aid: the engine counters as of the last step (see ``LLMEngine.get_stats``); with
+        data parallelism they are summed over the replicas and ``replicas`` lists each one's."""
+        out = llm.get_stats().to_dict()
+        replicas = llm.replica_stats()
+        if replicas:
+            out["replicas"] = replicas
+        return out
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

@@ -24,6 +24,12 @@ Counted by the front end: ``pagedllm:num_requests_rejected_total`` labelled ``re
 (``body_too_large`` for a 413, ``queue_full`` for a 429 of admission control).
 
 Every series carries a ``model_name`` label.
+
+With data parallelism (``--data-parallel-size``) the series above are the sums over the
+replicas, and each gauge and engine counter also exists per replica as
+``pagedllm:replica_<name>`` labelled ``replica`` (``pagedllm:replica_prefix_cache_hits_total``,
+``pagedllm:replica_num_requests_running``, ...), with ``pagedllm:replica_up`` (1 while the
+replica's core runs, 0 once it died) and ``pagedllm:replica_routed_requests_total``.
 """
 
 from __future__ import annotations
@@ -86,6 +92,30 @@ class _EngineStatsCollector:
         for pos, n in enumerate(stats.spec_accepted_per_position):
             c.add_metric([self.model_name, str(pos)], float(n))
         yield c
+        replica_stats = getattr(self.llm, "replica_stats", None)
+        if replica_stats is not None:
+            yield from self._per_replica(replica_stats())
+
+    def _per_replica(self, replicas: list[dict]) -> Iterator[Metric]:
+        """``pagedllm:replica_*`` families, one series per data-parallel replica (none without DP)."""
+        if not replicas:
+            return
+        labels = ["model_name", "replica"]
+        up = GaugeMetricFamily("pagedllm:replica_up", "1 while the data-parallel replica's engine core runs.", labels=labels)
+        routed = CounterMetricFamily("pagedllm:replica_routed_requests", "Requests the router sent to the replica.",
+                                     labels=labels)
+        for r in replicas:
+            up.add_metric([self.model_name, str(r["replica"])], 1.0 if r["alive"] else 0.0)
+            routed.add_metric([self.model_name, str(r["replica"])], float(r["routed"]))
+        yield up
+        yield routed
+        for family, table in ((GaugeMetricFamily, _GAUGES), (CounterMetricFamily, _COUNTERS)):
+            for name, key, doc in table:
+                m = family(name.replace("pagedllm:", "pagedllm:replica_"), doc + " Per data-parallel replica.",
+                           labels=labels)
+                for r in replicas:
+                    m.add_metric([self.model_name, str(r["replica"])], float(r[key]))
+                yield m
 
 
 REJECTION_REASONS = ("body_too_large", "queue_full")
