@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 
-from pagedllm.config import QUANTIZATIONS, EngineArgs
+from pagedllm.config import QUANTIZATIONS, RUNNERS, EngineArgs
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -50,6 +50,11 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-config", default=None,
                    help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
                         '(methods: ngram, suffix, draft_model with "model"; see docs/speculative-decoding.md)')
+    p.add_argument("--runner", choices=list(RUNNERS), default=None,
+                   help="generate (text) or pooling (embeddings, /score, /rerank; a causal LM pools its last "
+                        "token); default auto: pooling for an encoder model such as BERT")
+    p.add_argument("--task", choices=["generate", "embed", "score"], default=None,
+                   help="vLLM's older name for --runner: embed and score mean --runner pooling")
     p.add_argument("--log-level", default="info")
 
 
@@ -72,4 +77,13 @@ def engine_args_from_cli(a: argparse.Namespace) -> EngineArgs:
                       seed=a.seed, served_model_name=getattr(a, "served_model_name", None),
                       num_threads=a.num_threads, model_impl=a.model_impl, quantization=a.quantization,
                       enable_multiprocessing=getattr(a, "enable_multiprocessing", None),
-                      async_scheduling=a.async_scheduling, speculative_config=a.speculative_config)
+                      async_scheduling=a.async_scheduling, speculative_config=a.speculative_config,
+                      runner=_runner(a))
+
+
+def _runner(a: argparse.Namespace) -> str:
+    """``--runner``, else what ``--task`` means (``embed``/``score`` -> ``pooling``), else ``auto``."""
+    if getattr(a, "runner", None):
+        return a.runner
+    task = getattr(a, "task", None)
+    return "auto" if task is None else ("generate" if task == "generate" else "pooling")

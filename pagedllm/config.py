@@ -75,6 +75,7 @@ def parse_dtype(value: str | torch.dtype) -> torch.dtype:
 
 
 QUANTIZATIONS = ("auto", "gguf", "int8", "none")  # EngineArgs.quantization / --quantization
+RUNNERS = ("auto", "generate", "pooling")  # EngineArgs.runner / --runner
 
 
 @dataclass
@@ -124,6 +125,9 @@ class EngineArgs:
             string such as ``{"method": "ngram", "num_speculative_tokens": 4}``; parsed into a
             ``pagedllm.spec_decode.config.SpeculativeConfig`` (its docstring lists the keys).
             ``None``: no speculation.
+        runner: what the model serves (vLLM's ``--runner``): ``generate`` (text), ``pooling``
+            (embeddings, score, rerank: a causal LM pools its last token's final hidden state) or
+            ``auto`` (the default: ``pooling`` for an encoder-only model such as BERT, else ``generate``).
     """
 
     model: str | None = None
@@ -147,6 +151,7 @@ class EngineArgs:
     enable_multiprocessing: bool | None = None
     async_scheduling: bool | None = None
     speculative_config: Any = None
+    runner: str = "auto"
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -164,6 +169,8 @@ class EngineArgs:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         if self.model_impl not in ("auto", "native", "transformers"):
             raise ValueError(f"model_impl must be auto, native or transformers, got {self.model_impl!r}")
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner must be one of {', '.join(RUNNERS)}, got {self.runner!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         from pagedllm.spec_decode.config import SpeculativeConfig

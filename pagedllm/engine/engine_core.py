@@ -114,7 +114,11 @@ class EngineCore:
             model, _ = self._exec.submit(load_model, model_dir, dtype, device, args.model_impl,
                                          args.quantization).result()
         per_block = ModelRunner.kv_bytes_per_block(model, args.block_size, dtype)
-        num_blocks = args.num_kv_blocks or parse_size(args.kv_cache_memory) // per_block
+        encoder_only = bool(getattr(model, "encoder_only", False))
+        if encoder_only:  # no KV cache: a nominal pool, so that the context limit reads as for the others
+            num_blocks = -(-max_model_len // args.block_size)
+        else:
+            num_blocks = args.num_kv_blocks or parse_size(args.kv_cache_memory) // per_block
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory={args.kv_cache_memory} holds no block of {per_block} bytes")
         self.num_blocks = num_blocks
@@ -129,7 +133,7 @@ class EngineCore:
                         args.speculative_config.num_speculative_tokens,
                         "dynamic" if args.speculative_config.dynamic else "fixed")
         self.scheduler = Scheduler(self.kv_cache_manager, args.max_num_seqs, args.max_num_batched_tokens,
-                                   max_model_len, args.enable_chunked_prefill, spec)
+                                   max_model_len, args.enable_chunked_prefill, spec, encoder_only=encoder_only)
         self.runner = self._exec.submit(
             ModelRunner, model, num_blocks, args.block_size, dtype, device, args.seed, eos_token_ids=eos_token_ids,
             max_num_reqs=args.max_num_seqs, max_model_len=max_model_len, executor=self._exec,
@@ -176,7 +180,7 @@ class EngineCore:
         if request.request_id in self.scheduler.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         req = Request(request.request_id, request.prompt_token_ids, request.sampling_params, self.eos_token_ids,
-                      request.max_tokens, request.arrival_time, request.cache_salt)
+                      request.max_tokens, request.arrival_time, request.cache_salt, request.pooling_params)
         so = request.sampling_params.structured_outputs
         if so is not None:
             req.structured = self.structured_output_manager.submit(so)  # compiles off the step loop
