@@ -95,3 +95,28 @@ class PoolerConfig:
     normalize: bool
     hidden_size: int
     supported: tuple[str, ...] = POOLING_TYPES
+
+
+def pair_texts(text_1, text_2) -> tuple[list, list]:
+    """The pairs of vLLM's score API as two equal lists: 1 -> 1, 1 -> N (``text_1`` repeated) or N -> N.
+
+    Raises:
+        ValueError: an empty side, or lists of different lengths (N -> M).
+    """
+    left = [text_1] if isinstance(text_1, str) else list(text_1)
+    right = [text_2] if isinstance(text_2, str) else list(text_2)
+    if not left or not right:
+        raise ValueError("text_1, text_2: must not be empty")
+    if len(left) == 1 and len(right) > 1:
+        left = left * len(right)
+    if len(left) != len(right):
+        raise ValueError(f"text_1 has {len(left)} texts and text_2 {len(right)}: give one text_1 or as many as text_2")
+    return left, right
+
+
+def cosine(a: list[float], b: list[float]) -> float:
+    """Cosine similarity of two vectors (float64 arithmetic; 0.0 when either is zero)."""
+    import math
+    dot = sum(x * y for x, y in zip(a, b))
+    na, nb = math.sqrt(sum(x * x for x in a)), math.sqrt(sum(y * y for y in b))
+    return dot / (na * nb) if na and nb else 0.0
