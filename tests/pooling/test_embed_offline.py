@@ -83,3 +83,27 @@ def test_bad_input(minilm_llm):
 def test_generate_runner_refused_for_encoder(minilm_dir):
     with pytest.raises(ValueError, match="encoder-only model"):
         LLM("all-minilm-l6-v2", runner="generate")
+
+
+def test_budget_splits_batches_never_prompts(minilm_dir, st_model, sentences):
+    """With a 130-token budget the sentences spread over several steps, each prompt whole in one."""
+    llm = LLM("all-minilm-l6-v2", max_num_batched_tokens=130)
+    try:
+        eng = llm.engine
+        steps: list[dict[str, int]] = []
+        schedule = eng.scheduler.schedule
+
+        def spy():
+            out = schedule()
+            if out.num_scheduled_tokens:
+                steps.append(dict(out.num_scheduled_tokens))
+            return out
+
+        eng.scheduler.schedule = spy
+        outs = llm.embed(sentences, use_tqdm=False)
+        lens = {o.request_id: len(o.prompt_token_ids) for o in outs}
+        assert len(steps) > 1 and all(sum(s.values()) <= 130 for s in steps)
+        assert all(n == lens[rid] for s in steps for rid, n in s.items())  # never a chunk
+        assert np.abs(_vecs(outs) - st_model.encode(sentences)).max() < TOL
+    finally:
+        llm.engine.shutdown()
