@@ -68,3 +68,18 @@ def test_generation_model_refuses_embed(smollm2_dir):
             llm.embed("hi", use_tqdm=False)
     finally:
         llm.engine.shutdown()
+
+
+def test_transformers_backend_last_token(smollm2_dir, hf_smollm2, smollm2_tokenizer, assert_no_leaks):
+    """The Transformers backend pools the same state (``hidden_states[-1]``), over 16-token chunks."""
+    llm = LLM(str(smollm2_dir), runner="pooling", model_impl="transformers", quantization="none",
+              max_num_batched_tokens=16, num_kv_blocks=32)
+    try:
+        p = "The Transformers backend pools the last token too, over chunks of sixteen tokens each."
+        got = np.asarray(llm.embed(p, PoolingParams(normalize=False), use_tqdm=False)[0].outputs.embedding)
+        ref = _hf_last_hidden(hf_smollm2, smollm2_tokenizer.encode(p))
+        assert np.abs(got - ref).max() < 1e-3 * max(1.0, float(np.abs(ref).max()))
+        assert float(got @ ref / (np.linalg.norm(got) * np.linalg.norm(ref))) >= 0.99999
+        assert_no_leaks(llm.engine)
+    finally:
+        llm.engine.shutdown()
