@@ -12,8 +12,8 @@
 
 Writes ``results/embeddings-<date>.json`` and ``.md`` with the date, CPU model, flags and versions.
 
-    python benchmarks/embeddings.py                  # both parts, 2 threads for the throughput part
-    python benchmarks/embeddings.py --threads 1 --skip-latency
+    python benchmarks/embeddings.py                  # both parts, 1 torch thread per engine
+    python benchmarks/embeddings.py --threads 2 --skip-latency
 """
 
 from __future__ import annotations
@@ -203,7 +203,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--n", type=int, default=1000)
     p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--threads", type=int, default=2)
+    # 1 by default: on the 2 shared cores of the development machines two OpenMP threads spin-wait on
+    # each other whenever another process holds a core (pagedllm and sentence-transformers alike ran
+    # 3-6x slower with 2 threads than with 1 there); pass --threads 2 on an idle machine
+    p.add_argument("--threads", type=int, default=1)
     p.add_argument("--streams", type=int, default=16)
     p.add_argument("--k", type=int, default=20, help="embedding requests timed per latency condition")
     p.add_argument("--skip-latency", action="store_true")
