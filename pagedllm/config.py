@@ -75,6 +75,7 @@ def parse_dtype(value: str | torch.dtype) -> torch.dtype:
 
 
 QUANTIZATIONS = ("auto", "gguf", "int8", "none")  # EngineArgs.quantization / --quantization
+RUNNERS = ("auto", "generate", "pooling")  # EngineArgs.runner / --runner
 
 
 @dataclass
@@ -148,6 +149,9 @@ class EngineArgs:
             cached prefix of its prompt, else to the least loaded one. Above 1 the cores must
             run in their own processes: ``enable_multiprocessing=None`` then means True and
             ``False`` is refused (``ValueError``).
+        runner: what the model serves (vLLM's ``--runner``): ``generate`` (text), ``pooling``
+            (embeddings, score, rerank: a causal LM pools its last token's final hidden state) or
+            ``auto`` (the default: ``pooling`` for an encoder-only model such as BERT, else ``generate``).
     """
 
     model: str | None = None
@@ -177,6 +181,7 @@ class EngineArgs:
     attention_backend: str | None = None
     enforce_eager: bool = False
     data_parallel_size: int = 1
+    runner: str = "auto"
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -202,6 +207,8 @@ class EngineArgs:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         if self.model_impl not in ("auto", "native", "transformers"):
             raise ValueError(f"model_impl must be auto, native or transformers, got {self.model_impl!r}")
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner must be one of {', '.join(RUNNERS)}, got {self.runner!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         from pagedllm.spec_decode.config import SpeculativeConfig
@@ -244,6 +251,9 @@ class EngineArgs:
         if world > 1 and self.data_parallel_size > 1:
             raise ValueError("--data-parallel-size above 1 together with --tensor-parallel-size or "
                              "--pipeline-parallel-size above 1 is not implemented yet (use one of them)")
+        if world > 1 and self.runner == "pooling":
+            raise ValueError("--runner pooling (embeddings) with --tensor-parallel-size or --pipeline-parallel-size "
+                             "above 1 is not implemented yet")
         backend = self.distributed_executor_backend
         if backend not in (None, "mp", "uni", "ray"):
             raise ValueError(f"--distributed-executor-backend must be mp, uni or ray, got {backend!r}")

@@ -84,3 +84,75 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     lora_request: None = None
+
+
+@dataclass
+class PoolingOutput:
+    """The pooled vector of one request (vLLM's ``PoolingOutput`` / ``EmbeddingOutput``).
+
+    Attributes:
+        data: the vector, float32 values as Python floats (length: the model's hidden size, or
+            ``PoolingParams.dimensions``).
+    """
+
+    data: list[float]
+
+    @property
+    def embedding(self) -> list[float]:
+        """The vector (vLLM's ``EmbeddingOutput.embedding``)."""
+        return self.data
+
+    @property
+    def hidden_size(self) -> int:
+        """Its length."""
+        return len(self.data)
+
+
+@dataclass
+class PoolingRequestOutput:
+    """A finished pooling request (vLLM's ``PoolingRequestOutput``; ``EmbeddingRequestOutput`` is the
+    same shape).
+
+    Attributes:
+        request_id: the caller's id.
+        outputs: its ``PoolingOutput`` (``outputs.embedding``).
+        prompt_token_ids: the input as token ids (after truncation).
+        finished: always True (a pooling request has one output).
+        metrics: a ``RequestMetrics`` (arrival and finish times; no generated tokens).
+        prompt: the input text, when it was a text.
+    """
+
+    request_id: str
+    outputs: PoolingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    metrics: RequestMetrics | None = None
+    prompt: str | None = None
+
+
+EmbeddingRequestOutput = PoolingRequestOutput
+
+
+@dataclass
+class ScoringOutput:
+    """One pair's similarity (vLLM's ``ScoringOutput``): ``score`` is the cosine of the two texts'
+    embeddings for a bi-encoder."""
+
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """A scored pair (vLLM's ``ScoringRequestOutput``).
+
+    Attributes:
+        request_id: the pair's id.
+        outputs: its ``ScoringOutput``.
+        prompt_token_ids: the two inputs' token ids, concatenated.
+        finished: always True.
+    """
+
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    finished: bool = True

@@ -50,6 +50,7 @@ class Request:
         num_output_placeholders: tokens being sampled by steps in flight, not yet known
             (async scheduling schedules the next step before the previous one's tokens arrive).
         structured: the request's ``GrammarState`` (structured outputs), else ``None``.
+        pooling_params: set for a pooling request (it finishes when its prompt is computed).
         spec_token_ids: draft tokens scheduled after its decode token by the step in flight
             (empty when none); spec_num_draft_tokens, spec_num_accepted_tokens: its drafts so far
             and how many were kept.
@@ -57,8 +58,9 @@ class Request:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  eos_token_ids: set[int], max_tokens: int, arrival_time: float | None = None,
-                 cache_salt: str | None = None) -> None:
+                 cache_salt: str | None = None, pooling_params=None) -> None:
         self.request_id = request_id
+        self.pooling_params = pooling_params
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.all_token_ids = list(prompt_token_ids)

@@ -26,6 +26,13 @@ Structured outputs: a request whose grammar is still compiling waits in the queu
 holding up the requests behind it; one whose grammar failed to compile finishes with
 ``error``. Each kept token advances the request's matcher; a grammar that reaches its end
 finishes the request with ``stop``.
+
+Pooling (``Request.pooling_params``): a pooling request is scheduled like a prompt (chunked,
+prefix-cached, batched with the rest under the same budget) and finishes with its pooled
+vector (``ModelRunnerOutput.pooled``) in the step that computes its last prompt token; its
+``max_tokens`` of 1 keeps the placeholder of that step from scheduling anything more. With an
+encoder-only model (``encoder_only``) every prompt is scheduled whole in one step and holds
+no KV blocks (bidirectional attention keeps no cache).
 """
 
 from __future__ import annotations
@@ -52,10 +59,13 @@ class Scheduler:
         max_model_len: longest sequence (prompt + output) in tokens.
         enable_chunked_prefill: when False a prompt is admitted only whole.
         spec: speculative decoding's planner, or ``None`` (no drafts).
+        encoder_only: the model is an encoder (prompts whole, no KV blocks; see the module docstring).
     """
 
     def __init__(self, kv_cache_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, enable_chunked_prefill: bool = True, spec: SpecDecoding | None = None) -> None:
+                 max_model_len: int, enable_chunked_prefill: bool = True, spec: SpecDecoding | None = None,
+                 encoder_only: bool = False) -> None:
+        self.encoder_only = encoder_only
         self.kv = kv_cache_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -150,17 +160,17 @@ class Scheduler:
                 i += 1
                 continue
             n += len(drafts)
-            new_blocks = self.kv.allocate_slots(req, n)
+            new_blocks = self._allocate(req, n)
             if new_blocks is None and drafts:  # drafts never preempt anyone: go on without them
                 n, drafts = n - len(drafts), []
-                new_blocks = self.kv.allocate_slots(req, n)
+                new_blocks = self._allocate(req, n)
             while new_blocks is None:
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted_any = True
                 if victim is req:
                     break
-                new_blocks = self.kv.allocate_slots(req, n)
+                new_blocks = self._allocate(req, n)
             if new_blocks is None:
                 break
             self._record(out, req, n, new_blocks)
@@ -203,13 +213,13 @@ class Scheduler:
                 continue
             if req.num_output_placeholders:
                 break  # preempted while a step computed its token: re-admit once it arrives
-            cached, num_cached = self.kv.get_computed_blocks(req)
+            cached, num_cached = ([], 0) if self.encoder_only else self.kv.get_computed_blocks(req)
             req.num_computed_tokens = num_cached
             n = self._num_new_tokens(req, budget)
-            if not self.enable_chunked_prefill and n < req.num_tokens - req.num_computed_tokens:
+            if self._whole_prompt_only() and n < req.num_tokens - req.num_computed_tokens:
                 req.num_computed_tokens = 0
                 break
-            new_blocks = self.kv.allocate_slots(req, n, cached)
+            new_blocks = self._allocate(req, n, cached)
             if new_blocks is None:
                 req.num_computed_tokens = 0
                 break
@@ -220,6 +230,17 @@ class Scheduler:
             self._record(out, req, n, new_blocks)
             budget -= n
         self.waiting.extendleft(reversed(passed))
+
+    def _whole_prompt_only(self) -> bool:
+        """True when a prompt is admitted only whole (no chunked prefill, or an encoder model)."""
+        return self.encoder_only or not self.enable_chunked_prefill
+
+    def _allocate(self, req: Request, n: int, cached=None) -> list[int] | None:
+        """KV slots for ``n`` more tokens of ``req`` (``KVCacheManager.allocate_slots``); an encoder
+        model keeps no KV cache, so it needs none (``[]``)."""
+        if self.encoder_only:
+            return []
+        return self.kv.allocate_slots(req, n, cached)
 
     def _fail(self, req: Request, reason: str) -> None:
         """Finish a request with ``error`` (its blocks freed) and queue its output."""
@@ -235,7 +256,7 @@ class Scheduler:
         else:
             out.new_reqs.append(NewRequestData(rid, list(req.all_token_ids), req.num_prompt_tokens,
                                                req.sampling_params, self.kv.get_block_ids(rid),
-                                               req.num_computed_tokens))
+                                               req.num_computed_tokens, req.pooling_params))
             self._runner_knows.add(rid)
         out.num_scheduled_tokens[rid] = n
         out.total_num_scheduled_tokens += n
@@ -261,7 +282,7 @@ class Scheduler:
         Prompt logprobs of a step that sampled nothing (a partial prefill chunk)
         are passed on in an output without tokens.
         """
-        outputs = []
+        outputs = self._finish_pooled(runner_out.pooled)
         for rid, token in runner_out.sampled_token_ids.items():
             req = self.requests.get(rid)
             if req is None or req.is_finished():
@@ -292,6 +313,20 @@ class Scheduler:
             req = self.requests.get(rid)
             if rid not in runner_out.sampled_token_ids and req is not None and not req.is_finished():
                 outputs.append(EngineCoreOutput(rid, [], prompt_logprobs=plp))
+        return outputs
+
+    def _finish_pooled(self, pooled: dict[str, list[float]]) -> list[EngineCoreOutput]:
+        """Finish the pooling requests whose vectors a step produced (``stop``), freeing their blocks."""
+        outputs = []
+        for rid, vec in pooled.items():
+            req = self.requests.get(rid)
+            if req is None or req.is_finished():
+                continue  # aborted meanwhile
+            req.num_output_placeholders = 0
+            req.status = RequestStatus.FINISHED_STOPPED
+            (self.running if req in self.running else self.waiting).remove(req)
+            self._free(req)
+            outputs.append(EngineCoreOutput(rid, [], "stop", pooled=vec))
         return outputs
 
     def _settle_drafts(self, req: Request, num_accepted: int) -> None:

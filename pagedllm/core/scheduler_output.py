@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -25,6 +26,8 @@ class NewRequestData:
         sampling_params: sampling settings.
         block_ids: the request's whole block table.
         num_computed_tokens: tokens already in the KV cache before this step.
+        pooling_params: set for a pooling request (it samples nothing: its final hidden states are
+            pooled once its prompt is computed).
     """
 
     req_id: str
@@ -33,6 +36,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    pooling_params: PoolingParams | None = None
 
 
 @dataclass
@@ -110,6 +114,7 @@ class ModelRunnerOutput:
         accepted_token_ids: request id -> every token emitted for a request that had drafts
             (the kept drafts, then the target's own token; ``sampled_token_ids`` has the last).
         accepted_logprobs: request id -> logprobs of those tokens (requests that asked).
+        pooled: request id -> the pooled vector of a pooling request whose prompt this step finished.
         execute_s: seconds the step's forward and sampling took.
     """
 
@@ -118,6 +123,7 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
     accepted_token_ids: dict[str, list[int]] = field(default_factory=dict)
     accepted_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    pooled: dict[str, list[float]] = field(default_factory=dict)
     execute_s: float = 0.0
 
 
@@ -133,6 +139,7 @@ class EngineCoreOutput:
         new_logprobs: logprobs of ``new_token_ids`` (when requested).
         prompt_logprobs: ``(first, entries)`` as ``ModelRunnerOutput.prompt_logprobs``.
         spec_counts: ``(draft tokens, accepted drafts)`` of the request so far, when it has had drafts.
+        pooled: a finished pooling request's vector (float32 values), else ``None``.
     """
 
     request_id: str
@@ -142,3 +149,4 @@ class EngineCoreOutput:
     new_logprobs: list[TokenLogprobs] | None = None
     prompt_logprobs: tuple[int, list[TokenLogprobs]] | None = None
     spec_counts: tuple[int, int] | None = None
+    pooled: list[float] | None = None

@@ -81,6 +81,15 @@ class AsyncLLM:
         """Most requests the engine runs in one step."""
         return self.engine.args.max_num_seqs
 
+    @property
+    def is_pooling_model(self) -> bool:
+        """True when the model serves pooling requests (embeddings, score, rerank), not generation."""
+        return self.engine.is_pooling_model
+
+    def make_pooling_request(self, request_id: str, prompt, params) -> EngineCoreRequest:
+        """Validate and build a pooling request (``LLMEngine.make_pooling_request``); any thread."""
+        return self.engine.make_pooling_request(request_id, prompt, params)
+
     def default_sampling_fields(self) -> dict:
         """The model's ``generation_config.json`` sampling defaults (``LLMEngine.default_sampling_fields``)."""
         return self.engine.default_sampling_fields()

@@ -128,7 +128,11 @@ class EngineCore:
         elif not isinstance(self.executor, UniProcExecutor):
             raise ValueError("a prebuilt model serves one rank: --tensor-parallel-size must be 1")
         per_block = ModelRunner.kv_bytes_per_block(model, args.block_size, dtype)
-        num_blocks = args.num_kv_blocks or parse_size(args.kv_cache_memory) // per_block
+        encoder_only = bool(getattr(model, "encoder_only", False))
+        if encoder_only:  # no KV cache: a nominal pool, so that the context limit reads as for the others
+            num_blocks = -(-max_model_len // args.block_size)
+        else:
+            num_blocks = args.num_kv_blocks or parse_size(args.kv_cache_memory) // per_block
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory={args.kv_cache_memory} holds no block of {per_block} bytes")
         self.num_blocks = num_blocks
@@ -143,7 +147,7 @@ class EngineCore:
                         args.speculative_config.num_speculative_tokens,
                         "dynamic" if args.speculative_config.dynamic else "fixed")
         self.scheduler = Scheduler(self.kv_cache_manager, args.max_num_seqs, args.max_num_batched_tokens,
-                                   max_model_len, args.enable_chunked_prefill, spec)
+                                   max_model_len, args.enable_chunked_prefill, spec, encoder_only=encoder_only)
         sizes = dict(num_blocks=num_blocks, block_size=args.block_size, dtype=dtype, device=device, seed=args.seed,
                      eos_token_ids=eos_token_ids, max_num_reqs=args.max_num_seqs, max_model_len=max_model_len)
         self.runner = self._exec.submit(self.executor.runner_class, model, **sizes, executor=self._exec,
@@ -191,7 +195,7 @@ class EngineCore:
         if request.request_id in self.scheduler.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         req = Request(request.request_id, request.prompt_token_ids, request.sampling_params, self.eos_token_ids,
-                      request.max_tokens, request.arrival_time, request.cache_salt)
+                      request.max_tokens, request.arrival_time, request.cache_salt, request.pooling_params)
         so = request.sampling_params.structured_outputs
         if so is not None:
             req.structured = self.structured_output_manager.submit(so)  # compiles off the step loop

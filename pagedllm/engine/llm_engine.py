@@ -59,9 +59,14 @@ class LLMEngine:
         self.hf_config = read_hf_config(self.model_dir)
         # skip_tokenizer_init (vLLM's): token ids in and out, for directories without tokenizer files
         self.tokenizer = None if args.skip_tokenizer_init else _load_tokenizer(args.tokenizer or self.model_dir)
-        select_impl(self.hf_config, args.model_impl)  # an unservable model fails here, before any loading
+        impl = select_impl(self.hf_config, args.model_impl)  # an unservable model fails here, before any loading
+        self.encoder_only = impl == "encoder"
+        self.pooler_config = self._pooler_config(args.runner)
         self.generation_config = read_generation_config(self.model_dir)
         model_limit = getattr(self.hf_config, "max_position_embeddings", None) or args.max_model_len or 2048
+        if self.encoder_only:
+            from pagedllm.models.pooling_config import sentence_transformers_max_len
+            model_limit = min(model_limit, sentence_transformers_max_len(self.model_dir) or model_limit)
         self.max_model_len = min(args.max_model_len or model_limit, model_limit)
         self.eos_token_ids = self._eos_ids()
         self.multiprocess = bool(args.enable_multiprocessing)
@@ -73,9 +78,28 @@ class LLMEngine:
             else InprocClient(EngineCore(args, self.model_dir, self.max_model_len, self.eos_token_ids,
                                          scripted_output=scripted_output)))
         self.num_blocks = self.client.num_blocks
-        self.processor = Processor(self.tokenizer, self.hf_config.vocab_size, self.context_limit)
+        self.processor = Processor(self.tokenizer, self.hf_config.vocab_size, self.context_limit, self.pooler_config)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids)
         self._held: list[RequestOutput] = []  # outputs of a step that raised for a dead DP replica
+
+    def _pooler_config(self, runner: str):
+        """The model's pooling defaults when it is served for pooling, else ``None`` (``EngineArgs.runner``).
+
+        Raises:
+            ValueError: ``runner="generate"`` for an encoder-only model (it has no LM head).
+        """
+        if self.encoder_only and runner == "generate":
+            raise ValueError(f"{self.hf_config.architectures} is an encoder-only model: it serves pooling only "
+                             "(--runner pooling or auto)")
+        if runner == "generate" or (runner == "auto" and not self.encoder_only):
+            return None
+        from pagedllm.models.pooling_config import pooler_config
+        return pooler_config(self.model_dir, self.hf_config, self.encoder_only)
+
+    @property
+    def is_pooling_model(self) -> bool:
+        """True when the model serves pooling requests (embeddings, score), not generation."""
+        return self.pooler_config is not None
 
     def is_alive(self) -> bool:
         """False once the core has died."""
@@ -144,7 +168,7 @@ class LLMEngine:
         recompute) longer than ``max_num_batched_tokens`` could never be scheduled.
         """
         limit = min(self.max_model_len, self.num_blocks * self.args.block_size)
-        if not self.args.enable_chunked_prefill:
+        if not self.args.enable_chunked_prefill or self.encoder_only:  # an encoder takes prompts whole
             limit = min(limit, self.args.max_num_batched_tokens)
         return limit
 
@@ -174,6 +198,15 @@ class LLMEngine:
             PromptTooLongError, SamplingParamError: as ``add_request``.
         """
         return self.processor.process(request_id, prompt, params, arrival_time, cache_salt)
+
+    def make_pooling_request(self, request_id: str, prompt: str | list[int], params,
+                             arrival_time: float | None = None) -> EngineCoreRequest:
+        """Tokenize and validate a pooling request (``Processor.process_pooling``); any thread.
+
+        Raises:
+            WrongRunnerError, SamplingParamError, PromptTooLongError: see ``Processor.process_pooling``.
+        """
+        return self.processor.process_pooling(request_id, prompt, params, arrival_time)
 
     def add_prepared(self, request: EngineCoreRequest, prompt_text: str | None = None) -> None:
         """Queue a request built by ``make_request`` (call from the thread that steps the engine).

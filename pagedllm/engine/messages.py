@@ -10,6 +10,7 @@ from __future__ import annotations
 import msgspec
 
 from pagedllm.core.scheduler_output import EngineCoreOutput
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.stats import SchedulerStats
 
@@ -28,6 +29,8 @@ class EngineCoreRequest(msgspec.Struct, frozen=True, tag="add"):
         max_tokens: the resolved output limit in tokens (fits the context with the prompt).
         arrival_time: seconds since the epoch.
         cache_salt: prefix-cache namespace (requests share cached blocks only with equal salts).
+        pooling_params: set (resolved) for a pooling request: it samples nothing (``max_tokens`` 1)
+            and finishes with its pooled vector once the prompt is computed.
     """
 
     request_id: str
@@ -36,6 +39,7 @@ class EngineCoreRequest(msgspec.Struct, frozen=True, tag="add"):
     max_tokens: int
     arrival_time: float
     cache_salt: str | None = None
+    pooling_params: PoolingParams | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

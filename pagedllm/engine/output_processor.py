@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 from pagedllm.core.scheduler_output import EngineCoreOutput, TokenLogprobs
 from pagedllm.engine.detokenizer import IncrementalDetokenizer, NullDetokenizer, token_texts
-from pagedllm.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from pagedllm.outputs import (CompletionOutput, Logprob, PoolingOutput, PoolingRequestOutput, PositionLogprobs,
+                              RequestOutput)
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.stats import RequestMetrics
 
@@ -116,6 +117,13 @@ class OutputProcessor:
         """Forget a request (no more outputs for it)."""
         self.states.pop(request_id, None)
 
+    def _pooled(self, st: RequestState, vector: list[float], now: float) -> PoolingRequestOutput:
+        """The finished output of a pooling request (its state is dropped)."""
+        del self.states[st.request_id]
+        metrics = RequestMetrics(st.arrival, now, now, len(st.prompt_token_ids), 0)
+        return PoolingRequestOutput(st.request_id, PoolingOutput(vector), st.prompt_token_ids, True, metrics,
+                                    st.prompt)
+
     def process(self, outputs: list[EngineCoreOutput], delta: bool) -> tuple[list[RequestOutput], list[str]]:
         """Apply one step's core outputs.
 
@@ -131,6 +139,9 @@ class OutputProcessor:
         for eo in outputs:
             st = self.states.get(eo.request_id)
             if st is None:
+                continue
+            if eo.pooled is not None:
+                results.append(self._pooled(st, eo.pooled, now))
                 continue
             if eo.prompt_logprobs is not None:
                 self._add_prompt_logprobs(st, *eo.prompt_logprobs)

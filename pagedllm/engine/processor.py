@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 
 from pagedllm.engine.messages import EngineCoreRequest
+from pagedllm.pooling_params import PoolerConfig, PoolingParams
 from pagedllm.sampling_params import SamplingParamError, SamplingParams
 from pagedllm.structured_output.params import StructuredOutputError
 
@@ -17,17 +18,29 @@ class PromptTooLongError(SamplingParamError):
     """Prompt plus ``max_tokens`` exceeds the context limit (``param`` is ``max_tokens`` or ``prompt``)."""
 
 
+class WrongRunnerError(SamplingParamError):
+    """A generation request to a pooling model, or a pooling request to a generation model."""
+
+
+# a pooling request samples nothing; this is what its scheduler ``Request`` carries
+_POOLING_SAMPLING = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+
+
 class Processor:
-    """Turns a prompt and ``SamplingParams`` into an ``EngineCoreRequest``.
+    """Turns a prompt and ``SamplingParams`` (or ``PoolingParams``) into an ``EngineCoreRequest``.
 
     Args:
         tokenizer: the model's ``transformers`` tokenizer.
         vocab_size: the model's vocabulary size (token ids must be below it).
         context_limit: most tokens (prompt + output) one request may reach.
+        pooler_config: the model's pooling defaults when it is served for pooling (``--runner
+            pooling``, or an encoder model); ``None``: a generation model.
     """
 
-    def __init__(self, tokenizer, vocab_size: int, context_limit: int) -> None:
+    def __init__(self, tokenizer, vocab_size: int, context_limit: int,
+                 pooler_config: PoolerConfig | None = None) -> None:
         self.tokenizer, self.vocab_size, self.context_limit = tokenizer, vocab_size, context_limit
+        self.pooler_config = pooler_config
         self._grammar = None  # the grammar backend, built with the first constrained request
         self._valid_grammars: set[str] = set()
 
@@ -81,7 +94,11 @@ class Processor:
             SamplingParamError: an empty prompt, token ids outside the vocabulary (prompt,
                 ``logit_bias``, ``stop_token_ids``), ``min_tokens`` above the effective ``max_tokens``,
                 or a structured-output constraint that does not compile.
+            WrongRunnerError: the model is served for pooling.
         """
+        if self.pooler_config is not None:
+            raise WrongRunnerError("model", "This model is served for pooling (--runner pooling): it answers "
+                                   "/v1/embeddings, /pooling, /score and /rerank, not text generation")
         ids = self.tokenize(prompt)
         vocab = self.vocab_size
         if params.truncate_prompt_tokens is not None:  # keep the end: the question, not the preamble
@@ -123,3 +140,53 @@ class Processor:
                                      f"{params.min_tokens}")
         arrival = arrival_time if arrival_time is not None else time.time()
         return EngineCoreRequest(request_id, ids, params, max_tokens, arrival, cache_salt)
+
+    def process_pooling(self, request_id: str, prompt: str | list[int], params: PoolingParams,
+                        arrival_time: float | None = None, cache_salt: str | None = None) -> EngineCoreRequest:
+        """Tokenize, truncate and validate a pooling request (vLLM's pooling API).
+
+        A text is tokenized with the tokenizer's special tokens (BERT's ``[CLS] ... [SEP]``);
+        with ``truncate_prompt_tokens`` it is cut to that many tokens by the tokenizer (its
+        truncation side, special tokens kept), token ids on the same side.
+
+        Raises:
+            WrongRunnerError: the model is served for generation (``param`` ``model``).
+            SamplingParamError: an empty input (``param`` ``input``), token ids outside the
+                vocabulary, or a bad pooling parameter (``param`` names it).
+            PromptTooLongError: the input is longer than the model takes (``param`` ``input``; the
+                message names the limit and ``truncate_prompt_tokens``).
+        """
+        if self.pooler_config is None:
+            raise WrongRunnerError("model", "This model serves text generation; start it with --runner pooling "
+                                   "(vLLM: --task embed) to serve embeddings")
+        params = params.validate().resolved(self.pooler_config)
+        limit = self.context_limit
+        keep = params.truncate_prompt_tokens
+        keep = limit if keep == -1 else None if keep is None else min(keep, limit)
+        ids = self._pooling_ids(prompt, keep)
+        if not ids:
+            raise SamplingParamError("input", "input: must contain at least one token (got an empty input)")
+        if min(ids) < 0 or max(ids) >= self.vocab_size:
+            raise SamplingParamError("input", f"input: token ids must be in [0, {self.vocab_size})")
+        if len(ids) > limit:
+            raise PromptTooLongError("input", f"This model's maximum input length is {limit} tokens. However, your "
+                                     f"input has {len(ids)} tokens. Shorten it, or set truncate_prompt_tokens "
+                                     f"(-1 truncates to the limit).")
+        arrival = arrival_time if arrival_time is not None else time.time()
+        return EngineCoreRequest(request_id, ids, _POOLING_SAMPLING, 1, arrival, cache_salt, params)
+
+    def _pooling_ids(self, prompt: str | list[int], keep: int | None) -> list[int]:
+        """Token ids of a pooling input, cut to ``keep`` tokens on the tokenizer's truncation side."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                return self.tokenize(prompt)  # raises: no tokenizer
+            if prompt == "":
+                return []
+            if keep is None:
+                return self.tokenizer.encode(prompt)
+            return self.tokenizer.encode(prompt, truncation=True, max_length=keep)
+        ids = list(prompt)
+        if keep is None or len(ids) <= keep:
+            return ids
+        left = getattr(self.tokenizer, "truncation_side", "right") == "left"
+        return ids[-keep:] if left else ids[:keep]

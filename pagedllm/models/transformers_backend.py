@@ -181,7 +181,7 @@ class TransformersCausalLM(nn.Module):
         return self.num_layers, self.num_kv_heads, self.head_dim
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
+                meta: AttentionMetadata, logits_indices: torch.Tensor, hidden_indices: torch.Tensor | None = None):
         """Run one step (same contract as the native models).
 
         Args:
@@ -190,17 +190,24 @@ class TransformersCausalLM(nn.Module):
             kv_caches: per layer ``(key_cache, value_cache)``.
             meta: the attention backend's metadata of the step.
             logits_indices: ``[R]`` int64 rows whose logits are needed (only those are projected).
+            hidden_indices: ``[N]`` int64 rows whose final hidden states (the last entry of
+                ``hidden_states``: after the final norm) are needed too (pooling), or ``None``.
         Returns:
-            ``[R, vocab]`` float32 logits (after the model's own final soft-capping, if any).
+            ``[R, vocab]`` float32 logits (after the model's own final soft-capping, if any); with
+            ``hidden_indices``, ``(logits, [N, hidden] float32)``.
         """
         global _current
         _current = _StepContext(self.attention_backend, kv_caches, meta)
+        want_hidden = hidden_indices is not None
         try:
             out = self.hf(input_ids=input_ids.unsqueeze(0), position_ids=positions.unsqueeze(0), use_cache=False,
-                          logits_to_keep=logits_indices, return_dict=True)
+                          logits_to_keep=logits_indices, return_dict=True, output_hidden_states=want_hidden)
         finally:
             _current = None
-        return out.logits[0].float()
+        logits = out.logits[0].float()
+        if not want_hidden:
+            return logits
+        return logits, out.hidden_states[-1][0].index_select(0, hidden_indices).float()
 
 
 def load_transformers_model(model_dir, config, dtype: torch.dtype, device: torch.device,

@@ -2,7 +2,9 @@
 
 Endpoints: ``GET /health``, ``GET /v1/models``, ``POST /v1/completions``,
 ``POST /v1/chat/completions`` (``stream: true`` answers with server-sent events
-ending in ``data: [DONE]``), following the OpenAI API reference; as vLLM's
+ending in ``data: [DONE]``), ``POST /v1/embeddings`` (a pooling model), following the OpenAI
+API reference; vLLM's ``POST /pooling``, ``/score`` and ``/rerank`` (``server/embeddings.py``,
+``server/score.py``); as vLLM's
 server, ``GET /metrics`` (Prometheus text format, see ``server.metrics``),
 ``GET /version``, ``POST /tokenize`` and ``POST /detokenize``; and, for
 debugging and tests, ``GET /stats`` with the engine counters of
@@ -40,6 +42,9 @@ from pagedllm.server.metrics import ServerMetrics
 from pagedllm.server.base import ServingContext
 from pagedllm.server.chat import OpenAIServingChat
 from pagedllm.server.completions import OpenAIServingCompletion
+from pagedllm.server.embeddings import OpenAIServingEmbedding
+from pagedllm.server.protocol_pooling import EmbeddingRequest, PoolingRequest, RerankRequest, ScoreRequest
+from pagedllm.server.score import ServingScores
 from pagedllm.server.protocol import ChatCompletionRequest, CompletionRequest
 from pagedllm.server.protocol_extra import DetokenizeRequest, TokenizeRequest
 from pagedllm.server.tokenize import OpenAIServingTokenization
@@ -198,6 +203,7 @@ def build_app(llm: AsyncLLM, model_name: str, chat_template: str | None = None, 
     ctx = ServingContext(llm, model_name, AdmissionControl(max_in_flight, rejections))
     chat_serving = OpenAIServingChat(ctx, chat_template, reasoning_parser, tool_call_parser, enable_auto_tool_choice)
     completion_serving = OpenAIServingCompletion(ctx)
+    embedding_serving, score_serving = OpenAIServingEmbedding(ctx), ServingScores(ctx)
     tokenization = OpenAIServingTokenization(ctx, chat_serving)
     metrics = ServerMetrics(llm, model_name, rejections)
     app.state.llm = llm
@@ -385,5 +391,28 @@ def build_app(llm: AsyncLLM, model_name: str, chat_template: str | None = None, 
     async def completions(body: CompletionRequest, request: Request):
         """OpenAI (legacy) Completions; SSE when ``stream`` is true. 400/404/503 as OpenAI error bodies."""
         return await respond(request, completion_serving.completion(body))
+
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest, request: Request):
+        """OpenAI Embeddings (a pooling model: ``--runner pooling`` or an encoder such as BERT)."""
+        return await respond(request, embedding_serving.embeddings(body))
+
+    @app.post("/pooling")
+    async def pooling(body: PoolingRequest, request: Request):
+        """vLLM's pooling API: the pooled vectors of the inputs."""
+        return await respond(request, embedding_serving.pooling(body))
+
+    @app.post("/score")
+    @app.post("/v1/score")
+    async def score(body: ScoreRequest, request: Request):
+        """vLLM's score API: the cosine similarity of ``text_1`` and ``text_2`` pairs (bi-encoder)."""
+        return await respond(request, score_serving.score(body))
+
+    @app.post("/rerank")
+    @app.post("/v1/rerank")
+    @app.post("/v2/rerank")
+    async def rerank(body: RerankRequest, request: Request):
+        """vLLM's rerank API (Jina / Cohere shapes): ``documents`` ordered by similarity to ``query``."""
+        return await respond(request, score_serving.rerank(body))
 
     return app

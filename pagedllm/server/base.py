@@ -199,6 +199,18 @@ class ServingContext:
             raise APIError(404, f"The model `{model}` does not exist.", "model", code="model_not_found")
 
 
+    def check_generates(self) -> None:
+        """Refuse text generation on a model served for pooling.
+
+        Raises:
+            APIError: 400 naming the model and the endpoints it does serve.
+        """
+        if getattr(self.llm, "is_pooling_model", False):
+            raise APIError(400, f"The model `{self.model_name}` is served for pooling (--runner pooling): it "
+                           "answers /v1/embeddings, /pooling, /score and /rerank, not text generation", "model",
+                           code="model_not_supported")
+
+
 class OpenAIServingBase:
     """Base of the chat and completions handlers: sampling parameters, fan-out, the run.
 

@@ -175,6 +175,7 @@ class OpenAIServingChat(OpenAIServingBase):
             EngineDeadError: the engine is down (answered 503).
         """
         self.ctx.check_model(body.model)
+        self.ctx.check_generates()
         params = self.params(body)
         use_tools = self._tool_mode(body)
         structured = structured_request(body, self._reasoning_end_tag(body), tools=True)

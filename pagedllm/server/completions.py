@@ -25,6 +25,7 @@ class OpenAIServingCompletion(OpenAIServingBase):
             EngineDeadError: the engine is down (answered 503).
         """
         self.ctx.check_model(body.model)
+        self.ctx.check_generates()
         params = self.params(body)
         prompts = body.prompts()
         if not prompts:

@@ -191,7 +191,8 @@ class ServerMetrics:
         n = m.num_generation_tokens
         if n > 1:  # one token has no inter-token interval
             self.tpot.observe(max(0.0, finished - first) / (n - 1))
-        reason = (out.outputs[0].finish_reason if out.outputs else None) or "unknown"
+        outs = out.outputs if isinstance(out.outputs, list) else None  # a pooling output has one vector
+        reason = (outs[0].finish_reason if outs else "stop" if outs is None else None) or "unknown"
         self.success.labels(self.model_name, reason).inc()
 
     def render(self) -> tuple[bytes, str]:

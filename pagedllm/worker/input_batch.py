@@ -80,6 +80,8 @@ class InputBatch:
         self.has_penalty = np.zeros(max_num_reqs, dtype=bool)
         self.has_grammar = np.zeros(max_num_reqs, dtype=bool)
         self.params: list[SamplingParams | None] = [None] * max_num_reqs
+        self.is_pooling = np.zeros(max_num_reqs, dtype=bool)  # pooling requests sample nothing
+        self.pooling: list = [None] * max_num_reqs  # their PoolingParams
         self.slot_of: dict[str, int] = {}
         self._free = list(range(max_num_reqs - 1, -1, -1))  # pop() hands out the lowest slot
 
@@ -107,6 +109,8 @@ class InputBatch:
         self.has_bias[s] = bool(p.logit_bias) or p.allowed_token_ids is not None
         self.has_penalty[s] = p.has_penalties
         self.has_grammar[s] = p.structured_outputs is not None
+        self.is_pooling[s] = nr.pooling_params is not None
+        self.pooling[s] = nr.pooling_params
         self.slot_of[nr.req_id] = s
         return s
 
@@ -124,6 +128,8 @@ class InputBatch:
         s = self.slot_of.pop(req_id, None)
         if s is not None:
             self.params[s] = None
+            self.pooling[s] = None
+            self.is_pooling[s] = False
             self._free.append(s)
 
     def append_tokens(self, req_ids: list[str], tokens: list[int]) -> None:

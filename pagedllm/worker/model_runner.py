@@ -32,6 +32,7 @@ from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.structured_output.backend import apply_bitmask
 from pagedllm.structured_output.manager import GrammarMask
 from pagedllm.worker.input_batch import InputBatch, SamplingMetadata
+from pagedllm.worker.pooler import PoolingSpan, hidden_rows, pool
 from pagedllm.worker.sampler import Sampler, gather_logprobs
 from pagedllm.worker.spec_verify import verify
 from pagedllm.worker.upload import to_device
@@ -64,6 +65,8 @@ class PreparedStep:
         emitted: per sampled request with drafts, every token the verification emitted.
         draft_probs: per sampled request, the ``[len(drafts), V]`` float32 distributions its drafts
             were drawn from, or ``None`` (point masses); ``None`` when no request has any.
+        pool_rows: ``[N]`` int64 rows whose final hidden states the pooling requests finishing
+            this step need (``None``: no such request); pool_spans: those requests (``worker/pooler.py``).
     """
 
     input_ids: torch.Tensor
@@ -82,6 +85,8 @@ class PreparedStep:
     drafts: list[list[int]] | None = None
     emitted: dict[str, list[int]] = field(default_factory=dict)
     draft_probs: list | None = None
+    pool_rows: torch.Tensor | None = None
+    pool_spans: list[PoolingSpan] = field(default_factory=list)
 
 
 class StepHandle:
@@ -201,7 +206,9 @@ class ModelRunner:
         rows, prompt_lp = self._prepare_prompt_logprobs(rids, slots, start, end, qsl, sample, spec)
         input_ids, positions, logits_rows, pending_idx, pending_src = to_device(
             [input_ids, positions, rows, qsl[1:][pend] - 1, pending_src], self.device)
+        pool_rows, pool_spans = self._prepare_pooling(rids, slots, start, end, qsl)
         return PreparedStep(
+            pool_rows=pool_rows, pool_spans=pool_spans,
             input_ids=input_ids, positions=positions, meta=meta,
             logits_rows=logits_rows, sample_ids=[rids[i] for i in sample.tolist()],
             sampling=sampling, prompt_lp=prompt_lp, pending_idx=pending_idx, pending_src=pending_src,
@@ -276,7 +283,8 @@ class ModelRunner:
         b = self.input_batch
         known = b.num_tokens[slots] + spec
         pend = np.flatnonzero(end > known)
-        sample = np.flatnonzero(end >= known)  # reached the sequence's end: sample the next token
+        # reached the sequence's end: sample the next token (a pooling request is pooled instead)
+        sample = np.flatnonzero((end >= known) & ~b.is_pooling[slots])
         pending_src = np.zeros(0, dtype=np.int64)
         if pend.size:
             assert self._last is not None and bool((end[pend] == known[pend] + 1).all())
@@ -287,6 +295,18 @@ class ModelRunner:
         sampling = (b.sampling_metadata(slots[sample], np.searchsorted(sample, pend), pending_src)
                     if sample.size else None)
         return sample, pend, pending_src, slot_row, sampling
+
+    def _prepare_pooling(self, rids: list[str], slots: np.ndarray, start: np.ndarray, end: np.ndarray,
+                         qsl: np.ndarray) -> tuple[torch.Tensor | None, list[PoolingSpan]]:
+        """The pooling requests whose prompt is computed by this step, and the rows they need
+        (``pooler.hidden_rows``); ``(None, [])`` when there are none."""
+        b = self.input_batch
+        idx = np.flatnonzero(b.is_pooling[slots] & (end >= b.num_tokens[slots]))
+        if not idx.size:
+            return None, []
+        rows, spans = hidden_rows([rids[i] for i in idx.tolist()], [b.pooling[int(slots[i])] for i in idx.tolist()],
+                                  qsl[:-1][idx], qsl[1:][idx], start[idx])
+        return torch.from_numpy(rows).to(self.device), spans
 
     def _prepare_prompt_logprobs(self, rids: list[str], slots: np.ndarray, start: np.ndarray, end: np.ndarray,
                                  qsl: np.ndarray, sample: np.ndarray, spec: np.ndarray) -> tuple[np.ndarray, list]:
@@ -349,9 +369,14 @@ class ModelRunner:
             timer.exec_started(t1)
         if step.pending_idx.numel():
             step.input_ids[step.pending_idx] = prev.sampled[step.pending_src]
-        logits = self.model(step.input_ids, step.positions, self.kv_caches, step.meta, step.logits_rows)
-        t2 = time.perf_counter()
         out = ModelRunnerOutput()
+        if step.pool_rows is None:
+            logits = self.model(step.input_ids, step.positions, self.kv_caches, step.meta, step.logits_rows)
+        else:  # the same forward also hands back the pooled rows' final hidden states
+            logits, hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta, step.logits_rows,
+                                        step.pool_rows)
+            out.pooled = pool(hidden, step.pool_spans)
+        t2 = time.perf_counter()
         num_sampled = len(step.sample_ids)
         num_rows = num_sampled + sum(len(d) for d in step.drafts or ())
         if num_sampled:

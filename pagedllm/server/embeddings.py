@@ -1,0 +1,129 @@
+"""``POST /v1/embeddings`` (OpenAI's embeddings API reference) and ``POST /pooling`` (vLLM's pooling API).
+
+Each input is its own engine pooling request; all of them are validated on the tokenizer thread
+before any is submitted, then run together (one batch of the scheduler, under its token budget)
+and answered in input order. ``encoding_format: base64`` gives each vector as the base64 of its
+little-endian float32 bytes, which the openai SDK decodes with ``numpy.frombuffer``.
+"""
+
+from __future__ import annotations
+
+import base64
+
+import numpy as np
+
+from pagedllm.engine.processor import PromptTooLongError
+from pagedllm.outputs import PoolingRequestOutput
+from pagedllm.pooling_params import PoolingParams
+from pagedllm.sampling_params import SamplingParamError
+from pagedllm.server.base import ServingContext, merge_outputs
+from pagedllm.server.errors import APIError
+from pagedllm.server.protocol import now, random_id
+from pagedllm.server.protocol_pooling import EmbeddingRequest, PoolingRequest
+
+MAX_INPUTS = 2048  # OpenAI's limit of inputs per embeddings request
+
+
+def check_pooling_model(ctx: ServingContext, what: str) -> None:
+    """Refuse a pooling endpoint on a generation model.
+
+    Raises:
+        APIError: 400 naming the served model and ``--runner pooling``.
+    """
+    if not ctx.llm.is_pooling_model:
+        raise APIError(400, f"The model `{ctx.model_name}` serves text generation, not {what}: start it with "
+                       f"--runner pooling (vLLM: --task embed) to serve {what}", "model", code="model_not_supported")
+
+
+async def embed_inputs(ctx: ServingContext, rid: str, inputs: list[str | list[int]], params: PoolingParams,
+                       param: str = "input") -> list[PoolingRequestOutput]:
+    """Run one pooling request per input and return their outputs in input order.
+
+    Args:
+        ctx: the serving context.
+        rid: the base request id (input ``i`` runs as ``{rid}-{i}``).
+        inputs: texts or token-id lists.
+        params: the pooling parameters of all of them.
+        param: the request field the inputs came from, for errors.
+    Raises:
+        APIError: 400 for an empty or over-long input (naming ``param`` and the limit) or a bad
+            parameter; 429 when the server is full.
+    """
+    if not inputs:
+        raise APIError(400, f"{param}: must not be empty", param, code="invalid_value")
+    if len(inputs) > MAX_INPUTS:
+        raise APIError(400, f"{param}: at most {MAX_INPUTS} inputs per request, got {len(inputs)}", param,
+                       code="invalid_value")
+
+    def prepare() -> list:
+        reqs = []
+        for i, p in enumerate(inputs):
+            where = param if len(inputs) == 1 else f"{param}[{i}]"
+            if isinstance(p, str):
+                ctx.check_prompt_chars(p, where)
+            try:
+                reqs.append(ctx.llm.make_pooling_request(f"{rid}-{i}", p, params))
+            except PromptTooLongError as e:
+                raise APIError(400, f"{where}: {e}", where, code="context_length_exceeded") from None
+            except SamplingParamError as e:
+                name = where if e.param == "input" else e.param
+                msg = str(e).replace("input:", f"{where}:", 1) if e.param == "input" else str(e)
+                raise APIError(400, msg, name, code="invalid_value") from None
+        return reqs
+
+    with ctx.admission.admit(len(inputs)):
+        reqs = await ctx.offload(prepare)
+        texts = [p if isinstance(p, str) else None for p in inputs]
+        results: list[PoolingRequestOutput | None] = [None] * len(reqs)
+        async for i, out in merge_outputs([ctx.llm.generate(r, t) for r, t in zip(reqs, texts)]):
+            results[i] = out
+    return results
+
+
+def encode_vector(vec: list[float], encoding_format: str) -> list[float] | str:
+    """A vector as JSON numbers (``float``) or base64 of its little-endian float32 bytes (``base64``)."""
+    if encoding_format == "base64":
+        return base64.b64encode(np.asarray(vec, dtype="<f4").tobytes()).decode("ascii")
+    return vec
+
+
+def usage(outputs: list[PoolingRequestOutput]) -> dict:
+    """OpenAI's embeddings ``usage``: the inputs' tokens."""
+    n = sum(len(o.prompt_token_ids) for o in outputs)
+    return {"prompt_tokens": n, "total_tokens": n, "completion_tokens": 0}
+
+
+class OpenAIServingEmbedding:
+    """``/v1/embeddings`` and ``/pooling`` (``ctx``: a ``ServingContext``)."""
+
+    def __init__(self, ctx: ServingContext) -> None:
+        self.ctx = ctx
+
+    async def embeddings(self, body: EmbeddingRequest) -> dict:
+        """OpenAI's embeddings response: ``{"object": "list", "data": [{"object": "embedding", "index",
+        "embedding"}], "model", "usage"}``.
+
+        Raises:
+            APIError: 400 (generation model, empty or over-long input, bad ``dimensions``), 404, 429.
+        """
+        self.ctx.check_model(body.model)
+        check_pooling_model(self.ctx, "embeddings")
+        outs = await embed_inputs(self.ctx, random_id("embd"), body.inputs(), body.pooling_params())
+        data = [{"object": "embedding", "index": i, "embedding": encode_vector(o.outputs.data, body.encoding_format)}
+                for i, o in enumerate(outs)]
+        return {"id": random_id("embd"), "object": "list", "created": now(), "model": self.ctx.model_name,
+                "data": data, "usage": usage(outs)}
+
+    async def pooling(self, body: PoolingRequest) -> dict:
+        """vLLM's ``/pooling`` response: ``data`` of ``{"object": "pooling", "index", "data"}``.
+
+        Raises:
+            APIError: as ``embeddings``.
+        """
+        self.ctx.check_model(body.model)
+        check_pooling_model(self.ctx, "pooling")
+        outs = await embed_inputs(self.ctx, random_id("pool"), body.inputs(), body.pooling_params())
+        data = [{"object": "pooling", "index": i, "data": encode_vector(o.outputs.data, body.encoding_format)}
+                for i, o in enumerate(outs)]
+        return {"id": random_id("pool"), "object": "list", "created": now(), "model": self.ctx.model_name,
+                "data": data, "usage": usage(outs)}
