@@ -28,6 +28,9 @@ TINY_KINDS = {
     "qwen2": ("Qwen2Config", dict(num_hidden_layers=4, tie_word_embeddings=True)),
     # one KV head (multi-query): tensor parallelism replicates it on every rank
     "llama_mqa": ("LlamaConfig", dict(num_hidden_layers=2, tie_word_embeddings=False, num_key_value_heads=1)),
+    # hybrid: gated short convolutions (state: the last conv_L_cache - 1 inputs) around two attention layers
+    "lfm2": ("Lfm2Config", dict(num_hidden_layers=5, full_attn_idxs=[1, 3], conv_L_cache=3, norm_eps=1e-5,
+                                block_multiple_of=32, tie_word_embeddings=True)),
 }
 
 
@@ -123,6 +126,11 @@ def check_no_leaks(engine) -> None:
     assert not engine.has_unfinished_requests()
     assert engine.kv_cache_manager.num_free_blocks == engine.num_blocks, "KV blocks leaked"
     assert engine.kv_cache_manager.req_to_blocks == {}
+    # a hybrid model's recurrent-state slots (core/state_pool.py) are all back too
+    state_pool = engine.kv_cache_manager.state_pool
+    if state_pool is not None:
+        assert engine.kv_cache_manager.req_to_state == {}
+        assert state_pool.num_free_slots == state_pool.num_slots, f"{state_pool.num_used_slots} state slots leaked"
     pool = engine.kv_cache_manager.pool
     assert all(b.ref_cnt == 0 for b in pool.blocks)
     # the block map (/stats block_states) agrees with the blocks: free, or cached under a hash

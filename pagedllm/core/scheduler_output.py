@@ -25,6 +25,7 @@ class NewRequestData:
         sampling_params: sampling settings.
         block_ids: the request's whole block table.
         num_computed_tokens: tokens already in the KV cache before this step.
+        state_slot: the request's recurrent-state slot (hybrid models, ``core/state_pool.py``), or -1.
     """
 
     req_id: str
@@ -33,6 +34,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    state_slot: int = -1
 
 
 @dataclass

@@ -34,6 +34,7 @@ from pagedllm.structured_output.manager import GrammarMask
 from pagedllm.worker.input_batch import InputBatch, SamplingMetadata
 from pagedllm.worker.sampler import Sampler, gather_logprobs
 from pagedllm.worker.spec_verify import verify
+from pagedllm.worker.state_cache import StateCache
 from pagedllm.worker.scripted import ScriptedOutput
 
 
@@ -63,6 +64,7 @@ class PreparedStep:
         emitted: per sampled request with drafts, every token the verification emitted.
         draft_probs: per sampled request, the ``[len(drafts), V]`` float32 distributions its drafts
             were drawn from, or ``None`` (point masses); ``None`` when no request has any.
+        model_kwargs: extra keyword arguments of the model's forward (a hybrid model's ``state``).
     """
 
     input_ids: torch.Tensor
@@ -81,6 +83,7 @@ class PreparedStep:
     drafts: list[list[int]] | None = None
     emitted: dict[str, list[int]] = field(default_factory=dict)
     draft_probs: list | None = None
+    model_kwargs: dict = field(default_factory=dict)
 
 
 class StepHandle:
@@ -153,6 +156,8 @@ class ModelRunner:
         self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
                           for _ in range(layers)]
         self.input_batch = InputBatch(max_num_reqs, max_model_len, block_size)
+        # a hybrid model's recurrent state: one slot per running request (core/state_pool.py)
+        self.state_cache = StateCache.for_model(model, max_num_reqs, dtype, device)
         self.sampler = Sampler(seed, eos_token_ids)
         self._eos = min(eos_token_ids) if eos_token_ids else 0
         self._last: PreparedStep | None = None  # the most recently issued step
@@ -193,8 +198,10 @@ class ModelRunner:
         sample, pend, pending_src, slot_row, sampling = self._prepare_sampling(slots, end, spec)
         rows, prompt_lp = self._prepare_prompt_logprobs(rids, slots, start, end, qsl, sample, spec)
         dev = self.device
+        kwargs = {} if self.state_cache is None else {
+            "state": self.state_cache.batch(self.input_batch.state_slot[slots], start, qsl)}
         return PreparedStep(
-            input_ids=input_ids, positions=positions, meta=meta,
+            input_ids=input_ids, positions=positions, meta=meta, model_kwargs=kwargs,
             logits_rows=torch.from_numpy(rows).to(dev), sample_ids=[rids[i] for i in sample.tolist()],
             sampling=sampling, prompt_lp=prompt_lp,
             pending_idx=torch.from_numpy(qsl[1:][pend] - 1).to(dev), pending_src=torch.from_numpy(pending_src).to(dev),
@@ -341,7 +348,8 @@ class ModelRunner:
             timer.exec_started(t1)
         if step.pending_idx.numel():
             step.input_ids[step.pending_idx] = prev.sampled[step.pending_src]
-        logits = self.model(step.input_ids, step.positions, self.kv_caches, step.meta, step.logits_rows)
+        logits = self.model(step.input_ids, step.positions, self.kv_caches, step.meta, step.logits_rows,
+                            **step.model_kwargs)
         t2 = time.perf_counter()
         out = ModelRunnerOutput()
         num_sampled = len(step.sample_ids)
