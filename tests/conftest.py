@@ -31,6 +31,16 @@ TINY_KINDS = {
     # hybrid: gated short convolutions (state: the last conv_L_cache - 1 inputs) around two attention layers
     "lfm2": ("Lfm2Config", dict(num_hidden_layers=5, full_attn_idxs=[1, 3], conv_L_cache=3, norm_eps=1e-5,
                                 block_multiple_of=32, tie_word_embeddings=True)),
+    # hybrid with mixture-of-experts feed-forward layers after the first dense one (layer_types spelled out)
+    "lfm2_moe": ("Lfm2MoeConfig", dict(num_hidden_layers=4, layer_types=["conv", "full_attention", "conv", "conv"],
+                                       num_dense_layers=1, num_experts=4, num_experts_per_tok=2,
+                                       moe_intermediate_size=32, norm_eps=1e-5, tie_word_embeddings=True)),
+    # hybrid: Mamba-2 layers (conv + SSM state; scan chunks of 16 tokens) around one attention layer, no experts
+    "granite_hybrid": ("GraniteMoeHybridConfig", dict(
+        num_hidden_layers=3, layer_types=["linear_attention", "full_attention", "linear_attention"],
+        num_local_experts=0, shared_intermediate_size=128, position_embedding_type="rope", mamba_n_heads=4,
+        mamba_d_head=32, mamba_d_state=16, mamba_n_groups=1, mamba_d_conv=4, mamba_chunk_size=16,
+        tie_word_embeddings=True)),
 }
 
 

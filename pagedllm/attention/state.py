@@ -42,7 +42,8 @@ class StateBatch:
         """The requests' states before this step: ``cache[state_slots]`` with the rows of requests
         that start now set to zero; ``[R, ...]``, a copy."""
         out = cache[self.state_slots]
-        return out * self.has_initial_state.view(-1, *([1] * (out.dim() - 1))).to(out.dtype)
+        keep = self.has_initial_state.view(-1, *([1] * (out.dim() - 1)))
+        return torch.where(keep, out, torch.zeros((), dtype=out.dtype, device=out.device))
 
     def conv_index(self, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Row indices of a causal convolution with ``width`` carried inputs, over an extended buffer

@@ -2,17 +2,14 @@
 
 A hybrid model interleaves attention layers (served from the paged KV cache by
 ``transformers_backend.paged_attention_forward``) with mixers whose per-request
-state is fixed-size: LFM2's gated short convolution so far. ``transformers``
+state is fixed-size: LFM2's gated short convolution (``short_conv.py``) and
+Granite 4's Mamba-2 (``mamba2.py``). ``transformers``
 runs such a mixer on one padded sequence batch with its own cache object; in
 pagedllm the step is one flattened batch of many requests at different points
 (prefill chunks and decodes together), so the mixer module's ``forward`` is
 replaced by one that runs every request's segment from its state slot
 (``attention/state.py``'s ``StateBatch``) and writes the new state back. The
-module's own weights are used as they are (``in_proj``, ``conv``, ``out_proj``).
-
-Sources: transformers' ``models/lfm2/modeling_lfm2.py`` (``Lfm2ShortConv``:
-``in_proj -> B, C, x``; ``C * causal_conv1d(B * x)``; ``out_proj``; the cached
-state is the last ``conv_L_cache - 1`` inputs of the convolution per channel).
+module's own weights are used as they are.
 """
 
 from __future__ import annotations
@@ -25,47 +22,8 @@ import torch
 from torch import nn
 
 from pagedllm.attention.state import StateBatch
-
-
-def causal_conv_step(x: torch.Tensor, cache: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                     batch: StateBatch) -> torch.Tensor:
-    """Depthwise causal convolution of every request's segment, continuing from its carried inputs.
-
-    Token ``t`` of a request gets ``sum_k weight[:, k] * in[t - K + 1 + k]`` (``K = width + 1`` taps)
-    where inputs before the segment come from the request's state (zero for a request starting now),
-    as ``torch.nn.functional.conv1d`` with ``padding=K - 1`` on the whole sequence.
-
-    Args:
-        x: ``[T, C]`` inputs of the flattened batch.
-        cache: ``[num_slots, C, width]`` carried inputs per slot, oldest first; the scheduled
-            requests' slots are overwritten with their last ``width`` inputs.
-        weight: ``[C, width + 1]`` taps; bias: ``[C]`` or ``None``.
-        batch: the step's ``StateBatch``.
-    Returns:
-        ``[T, C]`` in ``x``'s dtype.
-    """
-    width = cache.shape[-1]
-    token_rows, state_rows, last_rows = batch.conv_index(width)
-    ext = x.new_empty(x.shape[0] + batch.num_reqs * width, x.shape[1])
-    ext[state_rows] = batch.initial(cache).transpose(1, 2).to(x.dtype)
-    ext[token_rows] = x
-    out = ext[token_rows - width] * weight[:, 0]
-    for k in range(1, width + 1):
-        out = out + ext[token_rows - width + k] * weight[:, k]
-    if bias is not None:
-        out = out + bias
-    cache[batch.state_slots] = ext[last_rows].transpose(1, 2).to(cache.dtype)
-    return out
-
-
-def _lfm2_short_conv_forward(self, hidden_states: torch.Tensor, past_key_values=None, attention_mask=None,
-                             **kwargs) -> torch.Tensor:
-    """``Lfm2ShortConv.forward`` over pagedllm's flattened batch: ``[1, T, H] -> [1, T, H]``."""
-    batch = self._pagedllm_state()
-    x = hidden_states[0]
-    b, c, v = self.in_proj(x).chunk(3, dim=-1)
-    y = causal_conv_step(b * v, batch.caches[self.layer_idx][0], self.conv.weight[:, 0, :], self.conv.bias, batch)
-    return self.out_proj(c * y).unsqueeze(0)
+from pagedllm.models.mamba2 import granite_mamba_forward
+from pagedllm.models.short_conv import lfm2_short_conv_forward
 
 
 @dataclass(frozen=True)
@@ -85,9 +43,20 @@ class HybridFamily:
     state_shapes: Callable
 
 
+def _mamba2_shapes(cfg) -> list[tuple[int, ...]]:
+    """A Mamba-2 layer's state: ``[conv_dim, d_conv - 1]`` convolution inputs, ``[heads, d_head, d_state]`` SSM."""
+    inner = int(cfg.mamba_expand * cfg.hidden_size)
+    conv_dim = inner + 2 * cfg.mamba_n_groups * cfg.mamba_d_state
+    return [(conv_dim, cfg.mamba_d_conv - 1), (cfg.mamba_n_heads, cfg.mamba_d_head, cfg.mamba_d_state)]
+
+
 HYBRID_FAMILIES = {
-    "lfm2": HybridFamily(frozenset({"conv"}), "Lfm2ShortConv", _lfm2_short_conv_forward,
+    "lfm2": HybridFamily(frozenset({"conv"}), "Lfm2ShortConv", lfm2_short_conv_forward,
                          lambda cfg: [(cfg.hidden_size, cfg.conv_L_cache - 1)]),
+    "lfm2_moe": HybridFamily(frozenset({"conv"}), "Lfm2MoeShortConv", lfm2_short_conv_forward,
+                             lambda cfg: [(cfg.hidden_size, cfg.conv_L_cache - 1)]),
+    "granitemoehybrid": HybridFamily(frozenset({"linear_attention"}), "GraniteMoeHybridMambaLayer",
+                                     granite_mamba_forward, _mamba2_shapes),
 }
 
 
