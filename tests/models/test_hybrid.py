@@ -108,3 +108,38 @@ def test_check_supported_takes_lfm2_and_refuses_other_state_layers():
     assert check_supported(transformers.Lfm2Config(num_hidden_layers=2, full_attn_idxs=[1])).__name__ == "Lfm2ForCausalLM"
     with pytest.raises(ValueError, match="layers"):
         check_supported(transformers.MiniMaxConfig(num_hidden_layers=2))
+
+
+def test_hybrid_soak_with_aborts_balances_both_pools(tiny_model_dir, assert_no_leaks):
+    """Mixed requests on a small KV pool and fewer state slots than requests, with random aborts:
+    the soak's pool check holds every few steps and both pools end empty."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
+    from test_soak import check_pool
+    from pagedllm import EngineArgs
+    from pagedllm.engine.llm_engine import LLMEngine
+    rng = random.Random(7)
+    eng = LLMEngine(EngineArgs(model=str(tiny_model_dir("granite_hybrid")), model_impl="transformers",
+                               num_kv_blocks=12, block_size=8, max_num_batched_tokens=32, max_num_seqs=3))
+    live, n_added, steps = set(), 0, 0
+    while n_added < 24 or eng.has_unfinished_requests():
+        if n_added < 24 and rng.random() < 0.5:
+            rid = f"h{n_added}"
+            n_added += 1
+            eng.add_request(rid, [rng.randrange(3, 40000) for _ in range(rng.randint(10, 70))],
+                            SamplingParams(temperature=rng.choice([0, 0.8]), max_tokens=rng.randint(1, 12)))
+            live.add(rid)
+        if live and rng.random() < 0.08:
+            rid = rng.choice(sorted(live))
+            eng.abort_request([rid])
+            live.discard(rid)
+        for out in eng.step():
+            if out.finished:
+                live.discard(out.request_id)
+        steps += 1
+        check_pool(eng)
+        assert steps < 2000, "no progress"
+    eng.step()
+    assert eng.get_stats().num_preemptions > 0
+    assert_no_leaks(eng)
