@@ -105,7 +105,8 @@ def test_causal_conv_step_continues_across_chunks():
 def test_check_supported_takes_lfm2_and_refuses_other_state_layers():
     import transformers
     from pagedllm.models.transformers_backend import check_supported
-    assert check_supported(transformers.Lfm2Config(num_hidden_layers=2, full_attn_idxs=[1])).__name__ == "Lfm2ForCausalLM"
+    cls = check_supported(transformers.Lfm2Config(num_hidden_layers=2, full_attn_idxs=[1]))
+    assert cls.__name__ == "Lfm2ForCausalLM"
     with pytest.raises(ValueError, match="layers"):
         check_supported(transformers.MiniMaxConfig(num_hidden_layers=2))
 
