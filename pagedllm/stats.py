@@ -58,6 +58,8 @@ class SchedulerStats(_Indexable):
         num_running, num_waiting: requests scheduled / queued now.
         kv_cache_usage: fraction of KV blocks in use, in [0, 1].
         num_free_blocks, num_blocks: KV pool counters, in blocks.
+        num_free_state_slots, num_state_slots: a hybrid model's recurrent-state pool
+            (``core/state_pool.py``), in slots; 0 and 0 for an attention-only model.
         num_preemptions: preemptions so far.
         prefix_cache_queries, prefix_cache_hits: prefix-cache lookups and hits, in tokens.
         num_prompt_tokens, num_generation_tokens: token totals so far.
@@ -82,6 +84,8 @@ class SchedulerStats(_Indexable):
     kv_cache_usage: float = 0.0
     num_free_blocks: int = 0
     num_blocks: int = 0
+    num_free_state_slots: int = 0
+    num_state_slots: int = 0
     num_preemptions: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0

@@ -28,6 +28,19 @@ TINY_KINDS = {
     "qwen2": ("Qwen2Config", dict(num_hidden_layers=4, tie_word_embeddings=True)),
     # one KV head (multi-query): tensor parallelism replicates it on every rank
     "llama_mqa": ("LlamaConfig", dict(num_hidden_layers=2, tie_word_embeddings=False, num_key_value_heads=1)),
+    # hybrid: gated short convolutions (state: the last conv_L_cache - 1 inputs) around two attention layers
+    "lfm2": ("Lfm2Config", dict(num_hidden_layers=5, full_attn_idxs=[1, 3], conv_L_cache=3, norm_eps=1e-5,
+                                block_multiple_of=32, tie_word_embeddings=True)),
+    # hybrid with mixture-of-experts feed-forward layers after the first dense one (layer_types spelled out)
+    "lfm2_moe": ("Lfm2MoeConfig", dict(num_hidden_layers=4, layer_types=["conv", "full_attention", "conv", "conv"],
+                                       num_dense_layers=1, num_experts=4, num_experts_per_tok=2,
+                                       moe_intermediate_size=32, norm_eps=1e-5, tie_word_embeddings=True)),
+    # hybrid: Mamba-2 layers (conv + SSM state; scan chunks of 16 tokens) around one attention layer, no experts
+    "granite_hybrid": ("GraniteMoeHybridConfig", dict(
+        num_hidden_layers=3, layer_types=["linear_attention", "full_attention", "linear_attention"],
+        num_local_experts=0, shared_intermediate_size=128, position_embedding_type="rope", mamba_n_heads=4,
+        mamba_d_head=32, mamba_d_state=16, mamba_n_groups=1, mamba_d_conv=4, mamba_chunk_size=16,
+        tie_word_embeddings=True)),
 }
 
 
@@ -139,6 +152,11 @@ def check_no_leaks(engine) -> None:
     assert not engine.has_unfinished_requests()
     assert engine.kv_cache_manager.num_free_blocks == engine.num_blocks, "KV blocks leaked"
     assert engine.kv_cache_manager.req_to_blocks == {}
+    # a hybrid model's recurrent-state slots (core/state_pool.py) are all back too
+    state_pool = engine.kv_cache_manager.state_pool
+    if state_pool is not None:
+        assert engine.kv_cache_manager.req_to_state == {}
+        assert state_pool.num_free_slots == state_pool.num_slots, f"{state_pool.num_used_slots} state slots leaked"
     pool = engine.kv_cache_manager.pool
     assert all(b.ref_cnt == 0 for b in pool.blocks)
     # the block map (/stats block_states) agrees with the blocks: free, or cached under a hash

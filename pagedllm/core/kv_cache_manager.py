@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pagedllm.core.block_pool import BlockPool, KVCacheBlock
 from pagedllm.core.hashing import extend_block_hashes
+from pagedllm.core.state_pool import StatePool
 from pagedllm.request import Request
 
 
@@ -21,16 +22,25 @@ class KVCacheManager:
     and a new request starts from the longest run of cached blocks matching
     its prompt (partial blocks are never shared).
 
+    A hybrid model's requests also hold one slot of ``state_pool`` (recurrent state,
+    ``core/state_pool.py``) from admission to finish or preemption: ``allocate_slots``
+    fails (returns ``None``) when a request that holds no slot cannot get one, and
+    ``free`` returns the slot with the blocks.
+
     Args:
         num_blocks: blocks in the pool.
         block_size: tokens per block.
         enable_prefix_caching: share full blocks between requests with equal prefixes.
+        state_pool: the state slots of a hybrid model, or ``None`` (attention-only model).
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 state_pool: StatePool | None = None) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
+        self.state_pool = state_pool
+        self.req_to_state: dict[str, int] = {}
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}
         self.prefix_cache_queries = 0  # tokens looked up
@@ -103,6 +113,8 @@ class KVCacheManager:
         reclaimed = sum(1 for b in computed_blocks if b.ref_cnt == 0)
         if max(need, 0) + reclaimed > self.pool.num_free_blocks:
             return None
+        if not self._take_state_slot(request.request_id):
+            return None
         self.pool.touch(computed_blocks)
         new = self.pool.allocate(need) if need > 0 else []
         blocks = self.req_to_blocks.setdefault(request.request_id, blocks)
@@ -111,6 +123,20 @@ class KVCacheManager:
         if self.enable_prefix_caching:
             self._cache_full_blocks(request, blocks, min(total, request.num_tokens))
         return [b.block_id for b in computed_blocks + new]
+
+    def _take_state_slot(self, request_id: str) -> bool:
+        """Give the request a state slot if the model has state and it holds none; False when none is free."""
+        if self.state_pool is None or request_id in self.req_to_state:
+            return True
+        slot = self.state_pool.allocate()
+        if slot is None:
+            return False
+        self.req_to_state[request_id] = slot
+        return True
+
+    def get_state_slot(self, request_id: str) -> int:
+        """The request's state slot, or -1 (no state pool, or the request holds none)."""
+        return self.req_to_state.get(request_id, -1)
 
     def _cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock], num_tokens: int) -> None:
         """Register the blocks that become full with this step's tokens under their hashes."""
@@ -128,11 +154,14 @@ class KVCacheManager:
         return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
 
     def free(self, request: Request) -> None:
-        """Return every block of the request to the pool, tail first.
+        """Return every block of the request to the pool, tail first, and its state slot.
 
         Tail first means the end of a prefix chain is evicted before its
         start. Safe to call for a request that holds no blocks.
         """
+        slot = self.req_to_state.pop(request.request_id, None)
+        if slot is not None:
+            self.state_pool.free(slot)
         self.num_cached_blocks.pop(request.request_id, None)
         blocks = self.req_to_blocks.pop(request.request_id, None)
         if blocks:

@@ -256,7 +256,8 @@ class Scheduler:
         else:
             out.new_reqs.append(NewRequestData(rid, list(req.all_token_ids), req.num_prompt_tokens,
                                                req.sampling_params, self.kv.get_block_ids(rid),
-                                               req.num_computed_tokens, req.pooling_params))
+                                               req.num_computed_tokens, req.pooling_params,
+                                               self.kv.get_state_slot(rid)))
             self._runner_knows.add(rid)
         out.num_scheduled_tokens[rid] = n
         out.total_num_scheduled_tokens += n

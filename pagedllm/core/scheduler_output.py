@@ -28,6 +28,7 @@ class NewRequestData:
         num_computed_tokens: tokens already in the KV cache before this step.
         pooling_params: set for a pooling request (it samples nothing: its final hidden states are
             pooled once its prompt is computed).
+        state_slot: the request's recurrent-state slot (hybrid models, ``core/state_pool.py``), or -1.
     """
 
     req_id: str
@@ -37,6 +38,7 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int
     pooling_params: PoolingParams | None = None
+    state_slot: int = -1
 
 
 @dataclass

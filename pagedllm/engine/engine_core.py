@@ -31,6 +31,7 @@ from pagedllm.config import EngineArgs, parse_size
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.scheduler_output import EngineCoreOutput
+from pagedllm.core.state_pool import StatePool
 from pagedllm.distributed.executor import UniProcExecutor, create_executor
 from pagedllm.engine.messages import EngineCoreRequest
 from pagedllm.request import Request, RequestStatus
@@ -41,6 +42,7 @@ from pagedllm.memory import return_freed_memory
 from pagedllm.models.quant_linear import quantized_kernels
 from pagedllm.structured_output.manager import StructuredOutputManager
 from pagedllm.worker.model_runner import ModelRunner
+from pagedllm.worker.state_cache import StateCache
 
 logger = logging.getLogger(__name__)
 
@@ -129,16 +131,18 @@ class EngineCore:
             raise ValueError("a prebuilt model serves one rank: --tensor-parallel-size must be 1")
         per_block = ModelRunner.kv_bytes_per_block(model, args.block_size, dtype)
         encoder_only = bool(getattr(model, "encoder_only", False))
+        state_pool, state_bytes = self._plan_state(args, model, dtype)
         if encoder_only:  # no KV cache: a nominal pool, so that the context limit reads as for the others
             num_blocks = -(-max_model_len // args.block_size)
         else:
-            num_blocks = args.num_kv_blocks or parse_size(args.kv_cache_memory) // per_block
+            num_blocks = args.num_kv_blocks or (parse_size(args.kv_cache_memory) - state_bytes) // per_block
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory={args.kv_cache_memory} holds no block of {per_block} bytes")
         self.num_blocks = num_blocks
         logger.info("KV cache: %d blocks x %d tokens (%.1f MiB)", num_blocks, args.block_size,
                     num_blocks * per_block / 2**20)
-        self.kv_cache_manager = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
+        self.kv_cache_manager = KVCacheManager(num_blocks, args.block_size,
+                                               args.enable_prefix_caching and state_pool is None, state_pool)
         spec = (None if args.speculative_config is None
                 else SpecDecoding(args.speculative_config, max_model_len, self._target_info(args, model_dir, model,
                                                                                            max_model_len)))
@@ -164,6 +168,28 @@ class EngineCore:
         self.weight_kernels = quantized_kernels() if self.weight_formats else ""
         self._tokenizer_path = args.tokenizer or model_dir
         self._structured: StructuredOutputManager | None = None  # made with the first constrained request
+
+    @staticmethod
+    def _plan_state(args: EngineArgs, model, dtype: torch.dtype) -> tuple[StatePool | None, int]:
+        """A hybrid model's state pool (one slot per seat, ``max_num_seqs``) and the bytes its tensors
+        take out of ``kv_cache_memory``; ``(None, 0)`` for an attention-only model.
+
+        Prefix caching is off for hybrid models (their state has no block-boundary checkpoints yet).
+
+        Raises:
+            ValueError: speculative decoding with a hybrid model (rejected drafts would have to
+                roll the recurrent state back, which is not implemented).
+        """
+        spec = model.state_cache_spec() if hasattr(model, "state_cache_spec") else {}
+        if not spec:
+            return None, 0
+        if args.speculative_config is not None:
+            raise ValueError("speculative decoding is not implemented for hybrid models (recurrent state "
+                             "cannot be rolled back past rejected drafts yet)")
+        nbytes = args.max_num_seqs * StateCache.bytes_per_slot(spec, dtype)
+        logger.info("recurrent state: %d layers, %d slots (%.2f MiB); prefix caching is off for hybrid models",
+                    len(spec), args.max_num_seqs, nbytes / 2**20)
+        return StatePool(args.max_num_seqs), nbytes
 
     def _target_info(self, args: EngineArgs, model_dir, model, max_model_len: int) -> TargetInfo:
         """What a model-running proposer (``draft_model``) needs to know of the target."""
@@ -321,6 +347,7 @@ class EngineCore:
         kv = self.kv_cache_manager
         return SchedulerStats(num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
                               kv_cache_usage=kv.usage(), num_free_blocks=kv.num_free_blocks,
+                              **self._state_stats(),
                               num_blocks=self.num_blocks, num_preemptions=self.scheduler.num_preemptions,
                               prefix_cache_queries=kv.prefix_cache_queries, prefix_cache_hits=kv.prefix_cache_hits,
                               num_prompt_tokens=self.num_prompt_tokens,
@@ -329,6 +356,11 @@ class EngineCore:
                               weight_formats=self.weight_formats, weight_kernels=self.weight_kernels,
                               step_timings=self.timer.summary(), block_states=kv.block_states(),
                               **self._spec_stats())
+
+    def _state_stats(self) -> dict:
+        """The state-pool counters of ``SchedulerStats`` (zeros for an attention-only model)."""
+        pool = self.kv_cache_manager.state_pool
+        return {} if pool is None else dict(num_free_state_slots=pool.num_free_slots, num_state_slots=pool.num_slots)
 
     def _spec_stats(self) -> dict:
         """The speculation counters of ``SchedulerStats`` (zeros without speculative decoding)."""

@@ -12,6 +12,11 @@ and no attention mask is built (custom attention gets none). The flattened
 batch is one sequence of ``num_tokens`` rows; positions come from the
 scheduler through ``position_ids``.
 
+Hybrid models (``models/hybrid.py``, LFM2 so far): the mixer layers that carry
+fixed-size state run pagedllm's replacement ``forward``, which reads and writes the
+request's state slot through the step's ``StateBatch``; only the attention layers
+get paged KV cache layers (``kv_index`` maps a model layer to its cache layer).
+
 Reference: transformers' "Attention interface" documentation.
 """
 
@@ -25,6 +30,8 @@ from torch import nn
 
 from pagedllm.attention.backend import AttentionBackend
 from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.attention.state import StateBatch
+from pagedllm.models.hybrid import hybrid_family, install_mixers, state_cache_spec, state_layer_indices
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +43,8 @@ class _StepContext:
     backend: AttentionBackend
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
     meta: AttentionMetadata
+    kv_index: list[int]
+    state: StateBatch | None = None
 
 
 _current: _StepContext | None = None  # the step being run (one engine thread runs steps)
@@ -72,7 +81,8 @@ def paged_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.T
                              f"which pagedllm attention does not implement")
     q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    out = ctx.backend.forward(q, k.contiguous(), v.contiguous(), ctx.kv_caches[module.layer_idx], ctx.meta, scale,
+    cache = ctx.kv_caches[ctx.kv_index[module.layer_idx]]
+    out = ctx.backend.forward(q, k.contiguous(), v.contiguous(), cache, ctx.meta, scale,
                               sliding_window=sliding_window, softcap=softcap)
     return out.unsqueeze(0), None
 
@@ -103,7 +113,8 @@ def check_supported(config) -> type:
         ValueError: ``transformers`` has no causal LM for the config, that model's
             attention cannot be replaced (``_supports_attention_backend`` is False), the
             config asks for bidirectional attention, or it has layers other than full or
-            sliding-window attention (``layer_types``).
+            sliding-window attention (``layer_types``), except the state layers of a hybrid
+            family pagedllm serves (``models/hybrid.py``).
     """
     from transformers import AutoModelForCausalLM
     try:
@@ -117,7 +128,9 @@ def check_supported(config) -> type:
     text = _text_config(config)
     if getattr(text, "is_causal", True) is False or getattr(text, "use_bidirectional_attention", False):
         raise ValueError(f"{cls.__name__} is configured for bidirectional attention; pagedllm serves causal LMs only")
-    other = sorted(set(getattr(text, "layer_types", None) or ()) - _SERVABLE_LAYER_TYPES)
+    fam = hybrid_family(text)
+    other = sorted(set(getattr(text, "layer_types", None) or ()) - _SERVABLE_LAYER_TYPES
+                   - (fam.state_layer_types if fam is not None else frozenset()))
     if other:
         raise ValueError(f"{cls.__name__} has {other} layers; the Transformers backend serves full and "
                          f"sliding-window attention layers only (their state is not a paged KV cache)")
@@ -175,13 +188,33 @@ class TransformersCausalLM(nn.Module):
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = _num_kv_heads(cfg)
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        stateful = set(state_layer_indices(cfg))
+        attn = [i for i in range(self.num_layers) if i not in stateful]
+        self.kv_index = [-1] * self.num_layers  # model layer -> paged cache layer (-1: a state layer)
+        for j, i in enumerate(attn):
+            self.kv_index[i] = j
+        self.num_kv_layers = len(attn)
+        self._state_spec = state_cache_spec(cfg)
+        if self._state_spec:
+            install_mixers(hf_model, cfg, self._step_state)
+
+    @staticmethod
+    def _step_state() -> StateBatch:
+        if _current is None or _current.state is None:
+            raise RuntimeError("a pagedllm state mixer ran outside an engine step with a StateBatch")
+        return _current.state
 
     def kv_cache_spec(self) -> tuple[int, int, int]:
-        """``(num_layers, num_kv_heads, head_dim)`` of the KV cache."""
-        return self.num_layers, self.num_kv_heads, self.head_dim
+        """``(num_layers, num_kv_heads, head_dim)`` of the KV cache (attention layers only)."""
+        return self.num_kv_layers, self.num_kv_heads, self.head_dim
+
+    def state_cache_spec(self) -> dict[int, list[tuple[int, ...]]]:
+        """Model layer -> per-slot shapes of its recurrent-state tensors (``{}``: attention only)."""
+        return self._state_spec
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                meta: AttentionMetadata, logits_indices: torch.Tensor, hidden_indices: torch.Tensor | None = None):
+                meta: AttentionMetadata, logits_indices: torch.Tensor, hidden_indices: torch.Tensor | None = None,
+                state: StateBatch | None = None):
         """Run one step (same contract as the native models).
 
         Args:
@@ -192,12 +225,13 @@ class TransformersCausalLM(nn.Module):
             logits_indices: ``[R]`` int64 rows whose logits are needed (only those are projected).
             hidden_indices: ``[N]`` int64 rows whose final hidden states (the last entry of
                 ``hidden_states``: after the final norm) are needed too (pooling), or ``None``.
+            state: the step's state slots (hybrid models; ``attention/state.py``), else ``None``.
         Returns:
             ``[R, vocab]`` float32 logits (after the model's own final soft-capping, if any); with
             ``hidden_indices``, ``(logits, [N, hidden] float32)``.
         """
         global _current
-        _current = _StepContext(self.attention_backend, kv_caches, meta)
+        _current = _StepContext(self.attention_backend, kv_caches, meta, self.kv_index, state)
         want_hidden = hidden_indices is not None
         try:
             out = self.hf(input_ids=input_ids.unsqueeze(0), position_ids=positions.unsqueeze(0), use_cache=False,

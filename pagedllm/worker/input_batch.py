@@ -73,6 +73,7 @@ class InputBatch:
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.block_table = np.zeros((max_num_reqs, -(-width // block_size)), dtype=np.int64)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+        self.state_slot = np.full(max_num_reqs, -1, dtype=np.int64)  # recurrent-state slot (hybrid models)
         self.temperature = np.zeros(max_num_reqs, dtype=np.float32)
         self.min_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.prompt_logprobs = np.full(max_num_reqs, -1, dtype=np.int64)  # -1 = not asked
@@ -101,6 +102,7 @@ class InputBatch:
         self.num_computed_tokens[s] = nr.num_computed_tokens
         self.block_table[s, :nb] = nr.block_ids
         self.num_blocks[s] = nb
+        self.state_slot[s] = nr.state_slot
         p = nr.sampling_params
         self.params[s] = p
         self.temperature[s] = p.temperature

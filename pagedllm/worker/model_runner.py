@@ -36,6 +36,7 @@ from pagedllm.worker.pooler import PoolingSpan, hidden_rows, pool
 from pagedllm.worker.sampler import Sampler, gather_logprobs
 from pagedllm.worker.spec_verify import verify
 from pagedllm.worker.upload import to_device
+from pagedllm.worker.state_cache import StateCache
 from pagedllm.worker.scripted import ScriptedOutput
 
 
@@ -67,6 +68,7 @@ class PreparedStep:
             were drawn from, or ``None`` (point masses); ``None`` when no request has any.
         pool_rows: ``[N]`` int64 rows whose final hidden states the pooling requests finishing
             this step need (``None``: no such request); pool_spans: those requests (``worker/pooler.py``).
+        model_kwargs: extra keyword arguments of the model's forward (a hybrid model's ``state``).
     """
 
     input_ids: torch.Tensor
@@ -87,6 +89,7 @@ class PreparedStep:
     draft_probs: list | None = None
     pool_rows: torch.Tensor | None = None
     pool_spans: list[PoolingSpan] = field(default_factory=list)
+    model_kwargs: dict = field(default_factory=dict)
 
 
 class StepHandle:
@@ -159,6 +162,8 @@ class ModelRunner:
         self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
                           for _ in range(layers)]
         self.input_batch = InputBatch(max_num_reqs, max_model_len, block_size)
+        # a hybrid model's recurrent state: one slot per running request (core/state_pool.py)
+        self.state_cache = StateCache.for_model(model, max_num_reqs, dtype, device)
         self.sampler = Sampler(seed, eos_token_ids)
         # the Triton (GPU) path draws on the device (worker/device_sampler.py); the CPU backends keep
         # the torch sampler, whose seeded streams the CPU suite pins down
@@ -207,8 +212,10 @@ class ModelRunner:
         input_ids, positions, logits_rows, pending_idx, pending_src = to_device(
             [input_ids, positions, rows, qsl[1:][pend] - 1, pending_src], self.device)
         pool_rows, pool_spans = self._prepare_pooling(rids, slots, start, end, qsl)
+        kwargs = {} if self.state_cache is None else {
+            "state": self.state_cache.batch(self.input_batch.state_slot[slots], start, qsl)}
         return PreparedStep(
-            pool_rows=pool_rows, pool_spans=pool_spans,
+            pool_rows=pool_rows, pool_spans=pool_spans, model_kwargs=kwargs,
             input_ids=input_ids, positions=positions, meta=meta,
             logits_rows=logits_rows, sample_ids=[rids[i] for i in sample.tolist()],
             sampling=sampling, prompt_lp=prompt_lp, pending_idx=pending_idx, pending_src=pending_src,
@@ -371,10 +378,11 @@ class ModelRunner:
             step.input_ids[step.pending_idx] = prev.sampled[step.pending_src]
         out = ModelRunnerOutput()
         if step.pool_rows is None:
-            logits = self.model(step.input_ids, step.positions, self.kv_caches, step.meta, step.logits_rows)
+            logits = self.model(step.input_ids, step.positions, self.kv_caches, step.meta, step.logits_rows,
+                                **step.model_kwargs)
         else:  # the same forward also hands back the pooled rows' final hidden states
             logits, hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta, step.logits_rows,
-                                        step.pool_rows)
+                                        step.pool_rows, **step.model_kwargs)
             out.pooled = pool(hidden, step.pool_spans)
         t2 = time.perf_counter()
         num_sampled = len(step.sample_ids)

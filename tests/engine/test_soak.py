@@ -33,6 +33,11 @@ def check_pool(eng: LLMEngine) -> None:
     assert kv.num_free_blocks == sum(b.ref_cnt == 0 for b in kv.pool.blocks)
     assert set(kv.req_to_blocks) == {r.request_id for r in eng.scheduler.running}
     assert all(b.block_hash == h for h, b in kv.pool.cached.items())
+    sp = kv.state_pool  # a hybrid model's state slots: one per running request, each held once
+    if sp is not None:
+        slots = list(kv.req_to_state.values())
+        assert len(slots) == len(set(slots)) and set(kv.req_to_state) == set(kv.req_to_blocks)
+        assert sp.num_used_slots == len(slots) and sp.num_free_slots + sp.num_used_slots == sp.num_slots
 
 
 def random_params(rng: random.Random) -> tuple[str, SamplingParams]:

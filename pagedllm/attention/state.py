@@ -1,0 +1,66 @@
+"""What a hybrid model's state-carrying mixers (short convolution, SSM) get from the runner each step.
+
+Attention layers read the paged KV cache through ``AttentionMetadata``; mixers
+whose state is fixed-size per request (``core/state_pool.py``) read and write
+their request's slot of the runner's state tensors through a ``StateBatch``.
+The flattened batch is the same: request ``i`` owns rows
+``query_start_loc[i]:query_start_loc[i + 1]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class StateBatch:
+    """One step's per-request state view, on the model's device.
+
+    Attributes:
+        state_slots: ``[R]`` int64 state slot of each scheduled request.
+        has_initial_state: ``[R]`` bool; False for a request whose first token runs this
+            step (its slot's old contents are ignored and the state starts at zero).
+        query_start_loc: ``[R + 1]`` int64 cumulative query lengths (rows of the flattened batch).
+        caches: layer index -> that layer's state tensors, each ``[num_slots, ...]``
+            (the runner's; mixers update their requests' slots in place).
+    """
+
+    state_slots: torch.Tensor
+    has_initial_state: torch.Tensor
+    query_start_loc: torch.Tensor
+    caches: dict[int, list[torch.Tensor]]
+    _conv_index: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    @property
+    def num_reqs(self) -> int:
+        """``R``, the scheduled requests."""
+        return int(self.state_slots.shape[0])
+
+    def initial(self, cache: torch.Tensor) -> torch.Tensor:
+        """The requests' states before this step: ``cache[state_slots]`` with the rows of requests
+        that start now set to zero; ``[R, ...]``, a copy."""
+        out = cache[self.state_slots]
+        keep = self.has_initial_state.view(-1, *([1] * (out.dim() - 1)))
+        return torch.where(keep, out, torch.zeros((), dtype=out.dtype, device=out.device))
+
+    def conv_index(self, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Row indices of a causal convolution with ``width`` carried inputs, over an extended buffer
+        where each request's ``width`` state rows precede its tokens (built once per width and step).
+
+        Returns:
+            ``(token_rows [T], state_rows [R, width], last_rows [R, width])`` int64: where each token
+            sits, where each request's carried state goes, and the ``width`` rows that are its new
+            state (its last inputs, state rows included when it has fewer tokens than ``width``).
+        """
+        if width not in self._conv_index:
+            qsl = self.query_start_loc
+            r = torch.arange(self.num_reqs, device=qsl.device)
+            n = qsl[1:] - qsl[:-1]
+            token_rows = torch.arange(int(qsl[-1]), device=qsl.device) + width * (torch.repeat_interleave(r, n) + 1)
+            w = torch.arange(width, device=qsl.device)
+            state_rows = (qsl[:-1] + width * r).unsqueeze(1) + w
+            last_rows = (qsl[1:] + width * (r + 1) - width).unsqueeze(1) + w
+            self._conv_index[width] = (token_rows, state_rows, last_rows)
+        return self._conv_index[width]

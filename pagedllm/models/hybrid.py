@@ -1,0 +1,103 @@
+"""State-carrying mixer layers of hybrid models, run by the Transformers backend with pagedllm's state slots.
+
+A hybrid model interleaves attention layers (served from the paged KV cache by
+``transformers_backend.paged_attention_forward``) with mixers whose per-request
+state is fixed-size: LFM2's gated short convolution (``short_conv.py``) and
+Granite 4's Mamba-2 (``mamba2.py``). ``transformers``
+runs such a mixer on one padded sequence batch with its own cache object; in
+pagedllm the step is one flattened batch of many requests at different points
+(prefill chunks and decodes together), so the mixer module's ``forward`` is
+replaced by one that runs every request's segment from its state slot
+(``attention/state.py``'s ``StateBatch``) and writes the new state back. The
+module's own weights are used as they are.
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from pagedllm.attention.state import StateBatch
+from pagedllm.models.mamba2 import granite_mamba_forward
+from pagedllm.models.short_conv import lfm2_short_conv_forward
+
+
+@dataclass(frozen=True)
+class HybridFamily:
+    """How pagedllm serves one hybrid architecture's state layers.
+
+    Attributes:
+        state_layer_types: ``layer_types`` entries whose layers carry fixed-size state.
+        module_class: name of the ``transformers`` mixer module whose ``forward`` is replaced.
+        forward: the replacement (reads ``self._pagedllm_state()``, a ``StateBatch``).
+        state_shapes: ``config -> per-slot shapes`` of one state layer's tensors.
+    """
+
+    state_layer_types: frozenset[str]
+    module_class: str
+    forward: Callable
+    state_shapes: Callable
+
+
+def _mamba2_shapes(cfg) -> list[tuple[int, ...]]:
+    """A Mamba-2 layer's state: ``[conv_dim, d_conv - 1]`` convolution inputs, ``[heads, d_head, d_state]`` SSM."""
+    inner = int(cfg.mamba_expand * cfg.hidden_size)
+    conv_dim = inner + 2 * cfg.mamba_n_groups * cfg.mamba_d_state
+    return [(conv_dim, cfg.mamba_d_conv - 1), (cfg.mamba_n_heads, cfg.mamba_d_head, cfg.mamba_d_state)]
+
+
+HYBRID_FAMILIES = {
+    "lfm2": HybridFamily(frozenset({"conv"}), "Lfm2ShortConv", lfm2_short_conv_forward,
+                         lambda cfg: [(cfg.hidden_size, cfg.conv_L_cache - 1)]),
+    "lfm2_moe": HybridFamily(frozenset({"conv"}), "Lfm2MoeShortConv", lfm2_short_conv_forward,
+                             lambda cfg: [(cfg.hidden_size, cfg.conv_L_cache - 1)]),
+    "granitemoehybrid": HybridFamily(frozenset({"linear_attention"}), "GraniteMoeHybridMambaLayer",
+                                     granite_mamba_forward, _mamba2_shapes),
+}
+
+
+def hybrid_family(config) -> HybridFamily | None:
+    """The ``HybridFamily`` of a text config (by ``model_type``), or ``None`` for other models."""
+    return HYBRID_FAMILIES.get(getattr(config, "model_type", None))
+
+
+def state_layer_indices(config) -> list[int]:
+    """Indices of the layers of ``config`` that carry state (empty for an attention-only model)."""
+    fam = hybrid_family(config)
+    types_ = getattr(config, "layer_types", None) or ()
+    return [i for i, t in enumerate(types_) if fam is not None and t in fam.state_layer_types]
+
+
+def state_cache_spec(config) -> dict[int, list[tuple[int, ...]]]:
+    """Layer index -> per-slot shapes of its state tensors (``{}``: no state)."""
+    fam = hybrid_family(config)
+    return {i: fam.state_shapes(config) for i in state_layer_indices(config)}
+
+
+def install_mixers(hf: nn.Module, config, get_state: Callable[[], StateBatch]) -> int:
+    """Replace the ``forward`` of every state mixer of ``hf`` by pagedllm's; returns how many.
+
+    Args:
+        hf: the loaded ``transformers`` model.
+        config: its text config.
+        get_state: returns the running step's ``StateBatch`` (raises outside a step).
+    Raises:
+        ValueError: the number of mixer modules found differs from the state layers of ``config``.
+    """
+    fam = hybrid_family(config)
+    if fam is None:
+        return 0
+    n = 0
+    for mod in hf.modules():
+        if type(mod).__name__ == fam.module_class:
+            mod.forward = types.MethodType(fam.forward, mod)
+            mod._pagedllm_state = get_state
+            n += 1
+    want = len(state_layer_indices(config))
+    if n != want:
+        raise ValueError(f"{type(hf).__name__}: found {n} {fam.module_class} modules, config has {want} state layers")
+    return n
