@@ -9,6 +9,8 @@ On the embedded SmolLM2-135M-Instruct, in process, greedy, EOS ignored, for each
   256 output tokens; decode tokens/s (after the first token), best of ``--repeats``;
 * W1, batch 1: a 32-token random prompt (no repetition), 128 output tokens; decode tokens/s;
 * concurrency 16: 16 random 128-token prompts at once, 128 output tokens each; output tokens/s;
+* ``suffix`` runs without its cross-request cache (``suffix_decoding_max_cached_requests`` 0):
+  the repeats run the same prompts, which that cache would replay;
 * the draft tokens, accepted tokens and acceptance by position over the run, the depth rule's
   measured step times (``t(T)``, ms) and, for the repetitive run, the drafts per step over time.
 
@@ -69,6 +71,10 @@ def decode_rate(llm, prompt: list[int], max_tokens: int, trace: list | None = No
 
 def measure(quantization: str, method: str | None, repeats: int) -> dict:
     spec = None if method is None else {"method": method, "num_speculative_tokens": 5}
+    if method == "suffix":
+        # every repeat runs the same prompt: the cross-request cache would replay the previous
+        # repeat's output and measure a replay, so suffix drafts from each request's own tokens here
+        spec["suffix_decoding_max_cached_requests"] = 0
     llm = LLM(quantization=quantization, speculative_config=spec, max_num_seqs=16, kv_cache_memory="512MiB")
     tok = llm.get_tokenizer()
     llm.generate(random_prompts(1, 8, 99), SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up

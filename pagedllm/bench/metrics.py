@@ -87,7 +87,8 @@ def summarize(records: list[RequestRecord], duration_s: float, percentiles=(99,)
 
 
 # the CPU features that choose kernels and dtypes (AVX-512, VNNI, bf16, AMX)
-CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
+CPU_FLAGS = ("fma", "avx2", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
+             "avx512_vp2intersect", "amx_tile", "amx_bf16", "amx_int8")
 
 
 def cpu_flags() -> list[str]:
@@ -103,9 +104,13 @@ def cpu_flags() -> list[str]:
 def machine_facts() -> dict:
     """CPU model and kernel-relevant flags, core count, OS, Python and library versions, and the date."""
     try:
-        cpu = next(ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                   if ln.startswith("model name"))
-    except (OSError, StopIteration):
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        field = {k.strip(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[:30])}
+        cpu = field["model name"]
+        # a VM may hide the model's name ("AMD EPYC"): family and model tell its generation
+        if "cpu family" in field:
+            cpu += f" (family {field['cpu family']}, model {field.get('model', '?')})"
+    except (OSError, KeyError):
         cpu = platform.processor() or "unknown"
     from importlib.metadata import PackageNotFoundError, version
     versions = {}
