@@ -78,12 +78,15 @@ def _serve(a: argparse.Namespace) -> int:
 def _generate(a: argparse.Namespace) -> int:
     from pagedllm import LLM, SamplingParams
     llm = LLM(**vars(engine_args_from_cli(a)))
-    sp = SamplingParams(temperature=a.temperature, max_tokens=a.max_tokens, seed=a.sampling_seed)
-    if a.command == "chat":
-        out = llm.chat([{"role": "user", "content": a.prompt}], sp, use_tqdm=False)
-    else:
-        out = llm.generate([a.prompt], sp, use_tqdm=False)
-    print(out[0].outputs[0].text)
+    try:
+        sp = SamplingParams(temperature=a.temperature, max_tokens=a.max_tokens, seed=a.sampling_seed)
+        if a.command == "chat":
+            out = llm.chat([{"role": "user", "content": a.prompt}], sp, use_tqdm=False)
+        else:
+            out = llm.generate([a.prompt], sp, use_tqdm=False)
+        print(out[0].outputs[0].text)
+    finally:
+        llm.llm_engine.shutdown()  # core process, tensor-parallel workers: stopped in order
     return 0
 
 

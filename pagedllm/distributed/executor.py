@@ -21,6 +21,7 @@ stays behind.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import multiprocessing as mp
 import threading
@@ -115,6 +116,13 @@ class MultiprocExecutor(Executor):
             raise
         self._monitor = threading.Thread(target=self._watch, name="pagedllm-tp-monitor", daemon=True)
         self._monitor.start()
+        # an engine nobody shut down (a script that just ends) still stops its workers in order:
+        # multiprocessing's own exit handler (registered earlier, so run later) would terminate them
+        # under a live process group, which aborted the interpreter ("terminate called ...")
+        atexit.register(self.shutdown)
+        logger.info("tensor-parallel size %d, pipeline-parallel size %d: rank 0 in this process, ranks 1..%d "
+                    "in worker processes (%s)", args.tensor_parallel_size, args.pipeline_parallel_size,
+                    world_size - 1, backend)
 
     def start(self, runner: ModelRunner, runner_kwargs: dict) -> None:
         """Send every worker its runner's sizes and wait until each has built its runner.
@@ -180,7 +188,11 @@ class MultiprocExecutor(Executor):
         return CheckedHandle(handle, self)
 
     def shutdown(self) -> None:
-        """Ask each worker to stop, wait up to 5 s, then terminate (and kill) what is left; leave the group."""
+        """Ask each worker to stop, wait up to 5 s, then terminate (and kill) what is left; leave the
+        group. Safe to call twice."""
+        atexit.unregister(self.shutdown)
+        if self._closing and not self.conns:
+            return
         self._closing = True
         for conn in self.conns:
             try:

@@ -262,7 +262,7 @@ def build_app(llm: AsyncLLM, model_name: str, chat_template: str | None = None, 
     @app.get("/v1/models/{model_id:path}")
     async def model_card(model_id: str) -> dict:
         """One model's card (the openai SDK's ``models.retrieve``); 404 for a model not served."""
-        card = next((m for m in ctx.model_list()["data"] if m["id"] == model_id), None)
+        card = next((m for m in ctx.model_list()["data"] if ctx.serves(model_id)), None)
         if card is None:
             raise APIError(404, f"The model `{model_id}` does not exist.", "model", code="model_not_found")
         return card

@@ -189,13 +189,19 @@ class ServingContext:
                                             "owned_by": "pagedllm", "root": self.model_dir,
                                             "max_model_len": self.max_model_len}]}
 
+    def serves(self, model: str) -> bool:
+        """True when ``model`` names the served model (compared case-insensitively)."""
+        return model.casefold() == self.model_name.casefold()
+
     def check_model(self, model: str | None) -> None:
         """Raises ``APIError`` 404 when the request names a model we do not serve, and
         ``EngineDeadError`` (answered 503) when the engine loop has died, so that
-        a stream is refused before its 200 headers go out."""
+        a stream is refused before its 200 headers go out. The name matches case-insensitively,
+        so the alias a model was started with (``all-minilm-l6-v2``) names its display name
+        (``all-MiniLM-L6-v2``) too."""
         if not self.llm.is_healthy:
             raise EngineDeadError("engine is not running")
-        if model is not None and model != self.model_name:
+        if model is not None and not self.serves(model):
             raise APIError(404, f"The model `{model}` does not exist.", "model", code="model_not_found")
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -227,6 +229,18 @@ def test_killed_worker_fails_fast_and_leaves_no_process(tiny_model_dir):
     assert time.monotonic() - t0 < 30
     llm.engine.shutdown()
     assert _children() == []
+
+
+def test_a_script_that_never_shuts_down_exits_cleanly(tiny_model_dir):
+    """An ``LLM(tensor_parallel_size=2)`` left to the interpreter's exit stops its worker in order
+    (``pagedllm generate`` without ``--quantization none`` once exited 134: "terminate called ...")."""
+    code = ("import sys; from pagedllm import LLM, SamplingParams; "
+            f"llm = LLM({str(tiny_model_dir('llama'))!r}, num_kv_blocks=64, num_threads=1, tensor_parallel_size=2); "
+            "print(llm.generate([[1, 520, 3012]], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)"
+            "[0].outputs[0].token_ids)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "terminate called" not in r.stderr and "died with exit code" not in r.stderr
 
 
 def test_worker_dying_while_idle_marks_engine_dead(tiny_model_dir):

@@ -68,6 +68,16 @@ def test_base64_equals_float_and_dimensions(emb_url):
     assert counted and counted[0] > 0
 
 
+def test_the_alias_names_the_model(emb_url):
+    """The name the model was started with (``all-minilm-l6-v2``) names it too: model names match
+    case-insensitively; another name is a 404."""
+    ok = httpx.post(f"{emb_url}/v1/embeddings", json={"model": "all-minilm-l6-v2", "input": "hi"}, timeout=60)
+    assert ok.status_code == 200 and len(ok.json()["data"][0]["embedding"]) == 384
+    assert httpx.get(f"{emb_url}/v1/models/all-minilm-l6-v2", timeout=30).json()["id"] == NAME
+    bad = httpx.post(f"{emb_url}/v1/embeddings", json={"model": "all-minilm-l12-v2", "input": "hi"}, timeout=60)
+    assert bad.status_code == 404 and bad.json()["error"]["code"] == "model_not_found"
+
+
 def test_score_and_rerank(emb_url, reference):
     docs = ["Stock markets fell sharply.", "A kitten sleeps on the sofa.", "A cat naps on a couch."]
     q = "A cat is sleeping on the sofa."
