@@ -178,7 +178,15 @@ def load_bert_model(model_dir, dtype: torch.dtype, device: torch.device) -> Bert
     On CPU in float32 its linear layers become oneDNN-packed ``PackedLinear`` (``cpu_linear``).
     """
     from transformers import AutoModel
-    hf = AutoModel.from_pretrained(model_dir, dtype=dtype, add_pooling_layer=False).to(device).eval()
+    from transformers.utils import logging as hf_logging
+    # sentence-transformers checkpoints carry BERT's pooler, which pooling does not use: without
+    # this, transformers prints a load report calling its two tensors UNEXPECTED at every start
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        hf = AutoModel.from_pretrained(model_dir, dtype=dtype, add_pooling_layer=False).to(device).eval()
+    finally:
+        hf_logging.set_verbosity(level)
     from pagedllm.models.cpu_linear import prepack_available, prepack_linears
     if prepack_available(device, dtype):
         logger.info("oneDNN-packed weights: %d linear layers", prepack_linears(hf))
