@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
+import importlib.metadata
 import json
 import os
 import platform
@@ -181,12 +182,12 @@ def latency(args, tmp: Path) -> dict:
 
 
 def machine() -> dict:
-    """CPU model, core count and library versions."""
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
-    import importlib.metadata as md
-    vers = {d: md.version(d) for d in ("torch", "transformers", "sentence-transformers") if _installed(d)}
-    return {"cpu": cpu, "cpus": os.cpu_count(), "python": platform.python_version(), **vers}
+    """CPU model and kernel-relevant flags, core count and library versions (``bench.metrics``)."""
+    from pagedllm.bench.metrics import machine_facts
+    facts = machine_facts()
+    vers = {d: importlib.metadata.version(d) for d in ("sentence-transformers",) if _installed(d)}
+    return {"cpu": facts["cpu_model"], "cpu_flags": facts["cpu_flags"], "cpus": facts["cpu_count"],
+            "python": facts["python"], **facts["versions"], **vers}
 
 
 def _installed(dist: str) -> bool:
@@ -227,7 +228,7 @@ def main() -> None:
     out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
     t = result["throughput"]
     lines = [f"# Embeddings, {result['date']}", "", f"CPU: {result['machine']['cpu']} ({result['machine']['cpus']} "
-             f"CPUs); flags: {json.dumps(vars(args))}", "",
+             f"CPUs); CPU flags: {', '.join(result['machine']['cpu_flags'])}; arguments: {json.dumps(vars(args))}", "",
              "| engine | sentences/s |", "|---|---|",
              f"| sentence-transformers encode | {t['sentence-transformers']['sentences_per_s']:.1f} |",
              f"| pagedllm LLM.embed | {t['pagedllm']['sentences_per_s']:.1f} |",
