@@ -169,14 +169,7 @@ class LLM:
         try:
             for rid, (p, text, _) in zip(rids, parsed):
                 eng.add_prepared(eng.make_pooling_request(rid, p, params), text)
-            done: dict[str, PoolingRequestOutput] = {}
-            bar = tqdm(total=len(rids), desc="Embedded prompts", disable=not use_tqdm)
-            while eng.has_unfinished_requests():
-                for out in eng.step():
-                    if out.finished:
-                        done[out.request_id] = out
-                        bar.update(1)
-            bar.close()
+            done = self._step_until_done(len(rids), "Embedded prompts", use_tqdm)
         except BaseException:
             eng.abort_request(rids)
             raise
@@ -196,10 +189,27 @@ class LLM:
             ValueError: lists of different lengths, an empty list, or what ``embed`` raises.
         """
         left, right = pair_texts(text_1, text_2)
-        embs = self.embed(left + right, use_tqdm=use_tqdm, truncate_prompt_tokens=truncate_prompt_tokens)
-        a, b = embs[:len(left)], embs[len(left):]
+        # each distinct text embedded once (1 -> N repeats text_1); repr keys any prompt shape
+        unique = {repr(t): t for t in left + right}
+        embs = dict(zip(unique, self.embed(list(unique.values()), use_tqdm=use_tqdm,
+                                           truncate_prompt_tokens=truncate_prompt_tokens)))
+        a, b = [embs[repr(t)] for t in left], [embs[repr(t)] for t in right]
         return [ScoringRequestOutput(f"score-{i}", ScoringOutput(cosine(x.outputs.data, y.outputs.data)),
                                      x.prompt_token_ids + y.prompt_token_ids) for i, (x, y) in enumerate(zip(a, b))]
+
+    def _step_until_done(self, total: int, desc: str, use_tqdm: bool) -> dict:
+        """Step the engine until no request is left; the finished outputs by request id (``total``
+        of them expected, for the progress bar)."""
+        eng = self.engine
+        done: dict = {}
+        bar = tqdm(total=total, desc=desc, disable=not use_tqdm)
+        while eng.has_unfinished_requests():
+            for out in eng.step():
+                if out.finished:
+                    done[out.request_id] = out
+                    bar.update(1)
+        bar.close()
+        return done
 
     def _run(self, items, use_tqdm: bool) -> list[RequestOutput]:
         """Add every item (``n`` samples each, as child requests), step to completion, merge the children."""
@@ -212,14 +222,7 @@ class LLM:
                 groups.append((rid, [c for c, _ in children]))
                 for cid, csp in children:
                     eng.add_request(cid, prompt, csp, prompt_text=text, cache_salt=salt)
-            done: dict[str, RequestOutput] = {}
-            bar = tqdm(total=sum(len(g) for _, g in groups), desc="Processed prompts", disable=not use_tqdm)
-            while eng.has_unfinished_requests():
-                for out in eng.step():
-                    if out.finished:
-                        done[out.request_id] = out
-                        bar.update(1)
-            bar.close()
+            done = self._step_until_done(sum(len(g) for _, g in groups), "Processed prompts", use_tqdm)
         except BaseException:
             eng.abort_request([c for _, g in groups for c in g])  # KeyboardInterrupt or a bad prompt: free every block
             raise
