@@ -160,7 +160,10 @@ class MultiprocExecutor(Executor):
         """Raise ``WorkerDiedError`` when a worker process has exited."""
         if self.failure is None:
             for rank, p in enumerate(self.procs, start=1):
-                if not p.is_alive():
+                # the sentinel, not ``is_alive``: while another thread reaps the child, ``is_alive``
+                # can still answer True for a process that is gone (waitpid gives ECHILD)
+                if wait([p.sentinel], timeout=0):
+                    p.join(1)
                     self.failure = (f"tensor-parallel worker rank {rank} (pid {p.pid}) died with exit code "
                                     f"{p.exitcode}; the engine cannot step any more")
         if self.failure is not None:
