@@ -270,14 +270,25 @@ static inline __attribute__((always_inline)) void block_quads(int fmt, const uin
     }
 }
 
-/* both levels over the quads [q0, q1): 256 (w . q) + (w . q2) per lane in int32, then float */
+/* a += w (unsigned bytes) . the 4 signed bytes at p, broadcast to every lane: the broadcast is the
+ * instruction's own memory operand ({1to16}); written as asm because GCC otherwise materialised
+ * every broadcast in a register and spilled them to the stack, one store and one reload each */
+#define DPB(a, w, p) __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(a) : "v"(w), "m"(*(const int32_t *)(p)))
+
+/* both levels over the quads [q0, q1): 256 (w . q) + (w . q2) per lane in int32, then float; two
+ * accumulators per level so that a single row is not bound by vpdpbusd's latency */
 static inline __attribute__((always_inline)) __m512 levels_dot(const __m512i *w, const int8_t *x1, const int8_t *x2,
                                                                 int q0, int q1, int32_t start1, int32_t start2) {
     __m512i a = _mm512_set1_epi32(start1), c = _mm512_set1_epi32(start2);
-    for (int q = q0; q < q1; q++) {
-        a = _mm512_dpbusd_epi32(a, w[q], bcast4(x1 + 4 * q));
-        c = _mm512_dpbusd_epi32(c, w[q], bcast4(x2 + 4 * q));
+    __m512i a2 = _mm512_setzero_si512(), c2 = _mm512_setzero_si512();
+    for (int q = q0; q < q1; q += 2) {
+        DPB(a, w[q], x1 + 4 * q);
+        DPB(c, w[q], x2 + 4 * q);
+        DPB(a2, w[q + 1], x1 + 4 * q + 4);
+        DPB(c2, w[q + 1], x2 + 4 * q + 4);
     }
+    a = _mm512_add_epi32(a, a2);
+    c = _mm512_add_epi32(c, c2);
     return _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(a, 8), c));
 }
 
@@ -298,7 +309,7 @@ static inline __attribute__((always_inline)) __m512 block_acc(int fmt, int nib, 
 }
 
 /* acc[i] (lane n) += row n of block b . row i's activations (both levels), i < R */
-#define QI_MAXR 16
+#define QI_MAXR 8 /* rows per pass over a tile: 16 spilled accumulators on the 4-bit formats */
 static inline __attribute__((always_inline)) void tile_block_i8(int fmt, const uint8_t *tb, const float *dt,
                                                                 const float *mt, long b, const qrow *xr, int R,
                                                                 __m512 *acc) {
@@ -357,9 +368,8 @@ static inline __attribute__((always_inline)) void qgemm_i8_body(int fmt, const f
                 const qrow *xr = rows + r0;
                 switch (rc) { /* constant R per call: the accumulators stay in registers */
 #define QI_CASE(r) case r: tile_i8(fmt, tq, dt, mt, nb, xr, r, out); break;
-                QI_CASE(1) QI_CASE(2) QI_CASE(3) QI_CASE(4) QI_CASE(5) QI_CASE(6) QI_CASE(7) QI_CASE(8)
-                QI_CASE(9) QI_CASE(10) QI_CASE(11) QI_CASE(12) QI_CASE(13) QI_CASE(14) QI_CASE(15)
-                default: tile_i8(fmt, tq, dt, mt, nb, xr, 16, out); break;
+                QI_CASE(1) QI_CASE(2) QI_CASE(3) QI_CASE(4) QI_CASE(5) QI_CASE(6) QI_CASE(7)
+                default: tile_i8(fmt, tq, dt, mt, nb, xr, 8, out); break;
 #undef QI_CASE
                 }
                 for (long i = 0; i < rc; i++)
