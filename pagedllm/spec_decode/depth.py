@@ -18,6 +18,13 @@ instead of assumed).
   ``E(k) - 1`` (``sit_out``); alone, the step it skips costs no token. Without this, 16 concurrent
   requests lost 7-14% to probes and sit-outs (``benchmarks/spec_decode.py``).
 
+* The extra time drafts add to a step counts ``DRAFT_COST_MARGIN`` (1.25) times: near the
+  break-even point the estimate is within its own noise (step times move by 10% on a busy
+  2-core VM), and what ``t`` leaves out (host-side verification, the batches that sit-outs
+  reshuffle) turned predicted gains of a few percent into losses: float32 SmolLM2 at 16
+  concurrent requests, where a 33-token step costs 1.9x a 16-token one, ran at 0.89x when
+  drafts were planned on any predicted gain. Where drafting clearly pays (batch 1, or a
+  memory-bound device where a bigger step costs little more) the margin changes nothing.
 * A proposer that runs a model (``draft_model``) costs time too: ``proposer_step_s``, the
   measured seconds of one batched draft forward, and a step whose deepest request drafts ``k``
   runs ``k`` of them (one catch-up, ``k - 1`` decodes) whatever the batch, so the step's time is
@@ -41,6 +48,7 @@ PRIOR_SLOPE = 0.05    # unmeasured step growth per extra token, relative (memory
 STEP_DECAY = 0.8      # weight of the past in each token count's step time
 MIN_SAMPLES = 2       # steps before a token count's time is trusted
 PROBE_EVERY = 16
+DRAFT_COST_MARGIN = 1.25  # the drafts' extra step time, as the rule counts it (module docstring)
 
 
 class DepthController:
@@ -96,11 +104,14 @@ class DepthController:
         return max(k, self._planned_depth) * self.proposer_step_s
 
     def _best(self, alpha: float, tokens: int, expected: float, penalty: float = 0.0) -> int:
-        best_k, best = 0, expected / (self.step_time(tokens) + self._draft_time(0))
+        base = self.step_time(tokens) + self._draft_time(0)
+        best_k, best = 0, expected / base
         gain = -penalty
         for k in range(1, self.max_k + 1):
             gain += alpha ** k
-            value = (expected + gain) / (self.step_time(tokens + k) + self._draft_time(k))
+            # the drafts' extra time counts DRAFT_COST_MARGIN times (module docstring)
+            cost = base + DRAFT_COST_MARGIN * (self.step_time(tokens + k) + self._draft_time(k) - base)
+            value = (expected + gain) / cost
             if value > best:
                 best_k, best = k, value
         return best_k

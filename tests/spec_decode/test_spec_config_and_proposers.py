@@ -6,7 +6,7 @@ import pytest
 
 from pagedllm.config import EngineArgs
 from pagedllm.spec_decode.config import SpeculativeConfig
-from pagedllm.spec_decode.depth import PROBE_EVERY, DepthController
+from pagedllm.spec_decode.depth import DRAFT_COST_MARGIN, PROBE_EVERY, DepthController
 from pagedllm.spec_decode.proposers import NgramProposer, ProposeItem, SuffixProposer
 
 
@@ -100,16 +100,31 @@ def test_depth_rule_turns_down_when_drafts_fail_or_steps_are_costly():
 def test_sitting_a_step_out_costs_a_token_beside_other_decodes():
     """Under async scheduling a request with a step in flight drafts by sitting one step out: beside
     other decodes (c16, t(T) linear as on a compute-bound CPU) a probe that would barely pay with
-    full acceptance is not worth that token; alone the skipped step costs none."""
+    full acceptance (its cost margin included) is not worth that token; alone the skipped step
+    costs none."""
     d = DepthController(max_k=5)
     for t in (1, 16, 21):
         for _ in range(2):
-            d.observe(t, 0.0046 + 0.0022 * t)  # SmolLM2's batched steps here: 6.8 ms at 1, 39.5 ms at 16
+            d.observe(t, 0.013 + 0.002 * t)  # 15 ms at 1, 45 ms at 16: 5 full drafts pay 2.7%
     probes = [d.depth("r", 16) for _ in range(PROBE_EVERY)]
     assert probes.count(5) == 1  # without a sit-out it probes once per PROBE_EVERY steps
     assert [d.depth("s", 16, sit_out=True) for _ in range(3 * PROBE_EVERY)] == [0] * (3 * PROBE_EVERY)
     d.alpha["a"] = 0.95
     assert d.depth("a", 1, sit_out=True) == d.depth("a", 1) > 0
+
+
+def test_drafts_near_break_even_are_not_planned():
+    """Float32 SmolLM2 at 16 concurrent requests: a 33-token step cost 1.9x a 16-token one and
+    drafts planned on a predicted gain of a few percent ran at 0.89x; the drafts' extra time counts
+    ``DRAFT_COST_MARGIN`` times, so those are not planned, while batch 1 still drafts fully."""
+    d = DepthController(max_k=5)
+    for t, y in ((1, 0.0132), (6, 0.027), (16, 0.031), (33, 0.0594)):
+        for _ in range(2):
+            d.observe(t, y)
+    d.alpha["r"] = 0.96
+    assert d.depth("r", 16) == 0
+    assert d.depth("r", 1) == 5
+    assert DRAFT_COST_MARGIN > 1
 
 
 def test_depth_counts_the_drafts_already_planned_in_the_step():
