@@ -18,6 +18,7 @@ state, so the recurrence is written here with the same operations in the same or
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -72,13 +73,12 @@ def selective_scan_step(xs: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, b: 
     if dt_bias is not None:
         dt = dt + dt_bias.to(dt.dtype)
     dt = F.softplus(dt)
-    qsl = batch.query_start_loc
-    lens = qsl[1:] - qsl[:-1]
+    order, req, offsets = _time_major(batch)
     state = batch.initial(ssm_cache).float()  # [R, d, N]
     ys = torch.empty(xs.shape, dtype=torch.float32, device=xs.device)
-    for t in range(int(lens.max()) if batch.num_reqs else 0):
-        live = (lens > t).nonzero()[:, 0]  # requests with a t-th token this step
-        rows = qsl[live] + t
+    for t in range(len(offsets) - 1):
+        rows = order[offsets[t]:offsets[t + 1]]  # the t-th token of every request that has one
+        live = req[rows]
         dt_t, x_t = dt[rows].float(), xs[rows].float()
         dA = torch.exp(A[None] * dt_t[:, :, None])
         dBx = (dt_t[:, :, None] * b[rows].float()[:, None, :]) * x_t[:, :, None]
@@ -89,3 +89,23 @@ def selective_scan_step(xs: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, b: 
         ys = ys + xs.float() * D.float()
     ssm_cache[batch.state_slots] = state.to(ssm_cache.dtype)
     return ys.to(xs.dtype)
+
+
+def _time_major(batch: StateBatch) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """The flattened batch's rows grouped by their index within their request.
+
+    Returns:
+        ``(order [T], req [T], offsets)``: ``order[offsets[t]:offsets[t + 1]]`` are the rows that are
+        the ``t``-th token of their request (in request order), ``req[row]`` is the request of a row
+        (int64, on the batch's device), and ``offsets`` is a host list of ``max_len + 1`` ints, so the
+        scan loop needs no device-to-host copy per token.
+    """
+    qsl = batch.query_start_loc
+    lens = np.diff(np.asarray(qsl.tolist(), dtype=np.int64))
+    n = qsl[1:] - qsl[:-1]
+    req = torch.repeat_interleave(torch.arange(batch.num_reqs, device=qsl.device), n, output_size=int(lens.sum()))
+    pos = torch.arange(req.shape[0], device=qsl.device) - qsl[req]
+    order = torch.sort(pos, stable=True).indices  # stable: request order within each t
+    # requests with more than t tokens = all minus those with at most t
+    live = len(lens) - np.cumsum(np.bincount(lens, minlength=1))[:-1] if len(lens) else np.zeros(0, np.int64)
+    return order, req, [0] + np.cumsum(live).tolist()
