@@ -41,6 +41,16 @@ TINY_KINDS = {
         num_local_experts=0, shared_intermediate_size=128, position_embedding_type="rope", mamba_n_heads=4,
         mamba_d_head=32, mamba_d_state=16, mamba_n_groups=1, mamba_d_conv=4, mamba_chunk_size=16,
         tie_word_embeddings=True)),
+    # hybrid: Mamba-1 selective scans (conv + SSM state per channel) at layers 0 and 2 around attention at
+    # layer 1 (attn_layer_period / offset), experts at layer 1 (expert_layer_period / offset); no positions
+    "jamba": ("JambaConfig", dict(
+        num_hidden_layers=3, attn_layer_period=3, attn_layer_offset=1, expert_layer_period=2,
+        expert_layer_offset=1, num_experts=4, num_experts_per_tok=2, mamba_d_state=16, mamba_d_conv=4,
+        mamba_expand=2, tie_word_embeddings=True)),
+    # hybrid: Mamba-2 as Granite 4's (the same mixer code) at layers 0 and 2, attention with half-rotary at 1
+    "bamba": ("BambaConfig", dict(
+        num_hidden_layers=3, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=32, mamba_d_state=16,
+        mamba_n_groups=1, mamba_d_conv=4, mamba_chunk_size=16, tie_word_embeddings=True)),
 }
 
 

@@ -2,8 +2,8 @@
 
 A hybrid model interleaves attention layers (served from the paged KV cache by
 ``transformers_backend.paged_attention_forward``) with mixers whose per-request
-state is fixed-size: LFM2's gated short convolution (``short_conv.py``) and
-Granite 4's Mamba-2 (``mamba2.py``). ``transformers``
+state is fixed-size: LFM2's gated short convolution (``short_conv.py``), Granite 4's
+and Bamba's Mamba-2 (``mamba2.py``) and Jamba's Mamba-1 (``mamba1.py``). ``transformers``
 runs such a mixer on one padded sequence batch with its own cache object; in
 pagedllm the step is one flattened batch of many requests at different points
 (prefill chunks and decodes together), so the mixer module's ``forward`` is
@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from pagedllm.attention.state import StateBatch
+from pagedllm.models.mamba1 import jamba_mamba_forward
 from pagedllm.models.mamba2 import granite_mamba_forward
 from pagedllm.models.short_conv import lfm2_short_conv_forward
 
@@ -35,12 +36,20 @@ class HybridFamily:
         module_class: name of the ``transformers`` mixer module whose ``forward`` is replaced.
         forward: the replacement (reads ``self._pagedllm_state()``, a ``StateBatch``).
         state_shapes: ``config -> per-slot shapes`` of one state layer's tensors.
+        layer_types: ``config -> [num_layers]`` kind of each layer, matched against
+            ``state_layer_types`` (default: the config's ``layer_types``).
+        vouches_attention: the family's attention modules call transformers' attention interface
+            with the layer's own Q/K/V and ``layer_idx`` (read in its modeling file, checked by
+            ``tests/models/test_hybrid.py``) though its model class leaves
+            ``_supports_attention_backend`` False (Jamba, Bamba).
     """
 
     state_layer_types: frozenset[str]
     module_class: str
     forward: Callable
     state_shapes: Callable
+    layer_types: Callable = lambda cfg: getattr(cfg, "layer_types", None) or ()
+    vouches_attention: bool = False
 
 
 def _mamba2_shapes(cfg) -> list[tuple[int, ...]]:
@@ -50,6 +59,19 @@ def _mamba2_shapes(cfg) -> list[tuple[int, ...]]:
     return [(conv_dim, cfg.mamba_d_conv - 1), (cfg.mamba_n_heads, cfg.mamba_d_head, cfg.mamba_d_state)]
 
 
+def _mamba1_shapes(cfg) -> list[tuple[int, ...]]:
+    """A Mamba-1 layer's state: ``[intermediate, d_conv - 1]`` convolution inputs, ``[intermediate, d_state]`` SSM."""
+    inner = int(cfg.mamba_expand * cfg.hidden_size)
+    return [(inner, cfg.mamba_d_conv - 1), (inner, cfg.mamba_d_state)]
+
+
+def _jamba_layer_types(cfg) -> list[str]:
+    """Jamba's layer kinds, ``"mamba"`` or ``"full_attention"``, from ``layers_block_type`` (set by
+    ``attn_layer_period`` / ``attn_layer_offset``; every ``transformers`` version's ``JambaConfig`` has it,
+    not all have ``layer_types``)."""
+    return ["mamba" if t == "mamba" else "full_attention" for t in cfg.layers_block_type]
+
+
 HYBRID_FAMILIES = {
     "lfm2": HybridFamily(frozenset({"conv"}), "Lfm2ShortConv", lfm2_short_conv_forward,
                          lambda cfg: [(cfg.hidden_size, cfg.conv_L_cache - 1)]),
@@ -57,6 +79,11 @@ HYBRID_FAMILIES = {
                              lambda cfg: [(cfg.hidden_size, cfg.conv_L_cache - 1)]),
     "granitemoehybrid": HybridFamily(frozenset({"linear_attention"}), "GraniteMoeHybridMambaLayer",
                                      granite_mamba_forward, _mamba2_shapes),
+    # Bamba's mixer is the module Granite 4's hybrid was derived from: same weights, same forward
+    "bamba": HybridFamily(frozenset({"linear_attention"}), "BambaMixer", granite_mamba_forward, _mamba2_shapes,
+                          vouches_attention=True),
+    "jamba": HybridFamily(frozenset({"mamba"}), "JambaMambaMixer", jamba_mamba_forward, _mamba1_shapes,
+                          layer_types=_jamba_layer_types, vouches_attention=True),
 }
 
 
@@ -65,11 +92,18 @@ def hybrid_family(config) -> HybridFamily | None:
     return HYBRID_FAMILIES.get(getattr(config, "model_type", None))
 
 
+def layer_kinds(config) -> list[str]:
+    """Each layer's kind (``layer_types`` spelling), by the config's hybrid family where it has one."""
+    fam = hybrid_family(config)
+    return list(fam.layer_types(config) if fam is not None else getattr(config, "layer_types", None) or ())
+
+
 def state_layer_indices(config) -> list[int]:
     """Indices of the layers of ``config`` that carry state (empty for an attention-only model)."""
     fam = hybrid_family(config)
-    types_ = getattr(config, "layer_types", None) or ()
-    return [i for i, t in enumerate(types_) if fam is not None and t in fam.state_layer_types]
+    if fam is None:
+        return []
+    return [i for i, t in enumerate(fam.layer_types(config)) if t in fam.state_layer_types]
 
 
 def state_cache_spec(config) -> dict[int, list[tuple[int, ...]]]:

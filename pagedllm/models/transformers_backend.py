@@ -12,7 +12,7 @@ and no attention mask is built (custom attention gets none). The flattened
 batch is one sequence of ``num_tokens`` rows; positions come from the
 scheduler through ``position_ids``.
 
-Hybrid models (``models/hybrid.py``, LFM2 so far): the mixer layers that carry
+Hybrid models (``models/hybrid.py``: LFM2, Granite 4, Bamba, Jamba): the mixer layers that carry
 fixed-size state run pagedllm's replacement ``forward``, which reads and writes the
 request's state slot through the step's ``StateBatch``; only the attention layers
 get paged KV cache layers (``kv_index`` maps a model layer to its cache layer).
@@ -31,7 +31,7 @@ from torch import nn
 from pagedllm.attention.backend import AttentionBackend
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.state import StateBatch
-from pagedllm.models.hybrid import hybrid_family, install_mixers, state_cache_spec, state_layer_indices
+from pagedllm.models.hybrid import hybrid_family, install_mixers, layer_kinds, state_cache_spec, state_layer_indices
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +111,8 @@ def check_supported(config) -> type:
 
     Raises:
         ValueError: ``transformers`` has no causal LM for the config, that model's
-            attention cannot be replaced (``_supports_attention_backend`` is False), the
+            attention cannot be replaced (``_supports_attention_backend`` is False and no hybrid
+            family vouches for it: ``HybridFamily.vouches_attention``), the
             config asks for bidirectional attention, or it has layers other than full or
             sliding-window attention (``layer_types``), except the state layers of a hybrid
             family pagedllm serves (``models/hybrid.py``).
@@ -122,14 +123,14 @@ def check_supported(config) -> type:
     except KeyError:
         raise ValueError(f"transformers {__import__('transformers').__version__} has no causal LM for "
                          f"model_type {config.model_type!r}") from None
-    if not getattr(cls, "_supports_attention_backend", False):
+    text = _text_config(config)
+    fam = hybrid_family(text)
+    if not (getattr(cls, "_supports_attention_backend", False) or (fam is not None and fam.vouches_attention)):
         raise ValueError(f"{cls.__name__} does not take a custom attention implementation "
                          f"(_supports_attention_backend is False), so the Transformers backend cannot serve it")
-    text = _text_config(config)
     if getattr(text, "is_causal", True) is False or getattr(text, "use_bidirectional_attention", False):
         raise ValueError(f"{cls.__name__} is configured for bidirectional attention; pagedllm serves causal LMs only")
-    fam = hybrid_family(text)
-    other = sorted(set(getattr(text, "layer_types", None) or ()) - _SERVABLE_LAYER_TYPES
+    other = sorted(set(layer_kinds(text)) - _SERVABLE_LAYER_TYPES
                    - (fam.state_layer_types if fam is not None else frozenset()))
     if other:
         raise ValueError(f"{cls.__name__} has {other} layers; the Transformers backend serves full and "

@@ -1,8 +1,9 @@
 """Hybrid models (``models/hybrid.py``): state-carrying mixers beside paged attention.
 
 Tiny random LFM2 (gated short convolutions at layers 0, 2, 4 around attention at
-layers 1 and 3), LFM2-MoE (short convolutions, experts) and Granite 4 hybrid
-(Mamba-2 at layers 0 and 2, scan chunks of 16 tokens, attention at layer 1) are
+layers 1 and 3), LFM2-MoE (short convolutions, experts), Granite 4 hybrid and Bamba
+(Mamba-2 at layers 0 and 2, scan chunks of 16 tokens, attention at layer 1) and Jamba
+(Mamba-1 selective scans at layers 0 and 2, attention with experts at layer 1) are
 served through the Transformers backend; their greedy tokens must equal
 ``transformers``' float32 ``generate`` (which carries the states in its own
 cache) whole, with chunked prefill, batched with other requests,
@@ -25,7 +26,8 @@ PROMPT_LENS = (3, 17, 40, 70)
 
 
 # kind -> (state layers, attention layers)
-KINDS = {"lfm2": ([0, 2, 4], 2), "lfm2_moe": ([0, 2, 3], 1), "granite_hybrid": ([0, 2], 1)}
+KINDS = {"lfm2": ([0, 2, 4], 2), "lfm2_moe": ([0, 2, 3], 1), "granite_hybrid": ([0, 2], 1), "jamba": ([0, 2], 1),
+         "bamba": ([0, 2], 1)}
 
 
 @pytest.fixture(scope="module", params=list(KINDS))
@@ -102,11 +104,46 @@ def test_causal_conv_step_continues_across_chunks():
         torch.testing.assert_close(torch.cat(g), w, rtol=1e-5, atol=1e-5)
 
 
+def test_selective_scan_step_continues_across_chunks():
+    """Mamba-1's scan over chunks of sequences batched together (decodes included) gives transformers'
+    ``mamba_selective_scan`` (Jamba's torch path) on each whole sequence, and leaves its final state."""
+    from transformers.models.jamba.modeling_jamba import mamba_selective_scan
+    from pagedllm.attention.state import StateBatch
+    from pagedllm.models.mamba1 import selective_scan_step
+    torch.manual_seed(0)
+    d, N = 6, 4
+    A = -torch.rand(d, N) - 0.5
+    D, dt_bias = torch.randn(d), torch.randn(d)
+    seqs = [[torch.randn(n, d), torch.randn(n, d), torch.randn(n, N), torch.randn(n, N)] for n in (1, 2, 9)]
+    want = [mamba_selective_scan(x.T[None], dt.T[None], A, b.T[None], c.T[None], D=D, delta_bias=dt_bias,
+                                 delta_softplus=True, return_last_state=True) for x, dt, b, c in seqs]
+    cache = torch.full((4, d, N), float("nan"))  # old contents of a fresh slot are never read
+    slots = torch.tensor([3, 0, 2])
+    got = [[] for _ in seqs]
+    for a, e in [(0, 1), (1, 2), (2, 3), (3, 9)]:
+        live = [i for i, s in enumerate(seqs) if len(s[0]) > a]
+        parts = [[t[a:e] for t in seqs[i]] for i in live]
+        qsl = torch.tensor([0] + [len(p[0]) for p in parts]).cumsum(0)
+        batch = StateBatch(slots[live], torch.full((len(live),), a > 0), qsl, {})
+        x, dt, b, c = (torch.cat([p[k] for p in parts]) for k in range(4))
+        out = selective_scan_step(x, dt, A, b, c, D, dt_bias, cache, batch)
+        for j, i in enumerate(live):
+            got[i].append(out[qsl[j]:qsl[j + 1]])
+    for i, (g, (y, last)) in enumerate(zip(got, want)):
+        torch.testing.assert_close(torch.cat(g), y[0].T, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(cache[slots[i]], last[0], rtol=1e-5, atol=1e-5)
+
+
 def test_check_supported_takes_lfm2_and_refuses_other_state_layers():
     import transformers
     from pagedllm.models.transformers_backend import check_supported
     cls = check_supported(transformers.Lfm2Config(num_hidden_layers=2, full_attn_idxs=[1]))
     assert cls.__name__ == "Lfm2ForCausalLM"
+    # Jamba's and Bamba's classes leave _supports_attention_backend False; their families vouch for it
+    assert check_supported(transformers.JambaConfig(num_hidden_layers=2, attn_layer_period=2,
+                                                    attn_layer_offset=1)).__name__ == "JambaForCausalLM"
+    assert check_supported(transformers.BambaConfig(num_hidden_layers=2, attn_layer_indices=[1])).__name__ \
+        == "BambaForCausalLM"
     with pytest.raises(ValueError, match="layers"):
         check_supported(transformers.MiniMaxConfig(num_hidden_layers=2))
 
