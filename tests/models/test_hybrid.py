@@ -117,8 +117,9 @@ def test_check_supported_takes_lfm2_and_refuses_other_state_layers():
 
 
 def test_hybrid_soak_with_aborts_balances_both_pools(tiny_model_dir, assert_no_leaks):
-    """Mixed requests on a small KV pool and fewer state slots than requests, with random aborts:
-    the soak's pool check holds every few steps and both pools end empty."""
+    """Mixed requests, many sharing prefixes (prefix-cache hits from state checkpoints), on a small KV
+    pool with fewer state slots and checkpoints than requests, with random aborts: the soak's pool check
+    (request slots, and checkpoints held only by cached blocks) holds every step and the pools end empty."""
     import sys
     from pathlib import Path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
@@ -127,13 +128,16 @@ def test_hybrid_soak_with_aborts_balances_both_pools(tiny_model_dir, assert_no_l
     from pagedllm.engine.llm_engine import LLMEngine
     rng = random.Random(7)
     eng = LLMEngine(EngineArgs(model=str(tiny_model_dir("granite_hybrid")), model_impl="transformers",
-                               num_kv_blocks=12, block_size=8, max_num_batched_tokens=32, max_num_seqs=3))
+                               num_kv_blocks=12, block_size=8, max_num_batched_tokens=32, max_num_seqs=3,
+                               num_state_checkpoints=4))
+    prefixes = [[rng.randrange(3, 40000) for _ in range(40)] for _ in range(3)]
     live, n_added, steps = set(), 0, 0
     while n_added < 24 or eng.has_unfinished_requests():
         if n_added < 24 and rng.random() < 0.5:
             rid = f"h{n_added}"
             n_added += 1
-            eng.add_request(rid, [rng.randrange(3, 40000) for _ in range(rng.randint(10, 70))],
+            head = rng.choice(prefixes)[:rng.randint(8, 40)] if rng.random() < 0.6 else []
+            eng.add_request(rid, head + [rng.randrange(3, 40000) for _ in range(rng.randint(2, 30))],
                             SamplingParams(temperature=rng.choice([0, 0.8]), max_tokens=rng.randint(1, 12)))
             live.add(rid)
         if live and rng.random() < 0.08:
@@ -147,7 +151,8 @@ def test_hybrid_soak_with_aborts_balances_both_pools(tiny_model_dir, assert_no_l
         check_pool(eng)
         assert steps < 2000, "no progress"
     eng.step()
-    assert eng.get_stats().num_preemptions > 0
+    stats = eng.get_stats()
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
     assert_no_leaks(eng)
 
 
