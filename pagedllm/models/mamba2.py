@@ -59,7 +59,8 @@ def ssd_step(layer, xs: torch.Tensor, b: torch.Tensor, c: torch.Tensor, dt: torc
     Args:
         layer: the ``transformers`` Mamba layer (``A_log``, ``D``, ``dt_bias``, sizes, ``chunk_size``).
         xs: ``[T, n_heads * d_head]``; b, c: ``[T, n_groups * d_state]``; dt: ``[T, n_heads]``.
-        ssm_cache: ``[num_slots, n_heads, d_head, d_state]``.
+        ssm_cache: ``[num_slots, n_heads, d_head, d_state]``; the step's checkpoint slots
+            (``batch.checkpoints``) get the state at their boundaries (see the module docstring).
     Returns:
         ``[T, n_heads * d_head]``.
     """
