@@ -39,6 +39,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="admit prompts only whole")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse cached KV blocks of shared prefixes (--no-enable-prefix-caching turns it off)")
+    p.add_argument("--num-state-checkpoints", type=int, default=None,
+                   help="hybrid models: prefix-cache state checkpoints at block boundaries (default --max-num-seqs)")
     p.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling")
     p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
     p.add_argument("--quantization", choices=list(QUANTIZATIONS), default="auto",
@@ -92,6 +94,7 @@ def engine_args_from_cli(a: argparse.Namespace) -> EngineArgs:
                       max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
                       max_model_len=a.max_model_len, enable_chunked_prefill=a.enable_chunked_prefill,
                       enable_prefix_caching=a.enable_prefix_caching,
+                      num_state_checkpoints=getattr(a, "num_state_checkpoints", None),
                       seed=a.seed, served_model_name=getattr(a, "served_model_name", None),
                       num_threads=a.num_threads, model_impl=a.model_impl, quantization=a.quantization,
                       enable_multiprocessing=getattr(a, "enable_multiprocessing", None),

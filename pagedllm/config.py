@@ -97,6 +97,9 @@ class EngineArgs:
             ``max_position_embeddings``).
         enable_chunked_prefill: split prompts longer than the step budget.
         enable_prefix_caching: reuse cached full KV blocks of equal prefixes.
+        num_state_checkpoints: a hybrid model's prefix-cache state checkpoints (one per cached
+            block that can end a hit; each takes one request's state memory out of
+            ``kv_cache_memory``); default ``max_num_seqs``; 0 makes every hybrid hit empty.
         seed: engine seed for unseeded sampling.
         served_model_name: name reported by the API (default: the model path's name).
         tokenizer: tokenizer directory (default: the model directory).
@@ -165,6 +168,7 @@ class EngineArgs:
     max_model_len: int | None = None
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
+    num_state_checkpoints: int | None = None
     seed: int = 0
     served_model_name: str | None = None
     tokenizer: str | None = None
@@ -189,6 +193,8 @@ class EngineArgs:
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.num_state_checkpoints is not None and self.num_state_checkpoints < 0:
+            raise ValueError(f"num_state_checkpoints must be >= 0, got {self.num_state_checkpoints}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if not isinstance(self.data_parallel_size, int) or self.data_parallel_size < 1:

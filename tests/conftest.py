@@ -167,6 +167,7 @@ def check_no_leaks(engine) -> None:
     if state_pool is not None:
         assert engine.kv_cache_manager.req_to_state == {}
         assert state_pool.num_free_slots == state_pool.num_slots, f"{state_pool.num_used_slots} state slots leaked"
+        check_state_checkpoints(engine.kv_cache_manager)
     pool = engine.kv_cache_manager.pool
     assert all(b.ref_cnt == 0 for b in pool.blocks)
     # the block map (/stats block_states) agrees with the blocks: free, or cached under a hash
@@ -182,6 +183,20 @@ def check_no_leaks(engine) -> None:
     proposer = getattr(engine.scheduler.spec, "proposer", None)
     if hasattr(proposer, "is_idle"):
         assert proposer.is_idle(), f"draft KV blocks leaked: {proposer.pool.num_used_blocks} in use"
+
+
+def check_state_checkpoints(kv) -> None:
+    """Every used prefix-cache state checkpoint slot (core/state_checkpoints.py) belongs to exactly one
+    block that is still cached, and every other checkpoint slot is free."""
+    ck, sp = kv.checkpoints, kv.state_pool
+    if ck is None:
+        assert sp is None or sp.num_used_checkpoints == 0
+        return
+    slots = list(ck.by_block.values())
+    assert len(slots) == len(set(slots)) == sp.num_used_checkpoints, "checkpoint slots leaked or shared"
+    assert all(sp.num_slots <= s < sp.total_slots for s in slots)
+    assert all(kv.pool.blocks[b].block_hash is not None for b in ck.by_block), "a checkpoint outlived its block"
+    assert sp.num_free_checkpoints + sp.num_used_checkpoints == sp.num_checkpoints
 
 
 @pytest.fixture

@@ -25,12 +25,19 @@ class StateBatch:
         query_start_loc: ``[R + 1]`` int64 cumulative query lengths (rows of the flattened batch).
         caches: layer index -> that layer's state tensors, each ``[num_slots, ...]``
             (the runner's; mixers update their requests' slots in place).
+        initial_slots: ``[R]`` int64 slot each request's state is read from (``None``: its own
+            ``state_slots``); a request starting from a prefix-cache hit reads the hit's checkpoint.
+        checkpoints: ``(request index, offset, slot)`` host ints, sorted by request then offset:
+            the state after the first ``offset`` (1 ..= segment length) tokens of that request's
+            segment is also written to ``slot`` (a prefix-cache checkpoint, ``core/state_checkpoints.py``).
     """
 
     state_slots: torch.Tensor
     has_initial_state: torch.Tensor
     query_start_loc: torch.Tensor
     caches: dict[int, list[torch.Tensor]]
+    initial_slots: torch.Tensor | None = None
+    checkpoints: list[tuple[int, int, int]] = field(default_factory=list)
     _conv_index: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     @property
@@ -41,7 +48,7 @@ class StateBatch:
     def initial(self, cache: torch.Tensor) -> torch.Tensor:
         """The requests' states before this step: ``cache[state_slots]`` with the rows of requests
         that start now set to zero; ``[R, ...]``, a copy."""
-        out = cache[self.state_slots]
+        out = cache[self.state_slots if self.initial_slots is None else self.initial_slots]
         keep = self.has_initial_state.view(-1, *([1] * (out.dim() - 1)))
         return torch.where(keep, out, torch.zeros((), dtype=out.dtype, device=out.device))
 
@@ -64,3 +71,23 @@ class StateBatch:
             last_rows = (qsl[1:] + width * (r + 1) - width).unsqueeze(1) + w
             self._conv_index[width] = (token_rows, state_rows, last_rows)
         return self._conv_index[width]
+
+    def checkpoints_of(self, i: int) -> list[tuple[int, int]]:
+        """Request ``i``'s checkpoints as ``(offset into its segment, slot)``, by offset."""
+        return [(k, slot) for r, k, slot in self.checkpoints if r == i]
+
+    def conv_checkpoint_rows(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where the checkpoints' states lie in ``conv_index(width)``'s extended buffer.
+
+        Returns:
+            ``(rows [C, width], slots [C])`` int64: checkpoint ``c``'s state is the ``width``
+            inputs before its boundary, extended-buffer rows ``rows[c]`` (oldest first).
+        """
+        _, state_rows, _ = self.conv_index(width)
+        dev = state_rows.device
+        req = torch.tensor([r for r, _, _ in self.checkpoints], dtype=torch.int64, device=dev)
+        off = torch.tensor([k for _, k, _ in self.checkpoints], dtype=torch.int64, device=dev)
+        slots = torch.tensor([s for _, _, s in self.checkpoints], dtype=torch.int64, device=dev)
+        # the request's extended rows are its width state rows then its tokens, so the width
+        # inputs before token offset k start k rows after its first state row
+        return state_rows[req] + off.unsqueeze(1), slots

@@ -10,6 +10,7 @@ region.
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Callable
 
 
 class KVCacheBlock:
@@ -49,6 +50,10 @@ class BlockPool:
     ``USED`` (held by a block table) or ``CACHED`` (free, but still holding a hashed prefix that a
     later request may take back); the web page's block map draws it.
 
+    ``on_evict``, when set, is called with each block as it loses its hash (eviction or a
+    prefix-cache reset), so an owner of data tied to the cached block (a hybrid model's state
+    checkpoint, ``KVCacheManager``) frees it at the same moment.
+
     Args:
         num_blocks: total blocks in the pool (> 0).
     Raises:
@@ -66,6 +71,7 @@ class BlockPool:
         self.cached: dict[bytes, KVCacheBlock] = {}
         self.num_evictions = 0
         self.states = bytearray(b"0" * num_blocks)
+        self.on_evict: Callable[[KVCacheBlock], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -104,6 +110,8 @@ class BlockPool:
                 del self.cached[block.block_hash]
             block.block_hash = None
             self.num_evictions += 1
+            if self.on_evict is not None:
+                self.on_evict(block)
             if block.ref_cnt == 0:
                 self.states[block.block_id] = self.FREE
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pagedllm.core.block_pool import BlockPool, KVCacheBlock
 from pagedllm.core.hashing import extend_block_hashes
+from pagedllm.core.state_checkpoints import StateCheckpoints
 from pagedllm.core.state_pool import StatePool
 from pagedllm.request import Request
 
@@ -25,7 +26,9 @@ class KVCacheManager:
     A hybrid model's requests also hold one slot of ``state_pool`` (recurrent state,
     ``core/state_pool.py``) from admission to finish or preemption: ``allocate_slots``
     fails (returns ``None``) when a request that holds no slot cannot get one, and
-    ``free`` returns the slot with the blocks.
+    ``free`` returns the slot with the blocks. With prefix caching, such a model's cached
+    full blocks also get state checkpoints (``core/state_checkpoints.py``): a hit is shortened
+    to its last block with one, and the request starts from that checkpoint.
 
     Args:
         num_blocks: blocks in the pool.
@@ -45,6 +48,10 @@ class KVCacheManager:
         self.num_cached_blocks: dict[str, int] = {}
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0     # tokens found
+        self.checkpoints: StateCheckpoints | None = None
+        if state_pool is not None and enable_prefix_caching:
+            self.checkpoints = StateCheckpoints(state_pool)
+            self.pool.on_evict = self.checkpoints.on_evict
 
     @property
     def num_free_blocks(self) -> int:
@@ -67,7 +74,8 @@ class KVCacheManager:
         """The longest run of cached full blocks that prefixes the request's tokens.
 
         The hit is capped so the last token is always computed (its logits
-        give the next token). A request asking for prompt logprobs gets no hit. The caller counts the lookup with
+        give the next token). A request asking for prompt logprobs gets no hit. For a hybrid
+        model the hit ends at its last block with a written state checkpoint. The caller counts the lookup with
         ``record_prefix_query`` once the request is admitted.
 
         Returns:
@@ -83,6 +91,8 @@ class KVCacheManager:
             if block is None:
                 break
             blocks.append(block)
+        if self.checkpoints is not None:
+            blocks = blocks[:self.checkpoints.usable_hit(blocks)]
         return blocks, len(blocks) * self.block_size
 
     def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
@@ -115,6 +125,8 @@ class KVCacheManager:
             return None
         if not self._take_state_slot(request.request_id):
             return None
+        if computed_blocks and self.checkpoints is not None:
+            self.checkpoints.restore(request.request_id, computed_blocks[-1])
         self.pool.touch(computed_blocks)
         new = self.pool.allocate(need) if need > 0 else []
         blocks = self.req_to_blocks.setdefault(request.request_id, blocks)
@@ -139,7 +151,8 @@ class KVCacheManager:
         return self.req_to_state.get(request_id, -1)
 
     def _cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock], num_tokens: int) -> None:
-        """Register the blocks that become full with this step's tokens under their hashes."""
+        """Register the blocks that become full with this step's tokens under their hashes; a
+        hybrid model's block whose last token this step computes also gets a state checkpoint."""
         start = self.num_cached_blocks.get(request.request_id, 0)
         end = num_tokens // self.block_size
         if end <= start:
@@ -147,7 +160,24 @@ class KVCacheManager:
         hashes = self._hashes(request)
         for i in range(start, end):
             self.pool.cache_block(blocks[i], hashes[i])
+            boundary = (i + 1) * self.block_size
+            if (self.checkpoints is not None and blocks[i].block_hash is not None
+                    and boundary > request.num_computed_tokens):
+                self.checkpoints.checkpoint(request.request_id, blocks[i], boundary)
         self.num_cached_blocks[request.request_id] = end
+
+    def begin_step(self) -> None:
+        """Called by the scheduler at the start of each step (state checkpoints made in earlier
+        steps become usable for hits)."""
+        if self.checkpoints is not None:
+            self.checkpoints.begin_step()
+
+    def take_state_plan(self, request_id: str) -> tuple[int, list[tuple[int, int]]]:
+        """The state work of the request's step being scheduled (``StateCheckpoints.take``):
+        ``(slot to start from or -1, [(boundary in tokens, checkpoint slot), ...])``."""
+        if self.checkpoints is None:
+            return -1, []
+        return self.checkpoints.take(request_id)
 
     def get_block_ids(self, request_id: str) -> list[int]:
         """The request's block table as block ids (empty when it holds none)."""
@@ -162,11 +192,13 @@ class KVCacheManager:
         slot = self.req_to_state.pop(request.request_id, None)
         if slot is not None:
             self.state_pool.free(slot)
+        if self.checkpoints is not None:
+            self.checkpoints.forget_request(request.request_id)
         self.num_cached_blocks.pop(request.request_id, None)
         blocks = self.req_to_blocks.pop(request.request_id, None)
         if blocks:
             self.pool.free(list(reversed(blocks)))
 
     def reset_prefix_cache(self) -> int:
-        """Forget every cached block that no request holds; returns how many."""
+        """Forget every cached block that no request holds (and its state checkpoint); returns how many."""
         return self.pool.reset_prefix_cache()

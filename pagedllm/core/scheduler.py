@@ -126,6 +126,7 @@ class Scheduler:
         out = SchedulerOutput(finished_req_ids=self._finished_ids)
         self._finished_ids = set()
         budget = self.max_num_batched_tokens
+        self.kv.begin_step()
         if self.spec is not None:
             self.spec.begin_step(self.running)
         preempted = self._schedule_running(out, budget)
@@ -261,6 +262,11 @@ class Scheduler:
             self._runner_knows.add(rid)
         out.num_scheduled_tokens[rid] = n
         out.total_num_scheduled_tokens += n
+        restore, checkpoints = self.kv.take_state_plan(rid)  # a hybrid model's prefix caching
+        if restore >= 0:
+            out.state_restores[rid] = restore
+        if checkpoints:
+            out.state_checkpoints[rid] = checkpoints
 
     def _preempt(self, req: Request) -> None:
         """Free a running request's blocks and send it back to the front of the queue."""

@@ -71,6 +71,10 @@ class SchedulerOutput:
         spec_draft_probs: request id -> ``[len(drafts), V]`` float32 tensor, the distributions its
             drafts were drawn from (sampled drafts of a draft model); absent: the drafts are point
             masses (deterministic proposals). Opaque to the scheduler.
+        state_restores: request id -> state checkpoint slot its first step starts from (a hybrid
+            model's prefix-cache hit; ``core/state_checkpoints.py``).
+        state_checkpoints: request id -> ``[(boundary, slot), ...]``: after ``boundary`` tokens
+            (absolute, inside this step's tokens) the state of every state layer goes to ``slot``.
     """
 
     new_reqs: list[NewRequestData] = field(default_factory=list)
@@ -80,6 +84,8 @@ class SchedulerOutput:
     finished_req_ids: set[str] = field(default_factory=set)
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     spec_draft_probs: dict[str, Any] = field(default_factory=dict)
+    state_restores: dict[str, int] = field(default_factory=dict)
+    state_checkpoints: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

@@ -142,7 +142,7 @@ class EngineCore:
         logger.info("KV cache: %d blocks x %d tokens (%.1f MiB)", num_blocks, args.block_size,
                     num_blocks * per_block / 2**20)
         self.kv_cache_manager = KVCacheManager(num_blocks, args.block_size,
-                                               args.enable_prefix_caching and state_pool is None, state_pool)
+                                               args.enable_prefix_caching, state_pool)
         spec = (None if args.speculative_config is None
                 else SpecDecoding(args.speculative_config, max_model_len, self._target_info(args, model_dir, model,
                                                                                            max_model_len)))
@@ -153,7 +153,8 @@ class EngineCore:
         self.scheduler = Scheduler(self.kv_cache_manager, args.max_num_seqs, args.max_num_batched_tokens,
                                    max_model_len, args.enable_chunked_prefill, spec, encoder_only=encoder_only)
         sizes = dict(num_blocks=num_blocks, block_size=args.block_size, dtype=dtype, device=device, seed=args.seed,
-                     eos_token_ids=eos_token_ids, max_num_reqs=args.max_num_seqs, max_model_len=max_model_len)
+                     eos_token_ids=eos_token_ids, max_num_reqs=args.max_num_seqs, max_model_len=max_model_len,
+                     num_state_checkpoints=0 if state_pool is None else state_pool.num_checkpoints)
         self.runner = self._exec.submit(self.executor.runner_class, model, **sizes, executor=self._exec,
                                         scripted_output=scripted_output).result()
         self.executor.start(self.runner, sizes)
@@ -171,10 +172,9 @@ class EngineCore:
 
     @staticmethod
     def _plan_state(args: EngineArgs, model, dtype: torch.dtype) -> tuple[StatePool | None, int]:
-        """A hybrid model's state pool (one slot per seat, ``max_num_seqs``) and the bytes its tensors
-        take out of ``kv_cache_memory``; ``(None, 0)`` for an attention-only model.
-
-        Prefix caching is off for hybrid models (their state has no block-boundary checkpoints yet).
+        """A hybrid model's state pool (one slot per seat, ``max_num_seqs``, plus with prefix caching
+        ``num_state_checkpoints`` checkpoint slots, ``core/state_checkpoints.py``) and the bytes its
+        tensors take out of ``kv_cache_memory``; ``(None, 0)`` for an attention-only model.
 
         Raises:
             ValueError: speculative decoding with a hybrid model (rejected drafts would have to
@@ -186,10 +186,13 @@ class EngineCore:
         if args.speculative_config is not None:
             raise ValueError("speculative decoding is not implemented for hybrid models (recurrent state "
                              "cannot be rolled back past rejected drafts yet)")
-        nbytes = args.max_num_seqs * StateCache.bytes_per_slot(spec, dtype)
-        logger.info("recurrent state: %d layers, %d slots (%.2f MiB); prefix caching is off for hybrid models",
-                    len(spec), args.max_num_seqs, nbytes / 2**20)
-        return StatePool(args.max_num_seqs), nbytes
+        num_ckpt = 0
+        if args.enable_prefix_caching:
+            num_ckpt = args.max_num_seqs if args.num_state_checkpoints is None else args.num_state_checkpoints
+        nbytes = (args.max_num_seqs + num_ckpt) * StateCache.bytes_per_slot(spec, dtype)
+        logger.info("recurrent state: %d layers, %d slots + %d prefix-cache checkpoints (%.2f MiB)",
+                    len(spec), args.max_num_seqs, num_ckpt, nbytes / 2**20)
+        return StatePool(args.max_num_seqs, num_ckpt), nbytes
 
     def _target_info(self, args: EngineArgs, model_dir, model, max_model_len: int) -> TargetInfo:
         """What a model-running proposer (``draft_model``) needs to know of the target."""

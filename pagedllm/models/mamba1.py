@@ -76,6 +76,9 @@ def selective_scan_step(xs: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, b: 
     order, req, offsets = _time_major(batch)
     state = batch.initial(ssm_cache).float()  # [R, d, N]
     ys = torch.empty(xs.shape, dtype=torch.float32, device=xs.device)
+    marks: dict[int, list[tuple[int, int]]] = {}  # token index t -> prefix-cache checkpoints after it
+    for r, k, slot in batch.checkpoints:
+        marks.setdefault(k - 1, []).append((r, slot))
     for t in range(len(offsets) - 1):
         rows = order[offsets[t]:offsets[t + 1]]  # the t-th token of every request that has one
         live = req[rows]
@@ -85,6 +88,8 @@ def selective_scan_step(xs: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, b: 
         h = dA * state[live] + dBx
         state[live] = h
         ys[rows] = torch.matmul(h, c[rows].float()[:, :, None])[:, :, 0]
+        for r, slot in marks.get(t, ()):  # the state after exactly this block boundary
+            ssm_cache[slot] = state[r].to(ssm_cache.dtype)
     if D is not None:
         ys = ys + xs.float() * D.float()
     ssm_cache[batch.state_slots] = state.to(ssm_cache.dtype)

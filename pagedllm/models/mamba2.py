@@ -8,6 +8,13 @@ prefills (or continues a chunked prefill) runs the chunked SSD scan on its
 segment, starting from its carried SSM state (``initial_states``; zero for a
 request whose first token runs now), and keeps the scan's final state.
 
+Prefix-cache checkpoints (``core/state_checkpoints.py``) need the SSM state at block
+boundaries inside a segment. The scan only returns its final state, so a segment with
+checkpoints is scanned in pieces that end at them, each piece starting from the state the
+previous one returned. This is the same recurrence (as chunked prefill splits a prompt across
+steps), needs no scan of our own and no change to the scheduler's chunking; it costs one scan
+call per checkpointed block of the segment, and only when prefix caching makes checkpoints.
+
 Source: transformers' ``models/granitemoehybrid/modeling_granitemoehybrid.py``
 (``GraniteMoeHybridMambaLayer.forward``, torch path: ``in_proj -> gate, xBC, dt``;
 ``silu(causal_conv1d(xBC))``; ``mamba2_chunk_scan`` / ``mamba2_selective_state_update``;
@@ -52,7 +59,8 @@ def ssd_step(layer, xs: torch.Tensor, b: torch.Tensor, c: torch.Tensor, dt: torc
     Args:
         layer: the ``transformers`` Mamba layer (``A_log``, ``D``, ``dt_bias``, sizes, ``chunk_size``).
         xs: ``[T, n_heads * d_head]``; b, c: ``[T, n_groups * d_state]``; dt: ``[T, n_heads]``.
-        ssm_cache: ``[num_slots, n_heads, d_head, d_state]``.
+        ssm_cache: ``[num_slots, n_heads, d_head, d_state]``; the step's checkpoint slots
+            (``batch.checkpoints``) get the state at their boundaries (see the module docstring).
     Returns:
         ``[T, n_heads * d_head]``.
     """
@@ -73,14 +81,24 @@ def ssd_step(layer, xs: torch.Tensor, b: torch.Tensor, c: torch.Tensor, dt: torc
             layer.D[:, None].expand(-1, hd), z=None, dt_bias=layer.dt_bias[:, None].expand(-1, hd), dt_softplus=True)
         out[rows] = y.reshape(len(dec), -1).to(out.dtype)
         ssm_cache[batch.state_slots[dec]] = state.to(ssm_cache.dtype)
+        for j, i in enumerate(dec):  # a decode's only checkpoint can be after its one token
+            for _, slot in batch.checkpoints_of(i):
+                ssm_cache[slot] = state[j].to(ssm_cache.dtype)
     for i, n in enumerate(lens):
         if n == 1:
             continue
-        s, e = qsl[i], qsl[i + 1]
-        y, final = ref.mamba2_chunk_scan(
-            xs[s:e].view(1, n, nh, hd), dt[s:e].unsqueeze(0), A, b[s:e].view(1, n, ng, ns), c[s:e].view(1, n, ng, ns),
-            chunk_size=layer.chunk_size, D=layer.D, z=None, return_final_states=True, dt_bias=layer.dt_bias,
-            dt_softplus=True, initial_states=init[i:i + 1], dt_limit=layer.time_step_limit)
-        out[s:e] = y.reshape(n, -1).to(out.dtype)
-        ssm_cache[batch.state_slots[i]] = final[0].to(ssm_cache.dtype)
+        s = qsl[i]
+        state, prev = init[i:i + 1], 0
+        cuts = batch.checkpoints_of(i)
+        for k in sorted({k for k, _ in cuts if k < n} | {n}):  # pieces ending at the checkpoints
+            a, e, m = s + prev, s + k, k - prev
+            y, state = ref.mamba2_chunk_scan(
+                xs[a:e].view(1, m, nh, hd), dt[a:e].unsqueeze(0), A, b[a:e].view(1, m, ng, ns),
+                c[a:e].view(1, m, ng, ns), chunk_size=layer.chunk_size, D=layer.D, z=None, return_final_states=True,
+                dt_bias=layer.dt_bias, dt_softplus=True, initial_states=state, dt_limit=layer.time_step_limit)
+            out[a:e] = y.reshape(m, -1).to(out.dtype)
+            for slot in [sl for kk, sl in cuts if kk == k]:
+                ssm_cache[slot] = state[0].to(ssm_cache.dtype)
+            prev = k
+        ssm_cache[batch.state_slots[i]] = state[0].to(ssm_cache.dtype)
     return out

@@ -27,7 +27,9 @@ def causal_conv_step(x: torch.Tensor, cache: torch.Tensor, weight: torch.Tensor,
     Args:
         x: ``[T, C]`` inputs of the flattened batch.
         cache: ``[num_slots, C, width]`` carried inputs per slot, oldest first; the scheduled
-            requests' slots are overwritten with their last ``width`` inputs.
+            requests' slots are overwritten with their last ``width`` inputs, and each of the
+            step's checkpoint slots (``batch.checkpoints``) with the ``width`` inputs before its
+            boundary (read from the same extended buffer, so no extra pass).
         weight: ``[C, width + 1]`` taps; bias: ``[C]`` or ``None``.
         batch: the step's ``StateBatch``.
     Returns:
@@ -43,6 +45,9 @@ def causal_conv_step(x: torch.Tensor, cache: torch.Tensor, weight: torch.Tensor,
         out = out + ext[token_rows - width + k] * weight[:, k]
     if bias is not None:
         out = out + bias
+    if batch.checkpoints:
+        rows, slots = batch.conv_checkpoint_rows(width)
+        cache[slots] = ext[rows].transpose(1, 2).to(cache.dtype)
     cache[batch.state_slots] = ext[last_rows].transpose(1, 2).to(cache.dtype)
     return out
 

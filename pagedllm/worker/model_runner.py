@@ -143,6 +143,8 @@ class ModelRunner:
         executor: the one-thread executor that runs every step (``None``: run on the caller's thread).
         scripted_output: test hook; when given, every request's output tokens are its script's
             (``worker/scripted.py``) instead of the sampled ones.
+        num_state_checkpoints: a hybrid model's prefix-cache checkpoint slots, after its
+            ``max_num_reqs`` request slots in the state tensors (``core/state_pool.py``).
     Attributes:
         attention_backend: the model's attention backend (chosen at load), or for a model
             without one (test doubles that read the metadata themselves) the torch reference.
@@ -151,7 +153,7 @@ class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
                  seed: int = 0, eos_token_ids: set[int] | None = None, max_num_reqs: int = 128,
                  max_model_len: int = 8192, executor: ThreadPoolExecutor | None = None,
-                 scripted_output: ScriptedOutput | None = None) -> None:
+                 scripted_output: ScriptedOutput | None = None, num_state_checkpoints: int = 0) -> None:
         self.model = model
         backend: AttentionBackend | None = getattr(model, "attention_backend", None)
         self.attention_backend = backend or TorchPagedBackend(device)
@@ -163,7 +165,7 @@ class ModelRunner:
                           for _ in range(layers)]
         self.input_batch = InputBatch(max_num_reqs, max_model_len, block_size)
         # a hybrid model's recurrent state: one slot per running request (core/state_pool.py)
-        self.state_cache = StateCache.for_model(model, max_num_reqs, dtype, device)
+        self.state_cache = StateCache.for_model(model, max_num_reqs + num_state_checkpoints, dtype, device)
         self.sampler = Sampler(seed, eos_token_ids)
         # the Triton (GPU) path draws on the device (worker/device_sampler.py); the CPU backends keep
         # the torch sampler, whose seeded streams the CPU suite pins down
@@ -213,7 +215,8 @@ class ModelRunner:
             [input_ids, positions, rows, qsl[1:][pend] - 1, pending_src], self.device)
         pool_rows, pool_spans = self._prepare_pooling(rids, slots, start, end, qsl)
         kwargs = {} if self.state_cache is None else {
-            "state": self.state_cache.batch(self.input_batch.state_slot[slots], start, qsl)}
+            "state": self.state_cache.batch(self.input_batch.state_slot[slots], start, qsl, rids,
+                                            so.state_restores, so.state_checkpoints)}
         return PreparedStep(
             pool_rows=pool_rows, pool_spans=pool_spans, model_kwargs=kwargs,
             input_ids=input_ids, positions=positions, meta=meta,

@@ -3,8 +3,8 @@
 The scheduler's KV cache manager hands each running request a slot
 (``core/state_pool.py``); the request's slot arrives with its ``NewRequestData``
 and sits in the persistent batch (``InputBatch.state_slot``). This module owns
-one tensor per state layer and state kind, ``[num_slots, *shape]``, and builds
-the step's view for the model's mixers.
+one tensor per state layer and state kind, ``[num_slots, *shape]`` (request slots, then
+the prefix cache's checkpoint slots), and builds the step's view for the model's mixers.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ class StateCache:
 
     Args:
         spec: model layer -> per-slot shapes of its state tensors (``model.state_cache_spec()``).
-        num_slots: slots (the state pool's, ``max_num_seqs``).
+        num_slots: slots (the state pool's ``total_slots``: ``max_num_seqs`` request slots and
+            the checkpoint slots).
         dtype, device: of the tensors (the model's).
     """
 
@@ -43,18 +44,38 @@ class StateCache:
         spec = model.state_cache_spec() if hasattr(model, "state_cache_spec") else {}
         return cls(spec, num_slots, dtype, device) if spec else None
 
-    def batch(self, state_slots: np.ndarray, start: np.ndarray, qsl: np.ndarray) -> StateBatch:
+    def batch(self, state_slots: np.ndarray, start: np.ndarray, qsl: np.ndarray, req_ids: list[str] = (),
+              restores: dict[str, int] | None = None,
+              checkpoints: dict[str, list[tuple[int, int]]] | None = None) -> StateBatch:
         """The step's ``StateBatch``.
 
         Args:
             state_slots: ``[R]`` int64 state slot of each scheduled request.
             start: ``[R]`` int64 tokens each has computed before this step (0: its state starts now).
             qsl: ``[R + 1]`` int64 cumulative scheduled tokens.
+            req_ids: the ``R`` request ids in row order (needed with ``restores`` / ``checkpoints``).
+            restores: request id -> checkpoint slot it starts from (``SchedulerOutput.state_restores``).
+            checkpoints: request id -> ``[(boundary in tokens, slot), ...]``
+                (``SchedulerOutput.state_checkpoints``).
         Raises:
-            RuntimeError: a scheduled request holds no state slot (-1).
+            RuntimeError: a scheduled request holds no state slot (-1), or a checkpoint's boundary
+                lies outside its request's tokens of this step.
         """
         if state_slots.size and int(state_slots.min()) < 0:
             raise RuntimeError("a request of a hybrid model was scheduled without a state slot")
         dev = self.device
+        initial = None
+        if restores:
+            init = state_slots.copy()
+            for i, rid in enumerate(req_ids):
+                init[i] = restores.get(rid, init[i])
+            initial = torch.from_numpy(init).to(dev)
+        marks = []
+        for i, rid in enumerate(req_ids):
+            for boundary, slot in sorted((checkpoints or {}).get(rid, ())):
+                off = boundary - int(start[i])
+                if not 0 < off <= int(qsl[i + 1] - qsl[i]):
+                    raise RuntimeError(f"state checkpoint at {boundary} tokens is outside request {rid}'s step")
+                marks.append((i, off, slot))
         return StateBatch(torch.from_numpy(state_slots.copy()).to(dev), torch.from_numpy(start > 0).to(dev),
-                          torch.from_numpy(qsl.copy()).to(dev), self.caches)
+                          torch.from_numpy(qsl.copy()).to(dev), self.caches, initial, marks)

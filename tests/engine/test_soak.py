@@ -38,6 +38,12 @@ def check_pool(eng: LLMEngine) -> None:
         slots = list(kv.req_to_state.values())
         assert len(slots) == len(set(slots)) and set(kv.req_to_state) == set(kv.req_to_blocks)
         assert sp.num_used_slots == len(slots) and sp.num_free_slots + sp.num_used_slots == sp.num_slots
+        ck = kv.checkpoints  # prefix-cache state checkpoints: each slot held by one still-cached block
+        if ck is not None:
+            held = list(ck.by_block.values())
+            assert len(held) == len(set(held)) == sp.num_used_checkpoints
+            assert all(kv.pool.blocks[b].block_hash is not None for b in ck.by_block)
+            assert sp.num_free_checkpoints + sp.num_used_checkpoints == sp.num_checkpoints
 
 
 def random_params(rng: random.Random) -> tuple[str, SamplingParams]:

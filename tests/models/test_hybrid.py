@@ -8,8 +8,11 @@ served through the Transformers backend; their greedy tokens must equal
 ``transformers``' float32 ``generate`` (which carries the states in its own
 cache) whole, with chunked prefill, batched with other requests,
 with fewer state slots than requests, and under preemption (recompute: the state
-slot is freed and rebuilt). The convolution helper is checked against
-``torch.nn.functional.conv1d`` on split sequences.
+slot is freed and rebuilt). With prefix caching, a second request sharing a prefix
+that ends at a block boundary, one token before or after it, or crosses several blocks
+starts from the state checkpoint of its last hit block and must give the same tokens
+(``core/state_checkpoints.py``). The convolution helper is checked against
+``torch.nn.functional.conv1d`` on split sequences, with checkpoints inside a segment.
 """
 
 from __future__ import annotations
@@ -62,9 +65,11 @@ def test_hybrid_matches_transformers(name, hybrid, greedy_ref, assert_no_leaks):
     stats = llm.engine.get_stats()
     assert stats.num_state_slots == CONFIGS[name].get("max_num_seqs", 128)
     assert stats.num_free_state_slots == stats.num_state_slots
-    assert stats.prefix_cache_queries == 0, "prefix caching is off for hybrid models"
-    if name == "preempt":
-        assert stats.num_preemptions > 0
+    assert stats.prefix_cache_queries > 0  # prefix caching is on; no two prompts share a block, but
+    if name == "preempt":  # a preempted request resumes from its own blocks' state checkpoints
+        assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+    else:
+        assert stats.prefix_cache_hits == 0
     assert_no_leaks(llm.engine)
     model = llm.engine.runner.model
     # only the attention layers have paged KV layers
@@ -149,8 +154,9 @@ def test_check_supported_takes_lfm2_and_refuses_other_state_layers():
 
 
 def test_hybrid_soak_with_aborts_balances_both_pools(tiny_model_dir, assert_no_leaks):
-    """Mixed requests on a small KV pool and fewer state slots than requests, with random aborts:
-    the soak's pool check holds every few steps and both pools end empty."""
+    """Mixed requests, many sharing prefixes (prefix-cache hits from state checkpoints), on a small KV
+    pool with fewer state slots and checkpoints than requests, with random aborts: the soak's pool check
+    (request slots, and checkpoints held only by cached blocks) holds every step and the pools end empty."""
     import sys
     from pathlib import Path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
@@ -159,13 +165,16 @@ def test_hybrid_soak_with_aborts_balances_both_pools(tiny_model_dir, assert_no_l
     from pagedllm.engine.llm_engine import LLMEngine
     rng = random.Random(7)
     eng = LLMEngine(EngineArgs(model=str(tiny_model_dir("granite_hybrid")), model_impl="transformers",
-                               num_kv_blocks=12, block_size=8, max_num_batched_tokens=32, max_num_seqs=3))
+                               num_kv_blocks=12, block_size=8, max_num_batched_tokens=32, max_num_seqs=3,
+                               num_state_checkpoints=4))
+    prefixes = [[rng.randrange(3, 40000) for _ in range(40)] for _ in range(3)]
     live, n_added, steps = set(), 0, 0
     while n_added < 24 or eng.has_unfinished_requests():
         if n_added < 24 and rng.random() < 0.5:
             rid = f"h{n_added}"
             n_added += 1
-            eng.add_request(rid, [rng.randrange(3, 40000) for _ in range(rng.randint(10, 70))],
+            head = rng.choice(prefixes)[:rng.randint(8, 40)] if rng.random() < 0.6 else []
+            eng.add_request(rid, head + [rng.randrange(3, 40000) for _ in range(rng.randint(2, 30))],
                             SamplingParams(temperature=rng.choice([0, 0.8]), max_tokens=rng.randint(1, 12)))
             live.add(rid)
         if live and rng.random() < 0.08:
@@ -179,5 +188,87 @@ def test_hybrid_soak_with_aborts_balances_both_pools(tiny_model_dir, assert_no_l
         check_pool(eng)
         assert steps < 2000, "no progress"
     eng.step()
-    assert eng.get_stats().num_preemptions > 0
+    stats = eng.get_stats()
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
     assert_no_leaks(eng)
+
+
+# ---------------------------------------------------------------- prefix caching (state checkpoints)
+
+BS = 8
+SHARED_LENS = (16, 15, 17, 41)  # block size 8: at a boundary, one before, one after, five blocks and one
+
+
+@pytest.fixture(scope="module", params=list(KINDS))
+def shared_prefix(request, tiny_model_dir, greedy_ref):
+    """``(kind, model dir, first prompts, second prompts, expected hit tokens, references of the second)``:
+    each second prompt shares ``SHARED_LENS[i]`` tokens with the first one."""
+    from transformers import AutoModelForCausalLM
+    path = tiny_model_dir(request.param)
+    rng = random.Random(1)
+    firsts, seconds = [], []
+    for n in SHARED_LENS:
+        shared = [rng.randrange(3, 40000) for _ in range(n)]
+        firsts.append(shared + [rng.randrange(3, 40000) for _ in range(5)])
+        seconds.append(shared + [rng.randrange(3, 40000) for _ in range(7)])
+    hits = [n // BS * BS for n in SHARED_LENS]
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    refs = [greedy_ref.hf_greedy(hf, p, MAX_NEW) for p in seconds]
+    return request.param, path, firsts, seconds, hits, refs
+
+
+PREFIX_CONFIGS = {
+    "whole": dict(num_kv_blocks=64),
+    "chunked": dict(num_kv_blocks=64, max_num_batched_tokens=5),  # chunk ends off the block boundaries
+    "preempt": dict(num_kv_blocks=16, max_num_batched_tokens=32),
+}
+
+
+@pytest.mark.parametrize("name", list(PREFIX_CONFIGS))
+def test_hybrid_prefix_cache_hits_match_transformers(name, shared_prefix, greedy_ref, assert_no_leaks):
+    """The second requests hit the first ones' blocks up to the last checkpointed boundary, and
+    give transformers' tokens; with caching off the tokens are the same and nothing is hit."""
+    kind, path, firsts, seconds, hits, refs = shared_prefix
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+    got = {}
+    for caching in (True, False):
+        llm = LLM(model=str(path), model_impl="transformers", block_size=BS, enable_prefix_caching=caching,
+                  **PREFIX_CONFIGS[name])
+        llm.generate([{"prompt_token_ids": p} for p in firsts], params)
+        h0 = llm.engine.get_stats().prefix_cache_hits
+        outs = llm.generate([{"prompt_token_ids": p} for p in seconds], params)
+        got[caching] = [o.outputs[0].token_ids for o in outs]
+        for k, (ids, (ref_ids, ref_logits)) in enumerate(zip(got[caching], refs)):
+            greedy_ref.assert_greedy_match(ids, ref_ids, ref_logits, f"{kind} {name} caching={caching} prompt {k}")
+        stats = llm.engine.get_stats()
+        if not caching:
+            assert stats.prefix_cache_hits == 0
+        elif name == "preempt":
+            assert stats.num_preemptions > 0 and stats.prefix_cache_hits - h0 > 0
+        else:
+            assert stats.prefix_cache_hits - h0 == sum(hits), "every shared full block is a hit"
+        assert_no_leaks(llm.engine)
+        if caching:
+            assert llm.engine.kv_cache_manager.state_pool.num_used_checkpoints > 0
+            llm.engine.reset_prefix_cache()
+            assert llm.engine.kv_cache_manager.state_pool.num_used_checkpoints == 0, "reset frees the checkpoints"
+    assert got[True] == got[False], f"{kind} {name}: prefix caching changed the tokens"
+
+
+def test_causal_conv_step_writes_checkpoints_inside_a_segment():
+    """A checkpoint at offset k of a segment holds the same inputs a step ending there would carry."""
+    from pagedllm.attention.state import StateBatch
+    from pagedllm.models.short_conv import causal_conv_step
+    torch.manual_seed(0)
+    C, K = 5, 4
+    weight = torch.randn(C, K)
+    xs = [torch.randn(n, C) for n in (2, 9)]
+    cache = torch.zeros((8, C, K - 1))
+    qsl = torch.tensor([0, 2, 11])
+    marks = [(0, 1, 4), (0, 2, 5), (1, 1, 6), (1, 6, 7)]  # (request, offset, slot)
+    causal_conv_step(torch.cat(xs), cache, weight, None, StateBatch(torch.tensor([0, 1]), torch.tensor([False, False]),
+                                                                   qsl, {}, checkpoints=marks))
+    for r, k, slot in marks:
+        want = torch.cat([torch.zeros(K - 1, C), xs[r][:k]])[-(K - 1):].T  # the last K-1 inputs, zeros before
+        torch.testing.assert_close(cache[slot], want)
+    torch.testing.assert_close(cache[1], xs[1][-(K - 1):].T)
