@@ -34,15 +34,15 @@ from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.structured_output.backend import apply_bitmask
 from pagedllm.structured_output.manager import GrammarMask
 from pagedllm.worker.input_batch import InputBatch, SamplingMetadata
-
-if TYPE_CHECKING:
-    from pagedllm.worker.device_inputs import DeviceStepPlan
 from pagedllm.worker.pooler import PoolingSpan, hidden_rows, pool
 from pagedllm.worker.sampler import Sampler, gather_logprobs
 from pagedllm.worker.spec_verify import verify
 from pagedllm.worker.upload import to_device
 from pagedllm.worker.state_cache import StateCache
 from pagedllm.worker.scripted import ScriptedOutput
+
+if TYPE_CHECKING:
+    from pagedllm.worker.device_inputs import DeviceStepPlan
 
 
 @dataclass
@@ -179,9 +179,7 @@ class ModelRunner:
         if self.attention_backend.name == "triton":
             from pagedllm.worker.device_sampler import DeviceSampler
             self._device_sampler = DeviceSampler(self.sampler, seed)
-        # ... and builds each step's inputs on the device from device copies of the batch
-        # (worker/device_inputs.py); PAGEDLLM_DEVICE_INPUTS=0 keeps the host preparation
-        self._device_inputs = None
+        self._device_inputs = None  # ... and builds inputs on the device (PAGEDLLM_DEVICE_INPUTS=0: on the host)
         if self.attention_backend.name == "triton" and os.environ.get("PAGEDLLM_DEVICE_INPUTS", "1") != "0":
             from pagedllm.worker.device_inputs import DeviceInputs
             self._device_inputs = DeviceInputs(self.input_batch, self.attention_backend, device)
@@ -236,13 +234,9 @@ class ModelRunner:
 
     def _stage_inputs(self, slots: np.ndarray, n: np.ndarray, start: np.ndarray, end: np.ndarray, qsl: np.ndarray,
                       spec: np.ndarray, pend: np.ndarray, pending_src: np.ndarray, rows: np.ndarray) -> dict:
-        """The step's model inputs as ``PreparedStep`` fields, sent to the device in one transfer.
-
-        Host path: ``_prepare_inputs`` gathers them in numpy (the placeholders are filled when the
-        step runs). Device path (``worker/device_inputs.py``, the Triton backend): only the step's
-        diffs and layout are sent; kernels build the inputs when the step runs (``_fill_inputs``).
-        Marks the tokens computed in the batch either way.
-        """
+        """The step's model inputs as ``PreparedStep`` fields, in one transfer: gathered in numpy
+        (``_prepare_inputs``), or on the Triton path only diffs and layout, the inputs built by kernels
+        when the step runs (``worker/device_inputs.py``). Marks the tokens computed in the batch."""
         if self._device_inputs is None:
             input_ids, positions, meta = self._prepare_inputs(slots, n, start, end, qsl)
             input_ids, positions, logits_rows, pending_idx, pending_src = to_device(

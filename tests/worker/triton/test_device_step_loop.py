@@ -4,7 +4,8 @@
   ``.cpu()``, ``.numpy()`` or converts a tensor to a Python bool/int/float only once:
   the sampled tokens' copy to the host. (On a GPU each such call waits for the device.)
   The step's inputs are built on the device (``worker/device_inputs.py``), placeholders
-  included, and the count covers that too.
+  included, and logit bias and penalties are applied there (``process_on_device``): the
+  count covers both.
 - A seeded sampled request draws the same tokens alone and in a batch (device draw).
 """
 
@@ -70,9 +71,10 @@ def test_one_host_sync_per_step(llm, monkeypatch):
     monkeypatch.setattr(device_inputs.DeviceInputs, "materialize", recorded)
     assert llm.llm_engine.runner._device_inputs is not None  # the device-side preparation is on
     prompts = [list(range(5, 35)), list(range(7, 12)), list(range(40, 49))]
-    params = [SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
-              SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=7, max_tokens=4, ignore_eos=True),
-              SamplingParams(temperature=1.0, min_p=0.05, max_tokens=4, ignore_eos=True)]
+    params = [SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logit_bias={5: 3.0}),
+              SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=7, max_tokens=4, ignore_eos=True,
+                             presence_penalty=0.5, repetition_penalty=1.2),
+              SamplingParams(temperature=1.0, min_p=0.05, max_tokens=4, ignore_eos=True, frequency_penalty=0.3)]
     llm.generate(prompts, params, use_tqdm=False)
     assert len(steps) >= 5 and not all(steps)  # a chunked prefill step samples nothing
     # exactly one per sampling step, all at the same place: the sampled ids' copy
