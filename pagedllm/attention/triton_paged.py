@@ -79,6 +79,25 @@ class TritonMetadata:
     block_q: int
 
 
+@dataclass
+class StepLayout:
+    """The part of a step's Triton layout the host decides (``TritonPagedBackend.step_layout``).
+
+    Attributes:
+        decode_req: ``[Dn]`` int64 requests with one query token.
+        tile_req, tile_q0: ``[N]`` int64 request and first local query token of each prefill tile.
+        num_splits, split_len: the decode split-K grid (splits per context, tokens per split).
+        nblk: block-table columns the step's kernels read per request (the longest context's blocks).
+    """
+
+    decode_req: np.ndarray
+    tile_req: np.ndarray
+    tile_q0: np.ndarray
+    num_splits: int
+    split_len: int
+    nblk: int
+
+
 class TritonPagedBackend(AttentionBackend):
     """Paged attention in Triton kernels (vLLM's paged attention, flash-decoding split-K for decodes,
     FlashAttention-2 tiles for prefills). Metadata: ``TritonMetadata``.
@@ -115,31 +134,49 @@ class TritonPagedBackend(AttentionBackend):
             return True
         return device.type == "cpu" and interpreter_on()
 
-    def build_metadata(self, batch: AttentionBatch) -> TritonMetadata:
-        """Pack the step's layout into one int64 buffer and copy it to the device once.
+    def step_layout(self, num_sched: np.ndarray, seq_lens: np.ndarray, block_size: int) -> StepLayout:
+        """The host-side part of a step's layout: which requests decode, the prefill tiles, the
+        split-K grid and the block-table width (host arrays only: the device path builds the rest
+        on the device, ``worker/device_inputs.py``).
 
         The decode split count follows the longest decode context: ``ceil(max_len / split_tokens)``
         splits, at most ``max_splits``, each a whole number of blocks.
 
+        Args:
+            num_sched: ``[R]`` int64 query tokens per request; seq_lens: ``[R]`` int64 context
+                lengths after the step; block_size: tokens per KV block.
         Raises:
             ValueError: a block size under 16 on CUDA (``tl.dot`` needs 16-wide tiles there).
         """
-        bs, qsl = batch.block_size, batch.query_start_loc
+        bs, n = block_size, num_sched
         if bs < MIN_CUDA_BLOCK_SIZE and self.device.type == "cuda":
             raise ValueError(f"attention backend 'triton' needs block_size >= {MIN_CUDA_BLOCK_SIZE} on CUDA, got {bs}")
-        r = qsl.shape[0] - 1
-        n = qsl[1:] - qsl[:-1]
-        nblk = max(1, -(-int(batch.seq_lens.max()) // bs)) if r else 1
-        tables = batch.block_table[batch.rows, :nblk]
+        nblk = max(1, -(-int(seq_lens.max()) // bs)) if n.size else 1
         dec = np.flatnonzero(n == 1)
         pre = np.flatnonzero(n > 1)
         tiles = -(-n[pre] // self.block_q)
         tile_req = np.repeat(pre, tiles)
         tile_q0 = (np.arange(int(tiles.sum()), dtype=np.int64) - np.repeat(np.cumsum(tiles) - tiles, tiles)) * self.block_q
-        max_dec = int(batch.seq_lens[dec].max()) if dec.size else 1
+        max_dec = int(seq_lens[dec].max()) if dec.size else 1
         num_splits = int(min(self.max_splits, max(1, -(-max_dec // self.split_tokens))))
         split_len = -(-(-(-max_dec // num_splits)) // bs) * bs
-        parts = [batch.slot_mapping, qsl, batch.num_computed, batch.seq_lens, tables.reshape(-1), dec, tile_req, tile_q0]
+        return StepLayout(decode_req=dec, tile_req=tile_req, tile_q0=tile_q0, num_splits=num_splits,
+                          split_len=split_len, nblk=nblk)
+
+    def build_metadata(self, batch: AttentionBatch) -> TritonMetadata:
+        """Pack the step's layout (``step_layout``, with the slot mapping, lengths and block-table
+        rows gathered on the host) into one int64 buffer and copy it to the device once.
+
+        Raises:
+            ValueError: from ``step_layout``.
+        """
+        qsl = batch.query_start_loc
+        r = qsl.shape[0] - 1
+        lay = self.step_layout(qsl[1:] - qsl[:-1], batch.seq_lens, batch.block_size)
+        nblk = lay.nblk
+        tables = batch.block_table[batch.rows, :nblk]
+        parts = [batch.slot_mapping, qsl, batch.num_computed, batch.seq_lens, tables.reshape(-1), lay.decode_req,
+                 lay.tile_req, lay.tile_q0]
         host = np.concatenate([np.asarray(p, dtype=np.int64).reshape(-1) for p in parts])
         buf = torch.from_numpy(host)
         if self._pin:
@@ -151,8 +188,8 @@ class TritonPagedBackend(AttentionBackend):
             at += p.size
         return TritonMetadata(slot_mapping=views[0], query_start_loc=views[1], num_computed=views[2],
                               seq_lens=views[3], block_tables=views[4].view(r, nblk), decode_req=views[5],
-                              tile_req=views[6], tile_q0=views[7], num_splits=num_splits, split_len=split_len,
-                              block_q=self.block_q)
+                              tile_req=views[6], tile_q0=views[7], num_splits=lay.num_splits,
+                              split_len=lay.split_len, block_q=self.block_q)
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache, metadata: TritonMetadata) -> None:
         """Scatter the step's K/V ``[T, KVH, D]`` into their slots (one Triton launch)."""

@@ -49,8 +49,7 @@ class WorkerModelRunner(ModelRunner):
         Raises:
             RuntimeError: rank 0 sent no tokens (it failed mid-step).
         """
-        if step.pending_idx.numel():
-            step.input_ids[step.pending_idx] = prev.sampled[step.pending_src]
+        self._fill_inputs(step, prev)
         self.model(step.input_ids, step.positions, self.kv_caches, step.meta, step.logits_rows)
         got = broadcast_object()
         if got is None:

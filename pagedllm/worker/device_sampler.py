@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pagedllm.sampling_params import SamplingParams
@@ -87,16 +88,69 @@ class DeviceSamplingTensors:
 
 
 def device_eligible(p: SamplingParams, output_len: int) -> bool:
-    """True when a row's draw needs only what ``sample`` does (temperature, top-k, top-p, min-p,
-    seed): no logprobs, penalties, logit bias, allowed ids, or unmet ``min_tokens``. The choice
-    depends on the request alone, so a seeded request draws from one stream in any batch."""
-    return (p.logprobs is None and not p.has_penalties and not p.logit_bias and p.allowed_token_ids is None
-            and output_len >= p.min_tokens)
+    """True when a row is drawn on the device: ``sample`` (temperature, top-k, top-p, min-p, seed)
+    after ``process_on_device`` (logit bias, penalties); no logprobs, allowed ids, or unmet
+    ``min_tokens``. The choice depends on the request alone, so a seeded request draws from one
+    stream in any batch."""
+    return p.logprobs is None and p.allowed_token_ids is None and output_len >= p.min_tokens
+
+
+def process_on_device(logits: torch.Tensor, md, rows: list[int], prev_tokens: list[int] | None) -> torch.Tensor:
+    """Logit bias, then repetition / frequency / presence penalties of ``rows``, batched on the device
+    (the torch sampler's ``process`` order and definitions, for rows without ``min_tokens`` or
+    ``allowed_token_ids``).
+
+    Each row's history (its known output ids, the previous step's token when it is still pending,
+    and the prompt for a repetition penalty) is host data of ``md``: it goes to the device as
+    ``(row, token)`` pairs in one non-blocking transfer and becomes ``[P, V]`` counts by a
+    scatter-add; nothing is read back.
+
+    Args:
+        logits: ``[len(rows), V]`` float32, row ``i`` is ``md``'s row ``rows[i]``.
+        md: the step's ``SamplingMetadata``; rows: indices of its rows, in ``logits`` order.
+        prev_tokens: the previous step's sampled ids (host list) for pending rows, or ``None``.
+    Returns:
+        ``[len(rows), V]`` processed logits (``logits`` itself when no row asks for either).
+    """
+    from pagedllm.worker.upload import to_device
+    params, vocab, dev = md.params, logits.shape[-1], logits.device
+    at = {r: i for i, r in enumerate(rows)}
+    bias = [(at[r], tok, b) for r in rows for tok, b in (params[r].logit_bias or {}).items() if tok < vocab]
+    pending = dict(zip(md.pending_rows.tolist(), md.pending_src.tolist()))
+    pen = [(at[r], out, prompt) for r, out, prompt in zip(md.penalty_rows, md.penalty_outputs, md.penalty_prompts)
+           if r in at]
+    if not bias and not pen:
+        return logits
+    outs = [np.append(out, prev_tokens[pending[rows[i]]]) if rows[i] in pending else out for i, out, _ in pen]
+    flat_out = np.concatenate([k * vocab + o for k, o in enumerate(outs)] + [np.zeros(0, np.int64)])
+    flat_prompt = np.concatenate([k * vocab + pr for k, (_, _, pr) in enumerate(pen)] + [np.zeros(0, np.int64)])
+    bias_idx = np.array([i * vocab + t for i, t, _ in bias], dtype=np.int64)
+    pen_rows = np.array([i for i, _, _ in pen], dtype=np.int64)
+    bias_idx, flat_out, flat_prompt, pen_rows_t = to_device([bias_idx, flat_out, flat_prompt, pen_rows], dev)
+    floats = [b for _, _, b in bias] + [getattr(params[rows[i]], name) for name in
+                                          ("presence_penalty", "frequency_penalty", "repetition_penalty")
+                                          for i, _, _ in pen]
+    host = torch.tensor(floats, dtype=torch.float32)
+    vals = (host.pin_memory() if dev.type == "cuda" else host).to(dev, non_blocking=True)
+    nb, npen = len(bias), len(pen)
+    if nb:
+        logits = apply_logit_bias(logits, bias_idx // vocab, bias_idx % vocab, vals[:nb])
+    if npen:
+        counts = torch.zeros(npen * vocab, dtype=torch.int32, device=dev)
+        counts.scatter_add_(0, flat_out, torch.ones_like(flat_out, dtype=torch.int32))
+        mask = torch.zeros(npen * vocab, dtype=torch.bool, device=dev)
+        mask.scatter_(0, flat_prompt, torch.ones_like(flat_prompt, dtype=torch.bool))
+        pres, freq, rep = vals[nb:].view(3, npen).unbind(0)
+        sub = apply_penalties(logits.index_select(0, pen_rows_t), counts.view(npen, vocab), mask.view(npen, vocab),
+                              pres, freq, rep)
+        logits = logits.index_copy(0, pen_rows_t, sub)
+    return logits
 
 
 class DeviceSampler:
-    """The runner's draw on the Triton path: eligible rows (``device_eligible``) are shaped and drawn
-    on the device, the others (and their logprobs) by the torch ``Sampler``.
+    """The runner's draw on the Triton path: eligible rows (``device_eligible``) get their logit bias
+    and penalties, are shaped and drawn on the device, the others (and their logprobs) by the torch
+    ``Sampler``.
 
     Args:
         sampler: the torch sampler for the rows that need it.
@@ -124,21 +178,24 @@ class DeviceSampler:
             return out, torch.tensor(out.token_ids, dtype=torch.int64, device=logits.device)
         if len(rows) == len(params):
             st = DeviceSamplingTensors.from_params(params, lens, logits.shape[-1], logits.device, self.seed, self.step)
-            tokens = sample(logits, st)
+            tokens = sample(process_on_device(logits, md, rows, prev_tokens), st)
             return SamplerOutput(tokens.tolist(), [None] * len(params)), tokens
         out = self.sampler(logits, md, prev_tokens)  # rows that need the torch sampler
         sel = torch.tensor(rows, device=logits.device)
         st = DeviceSamplingTensors.from_params([params[i] for i in rows], [lens[i] for i in rows], logits.shape[-1],
                                                logits.device, self.seed, self.step)
         tokens = torch.tensor(out.token_ids, dtype=torch.int64, device=logits.device)
-        tokens = tokens.index_copy(0, sel, sample(logits.index_select(0, sel), st))
+        mine = process_on_device(logits.index_select(0, sel), md, rows, prev_tokens)
+        tokens = tokens.index_copy(0, sel, sample(mine, st))
         out.token_ids = tokens.tolist()
         return out, tokens
 
 
 def apply_logit_bias(logits: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, vals: torch.Tensor) -> torch.Tensor:
-    """``logits[rows[j], cols[j]] += vals[j]`` for every ``j`` (``[N]`` int64, int64, float32), batched."""
-    return logits.index_put((rows, cols), vals.to(logits.dtype), accumulate=True)
+    """``logits[rows[j], cols[j]] += vals[j]`` for every ``j`` (``[N]`` int64, int64, float32), batched
+    (a scatter-add over the flattened logits: repeated entries add up; a new tensor)."""
+    flat = logits.contiguous().view(-1)
+    return flat.scatter_add(0, rows * logits.shape[-1] + cols, vals.to(logits.dtype)).view(logits.shape)
 
 
 def apply_penalties(logits: torch.Tensor, output_counts: torch.Tensor, prompt_mask: torch.Tensor,

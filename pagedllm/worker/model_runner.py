@@ -18,9 +18,11 @@ preparing step N+1 never waits for step N.
 
 from __future__ import annotations
 
+import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -38,6 +40,9 @@ from pagedllm.worker.spec_verify import verify
 from pagedllm.worker.upload import to_device
 from pagedllm.worker.state_cache import StateCache
 from pagedllm.worker.scripted import ScriptedOutput
+
+if TYPE_CHECKING:
+    from pagedllm.worker.device_inputs import DeviceStepPlan
 
 
 @dataclass
@@ -69,6 +74,8 @@ class PreparedStep:
         pool_rows: ``[N]`` int64 rows whose final hidden states the pooling requests finishing
             this step need (``None``: no such request); pool_spans: those requests (``worker/pooler.py``).
         model_kwargs: extra keyword arguments of the model's forward (a hybrid model's ``state``).
+        device_plan: the device path's staged step (``worker/device_inputs.py``); while set,
+            ``input_ids``, ``positions`` and ``meta`` are ``None`` until the step runs.
     """
 
     input_ids: torch.Tensor
@@ -90,6 +97,7 @@ class PreparedStep:
     pool_rows: torch.Tensor | None = None
     pool_spans: list[PoolingSpan] = field(default_factory=list)
     model_kwargs: dict = field(default_factory=dict)
+    device_plan: DeviceStepPlan | None = None
 
 
 class StepHandle:
@@ -173,6 +181,11 @@ class ModelRunner:
         if self.attention_backend.name == "triton":
             from pagedllm.worker.device_sampler import DeviceSampler
             self._device_sampler = DeviceSampler(self.sampler, seed)
+        self._device_inputs = None  # ... and builds inputs on the device (PAGEDLLM_DEVICE_INPUTS=0: on the host)
+        if self.attention_backend.name == "triton" and os.environ.get("PAGEDLLM_DEVICE_INPUTS", "1") != "0":
+            from pagedllm.worker.device_inputs import DeviceInputs
+            self._device_inputs = DeviceInputs(self.input_batch, self.attention_backend, device)
+        self._no_pending = torch.zeros(0, dtype=torch.int64, device=device)
         self._eos = min(eos_token_ids) if eos_token_ids else 0
         self._last: PreparedStep | None = None  # the most recently issued step
         self._executor = executor
@@ -208,23 +221,44 @@ class ModelRunner:
         np.cumsum(n, out=qsl[1:])
         end = start + n
         spec = self._write_drafts(rids, slots, so.spec_token_ids)
-        input_ids, positions, meta = self._prepare_inputs(slots, n, start, end, qsl)
         sample, pend, pending_src, slot_row, sampling = self._prepare_sampling(slots, end, spec)
         rows, prompt_lp = self._prepare_prompt_logprobs(rids, slots, start, end, qsl, sample, spec)
-        input_ids, positions, logits_rows, pending_idx, pending_src = to_device(
-            [input_ids, positions, rows, qsl[1:][pend] - 1, pending_src], self.device)
+        inputs = self._stage_inputs(slots, n, start, end, qsl, spec, pend, pending_src, rows)
         pool_rows, pool_spans = self._prepare_pooling(rids, slots, start, end, qsl)
         kwargs = {} if self.state_cache is None else {
             "state": self.state_cache.batch(self.input_batch.state_slot[slots], start, qsl, rids,
                                             so.state_restores, so.state_checkpoints)}
         return PreparedStep(
             pool_rows=pool_rows, pool_spans=pool_spans, model_kwargs=kwargs,
-            input_ids=input_ids, positions=positions, meta=meta,
-            logits_rows=logits_rows, sample_ids=[rids[i] for i in sample.tolist()],
-            sampling=sampling, prompt_lp=prompt_lp, pending_idx=pending_idx, pending_src=pending_src,
+            **inputs, sample_ids=[rids[i] for i in sample.tolist()], sampling=sampling, prompt_lp=prompt_lp,
             slot_row=slot_row, grammar=self._grammar_rows(rids, sample, sampling, so.spec_token_ids),
             drafts=None if not so.spec_token_ids else [so.spec_token_ids.get(rids[i], []) for i in sample.tolist()],
             draft_probs=None if not so.spec_draft_probs else [so.spec_draft_probs.get(rids[i]) for i in sample.tolist()])
+
+    def _stage_inputs(self, slots: np.ndarray, n: np.ndarray, start: np.ndarray, end: np.ndarray, qsl: np.ndarray,
+                      spec: np.ndarray, pend: np.ndarray, pending_src: np.ndarray, rows: np.ndarray) -> dict:
+        """The step's model inputs as ``PreparedStep`` fields, in one transfer: gathered in numpy
+        (``_prepare_inputs``), or on the Triton path only diffs and layout, the inputs built by kernels
+        when the step runs (``worker/device_inputs.py``). Marks the tokens computed in the batch."""
+        if self._device_inputs is None:
+            input_ids, positions, meta = self._prepare_inputs(slots, n, start, end, qsl)
+            input_ids, positions, logits_rows, pending_idx, pending_src = to_device(
+                [input_ids, positions, rows, qsl[1:][pend] - 1, pending_src], self.device)
+            return dict(input_ids=input_ids, positions=positions, meta=meta, logits_rows=logits_rows,
+                        pending_idx=pending_idx, pending_src=pending_src)
+        plan, (logits_rows,) = self._device_inputs.prepare(slots, n, start, end, spec, pend, pending_src, [rows])
+        self.input_batch.num_computed_tokens[slots] = end
+        return dict(input_ids=None, positions=None, meta=None, logits_rows=logits_rows, device_plan=plan,
+                    pending_idx=self._no_pending, pending_src=self._no_pending)
+
+    def _fill_inputs(self, step: PreparedStep, prev: PreparedStep | None) -> None:
+        """Complete the step's inputs on the execution thread, in step order: its placeholders from
+        the previous step's samples (host path), or the whole inputs built on the device."""
+        if step.device_plan is not None:
+            prev_sampled = prev.sampled if prev is not None else None
+            step.input_ids, step.positions, step.meta = self._device_inputs.materialize(step.device_plan, prev_sampled)
+        elif step.pending_idx.numel():
+            step.input_ids[step.pending_idx] = prev.sampled[step.pending_src]
 
     def _write_drafts(self, rids: list[str], slots: np.ndarray, drafts: dict[str, list[int]]) -> np.ndarray:
         """Put each request's draft tokens after its known tokens (they are inputs of this step, not
@@ -377,8 +411,7 @@ class ModelRunner:
         t1 = time.perf_counter()
         if timer is not None:
             timer.exec_started(t1)
-        if step.pending_idx.numel():
-            step.input_ids[step.pending_idx] = prev.sampled[step.pending_src]
+        self._fill_inputs(step, prev)
         out = ModelRunnerOutput()
         if step.pool_rows is None:
             logits = self.model(step.input_ids, step.positions, self.kv_caches, step.meta, step.logits_rows,

@@ -3,7 +3,10 @@
 Greedy tokens must equal the torch backend's (up to a transformers near-tie, as
 every greedy comparison of the suite): ragged prompts under a small step budget
 (chunked prefill mixed with decodes), then prompts sharing a cached prefix
-(prefix-cache hits read the earlier blocks through the block table).
+(prefix-cache hits read the earlier blocks through the block table). The Triton run
+builds its inputs on the device (``worker/device_inputs.py``), async scheduling's
+placeholders gathered there; a second Triton run with the host preparation
+(``PAGEDLLM_DEVICE_INPUTS=0``) must give the same tokens.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ def _hf_loader(path):
     return load
 
 
-def test_tiny_llama_triton_equals_torch_backend(tiny_model_dir, greedy_ref, assert_no_leaks):
+def test_tiny_llama_triton_equals_torch_backend(tiny_model_dir, greedy_ref, assert_no_leaks, monkeypatch):
     path = str(tiny_model_dir("llama"))
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(10, 40000, (n,), generator=g).tolist() for n in (3, 21, 40, 9)]
@@ -30,15 +33,19 @@ def test_tiny_llama_triton_equals_torch_backend(tiny_model_dir, greedy_ref, asse
     second = [shared + [11, 12, 13], shared[:20] + [7] * 5]
     common = dict(num_kv_blocks=48, block_size=16, max_num_batched_tokens=32, max_num_seqs=8)
     results = {}
-    for name in ("torch", "triton"):
-        llm = LLM(path, attention_backend=name, **common)
-        assert llm.llm_engine.runner.attention_backend.name == name
+    for name in ("torch", "triton", "triton-host"):
+        monkeypatch.setenv("PAGEDLLM_DEVICE_INPUTS", "0" if name == "triton-host" else "1")
+        llm = LLM(path, attention_backend=name.split("-")[0], **common)
+        runner = llm.llm_engine.runner
+        assert runner.attention_backend.name == name.split("-")[0]
+        assert (runner._device_inputs is not None) == (name == "triton")
         first = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
         then = [o.outputs[0].token_ids for o in llm.generate(second, GREEDY, use_tqdm=False)]
         assert llm.llm_engine.get_stats().prefix_cache_hits >= 32  # the shared prompt's two blocks
         assert_no_leaks(llm.llm_engine)
         results[name] = first + then
         del llm
+    assert results["triton"] == results["triton-host"]  # the two preparations feed the same kernels
     for i, (got, want) in enumerate(zip(results["triton"], results["torch"])):
         p = (prompts + second)[i]
         greedy_ref.assert_same_greedy(list(got), list(want), p, _hf_loader(path), f"triton prompt {i} (len {len(p)})")

@@ -3,7 +3,10 @@
 A seeded row draws the same token whatever its batch and row; greedy rows are
 the argmax; the draw follows the torch sampler's target distribution
 (temperature, top-k, top-p, min-p) by frequency; the batched penalties and
-logit bias equal the torch sampler's.
+logit bias equal the torch sampler's, and so does the runner's device processing
+(``process_on_device``: bias then penalties from a step's ``SamplingMetadata``, a
+pending token in the history included); greedy rows with penalties and bias draw
+the torch sampler's tokens.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import torch
 
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker import device_sampler as ds
+from pagedllm.worker.input_batch import SamplingMetadata
 from pagedllm.worker.sampler import Sampler, apply_penalties
 
 V = 50
@@ -92,3 +96,36 @@ def test_philox_keys_differ_per_seed():
     keys = {ds.philox_key(s) for s in range(100)}
     assert len(keys) == 100 and all(0 <= k < 1 << 62 for k in keys)
     assert np.all(np.array(sorted(keys)) >= 0)
+
+
+def _metadata(params, outputs, prompts, pending_rows, pending_src):
+    pen = [i for i, p in enumerate(params) if p.has_penalties]
+    return SamplingMetadata(
+        params=params, output_lens=np.array([len(o) for o in outputs], np.int64),
+        all_greedy=all(p.temperature == 0 for p in params), any_min_tokens=False,
+        any_logit_bias=any(p.logit_bias for p in params), penalty_rows=pen,
+        penalty_outputs=[np.array(outputs[i], np.int64) for i in pen],
+        penalty_prompts=[np.array(prompts[i] if params[i].repetition_penalty != 1.0 else [], np.int64) for i in pen],
+        pending_rows=np.array(pending_rows, np.int64), pending_src=np.array(pending_src, np.int64))
+
+
+def test_runner_processing_on_device_equals_the_torch_sampler():
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(5, V, generator=g)
+    params = [SamplingParams(temperature=0, presence_penalty=0.7, frequency_penalty=0.4, logit_bias={3: 2.0, 9: -1.5}),
+              SamplingParams(temperature=0),
+              SamplingParams(temperature=0, repetition_penalty=1.3, logit_bias={7: 4.0}),
+              SamplingParams(temperature=0, logit_bias={1: -100.0}),
+              SamplingParams(temperature=0, frequency_penalty=-0.5, repetition_penalty=0.8)]
+    outputs = [[3, 3, 11], [], [7, 2], [4], [9, 9, 9, 12]]
+    prompts = [[1, 2], [5], [7, 8, 20], [6], [30, 31]]
+    md = _metadata(params, outputs, prompts, pending_rows=[0, 4], pending_src=[1, 0])
+    prev = [12, 3]  # row 0's pending token is 3 (a third 3), row 4's is 12
+    want = Sampler(0).process(logits.clone(), md, prev)
+    got = ds.process_on_device(logits.clone(), md, list(range(5)), prev)
+    torch.testing.assert_close(got, want)
+    sub = ds.process_on_device(logits[[0, 2, 4]], md, [0, 2, 4], prev)  # the device rows of a mixed batch
+    torch.testing.assert_close(sub, want[[0, 2, 4]])
+    sampler = ds.DeviceSampler(Sampler(0))
+    out, tokens = sampler(logits.clone(), md, prev)
+    assert out.token_ids == tokens.tolist() == want.argmax(-1).tolist()

@@ -3,6 +3,9 @@
 - Host syncs: while a step runs, pagedllm code calls ``.item()``, ``.tolist()``,
   ``.cpu()``, ``.numpy()`` or converts a tensor to a Python bool/int/float only once:
   the sampled tokens' copy to the host. (On a GPU each such call waits for the device.)
+  The step's inputs are built on the device (``worker/device_inputs.py``), placeholders
+  included, and logit bias and penalties are applied there (``process_on_device``): the
+  count covers both.
 - A seeded sampled request draws the same tokens alone and in a batch (device draw).
 """
 
@@ -16,7 +19,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.worker import model_runner
+from pagedllm.worker import device_inputs, model_runner
 
 SYNC_METHODS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
 
@@ -58,16 +61,30 @@ def test_one_host_sync_per_step(llm, monkeypatch):
         return out
 
     monkeypatch.setattr(model_runner.ModelRunner, "_run", counted_run)
+    plans = []
+    materialize = device_inputs.DeviceInputs.materialize
+
+    def recorded(self, plan, prev_sampled):
+        plans.append(plan)
+        return materialize(self, plan, prev_sampled)
+
+    monkeypatch.setattr(device_inputs.DeviceInputs, "materialize", recorded)
+    assert llm.llm_engine.runner._device_inputs is not None  # the device-side preparation is on
     prompts = [list(range(5, 35)), list(range(7, 12)), list(range(40, 49))]
-    params = [SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
-              SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=7, max_tokens=4, ignore_eos=True),
-              SamplingParams(temperature=1.0, min_p=0.05, max_tokens=4, ignore_eos=True)]
+    params = [SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logit_bias={5: 3.0}),
+              SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=7, max_tokens=4, ignore_eos=True,
+                             presence_penalty=0.5, repetition_penalty=1.2),
+              SamplingParams(temperature=1.0, min_p=0.05, max_tokens=4, ignore_eos=True, frequency_penalty=0.3)]
     llm.generate(prompts, params, use_tqdm=False)
     assert len(steps) >= 5 and not all(steps)  # a chunked prefill step samples nothing
     # exactly one per sampling step, all at the same place: the sampled ids' copy
     assert sum(calls.values()) == sum(steps), calls
     assert {name for name, _, _ in calls} == {"tolist"}, calls
     assert len({where for where in calls}) == 1, calls
+    # every step's inputs were built on the device, some with placeholders gathered there (async
+    # scheduling), and each step sent only diffs: at most its own tokens of the token table
+    assert len(plans) == len(steps) and any(p.has_pending for p in plans)
+    assert all(p.counts[3] <= p.counts[1] for p in plans)
 
 
 def test_seeded_request_same_alone_and_batched(llm):
