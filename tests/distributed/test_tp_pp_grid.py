@@ -105,3 +105,21 @@ def test_tp2_pp2_killed_worker_fails_fast_and_leaves_no_process(tiny_model_dir):
     finally:
         llm.engine.shutdown()
     assert _children() == []
+
+
+def test_ray_tp2_pp2_greedy_equals_mp(tiny_model_dir, monkeypatch):
+    """The same grid with ranks 1..3 as Ray actors (a local cluster; half a CPU per actor so three fit
+    a two-core machine's placement group) gives the multiprocess executor's tokens."""
+    ray = pytest.importorskip("ray")
+    monkeypatch.setenv("PAGEDLLM_RAY_CPUS_PER_WORKER", "0.5")
+    path = tiny_model_dir("llama")
+    want, llm_mp = _generate(path, PROMPTS[:2], **GRID)
+    llm_mp.engine.shutdown()
+    got, llm = _generate(path, PROMPTS[:2], distributed_executor_backend="ray", **GRID)
+    try:
+        executor = llm.engine.core.executor
+        assert type(executor).__name__ == "RayExecutor" and len(executor.actors) == 3
+    finally:
+        llm.engine.shutdown()
+    assert not ray.is_initialized()
+    assert got == want
