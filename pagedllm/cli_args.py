@@ -57,7 +57,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="ranks that split every layer (Megatron-style; native Llama/Qwen2, float weights)")
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
-                   help="ranks that split the layers into stages (not together with --tensor-parallel-size yet)")
+                   help="stages that split the layers (each a --tensor-parallel-size group: tp x pp ranks in all)")
     p.add_argument("--distributed-executor-backend", choices=["mp", "uni", "ray"], default=None,
                    help="mp: one process per extra rank (default with several ranks); ray: Ray actors "
                         "(RAY_ADDRESS joins a cluster); uni: one rank in process")

@@ -132,7 +132,8 @@ class EngineArgs:
             Megatron-style, ``models/layers/parallel.py``); above 1 needs a native model, float
             weights and an ``mp`` executor.
         pipeline_parallel_size: ranks that split the layers into stages (``--pipeline-parallel-size``,
-            ``models/layers/pipeline.py``); not together with tensor parallelism yet.
+            ``models/layers/pipeline.py``); with ``tensor_parallel_size`` too, each stage is a TP group
+            (``tp * pp`` ranks in all).
         distributed_executor_backend: ``mp`` (one process per extra rank, the default above one
             rank), ``ray`` (Ray actors placed by a placement group: the job may span machines) or
             ``uni`` (one rank in process); vLLM's name.
@@ -241,8 +242,7 @@ class EngineArgs:
         """Refuse parallel settings that are not implemented (each message names its flag).
 
         Raises:
-            ValueError: a size below 1, tensor and pipeline parallelism together (or either with data
-                parallelism), an unknown
+            ValueError: a size below 1, tensor or pipeline parallelism with data parallelism, an unknown
                 executor backend, ``uni`` with several ranks, or a draft model or packed
                 (``gguf``/``int8``) weights with them.
         """
@@ -250,9 +250,6 @@ class EngineArgs:
             raise ValueError(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
         if self.pipeline_parallel_size < 1:
             raise ValueError(f"--pipeline-parallel-size must be >= 1, got {self.pipeline_parallel_size}")
-        if self.pipeline_parallel_size > 1 and self.tensor_parallel_size > 1:
-            raise ValueError("--tensor-parallel-size and --pipeline-parallel-size above 1 together are not "
-                             "implemented yet (use one of them)")
         world = self.tensor_parallel_size * self.pipeline_parallel_size
         if world > 1 and self.data_parallel_size > 1:
             raise ValueError("--data-parallel-size above 1 together with --tensor-parallel-size or "
@@ -263,16 +260,23 @@ class EngineArgs:
         backend = self.distributed_executor_backend
         if backend not in (None, "mp", "uni", "ray"):
             raise ValueError(f"--distributed-executor-backend must be mp, uni or ray, got {backend!r}")
-        flag = "--tensor-parallel-size" if self.tensor_parallel_size > 1 else "--pipeline-parallel-size"
+        flags = self.parallel_flags()
         if backend == "uni" and world > 1:
-            raise ValueError(f"--distributed-executor-backend uni runs one rank; {flag} {world} needs mp")
+            raise ValueError(f"--distributed-executor-backend uni runs one rank; {flags} needs mp")
         if world > 1 and self.quantization in ("gguf", "int8"):
-            raise ValueError(f"{flag} {world} serves float weights only: use --quantization none (or auto), "
+            raise ValueError(f"{flags} serves float weights only: use --quantization none (or auto), "
                              f"not {self.quantization!r}")
         spec = self.speculative_config
         if world > 1 and spec is not None and spec.method == "draft_model":
-            raise ValueError(f"--speculative-config with a draft_model is not implemented with {flag} above 1 "
+            raise ValueError(f"--speculative-config with a draft_model is not implemented with {flags} "
                              "(ngram and suffix are)")
+
+    def parallel_flags(self) -> str:
+        """The parallel sizes above 1 as their flags, for messages (``--tensor-parallel-size 2
+        --pipeline-parallel-size 2``; ``""`` at one rank)."""
+        sizes = (("--tensor-parallel-size", self.tensor_parallel_size),
+                 ("--pipeline-parallel-size", self.pipeline_parallel_size))
+        return " ".join(f"{flag} {n}" for flag, n in sizes if n > 1)
 
     @classmethod
     def field_names(cls) -> set[str]:

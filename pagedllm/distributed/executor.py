@@ -79,7 +79,8 @@ class MultiprocExecutor(Executor):
     Args:
         args: the engine's ``EngineArgs`` (the workers load the same model with them).
         model_dir: the resolved model directory.
-        world_size: ranks in all (``tensor_parallel_size`` or ``pipeline_parallel_size``).
+        world_size: ranks in all (``tensor_parallel_size * pipeline_parallel_size``; rank ``r`` is
+            TP rank ``r % tp`` of pipeline stage ``r // tp``).
         run_on_exec: runs a function on the core's execution thread and returns its result
             (rank 0 joins the process group there).
     Raises:

@@ -302,11 +302,11 @@ class LlamaForCausalLM(nn.Module):
         Raises:
             KeyError: a parameter is missing from, or unknown to, the checkpoint.
         """
+        if self.pp_size > 1:  # this stage's tensors, renamed to its local layer indices
+            weights = stage_weights(self, weights)
         if self.tp_size > 1:  # each rank copies only its rows / columns
             from pagedllm.models.layers.parallel import load_parallel_weights
             return load_parallel_weights(self, weights, TP_FUSED, {"lm_head.weight"} if self.lm_head is None else ())
-        if self.pp_size > 1:  # this stage's tensors, renamed to its local layer indices
-            weights = stage_weights(self, weights)
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         attn0 = self.layers[0].self_attn

@@ -8,14 +8,23 @@ LM head, so the pipeline is a ring: per step, each stage receives the residual s
 the ``[R, hidden]`` rows whose logits are needed back to rank 0, which computes the logits and
 samples (and broadcasts the tokens, as in tensor parallelism). Per token that is one hidden row
 per stage boundary, not a row of logits. Every stage keeps the KV cache of its own layers only.
+
+With tensor parallelism inside each stage (Narayanan et al. 2021, section 2.3) a "stage" is a TP
+group: its ranks all-reduce inside the group, so after each row-parallel layer every rank of the
+stage holds the whole residual stream, and each sends it on to the rank at its own TP position in
+the next stage (``pp_send``/``pp_recv`` address stages, ``parallel_state.pp_peer`` the rank). The
+ring closes at stage 0, whose TP group holds the vocabulary-parallel embedding and LM head:
+the last stage's ranks send the ``[R, hidden]`` rows back to their stage-0 peers, which compute
+their vocabulary rows' logits, gathered on rank 0 (``ParallelLogits``). Sending the full hidden
+state from every TP rank costs ``tp`` times the bytes of vLLM's scattered send plus all-gather,
+and saves a collective per boundary; for a tied embedding it also keeps one copy of the table.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from pagedllm.distributed.parallel_state import get_pp_rank, get_pp_size, pp_recv, pp_send
+from pagedllm.distributed.parallel_state import get_pp_rank, get_pp_size, get_tp_size, pp_recv, pp_send
 
 
 def stage_layers(num_layers: int) -> tuple[int, int]:
@@ -44,11 +53,12 @@ def stage_weights(model, weights):
     Args:
         model: a ``LlamaForCausalLM`` built for this stage (``first_layer``, ``layers``;
             ``embed_tokens``, ``norm`` and ``lm_head`` only on rank 0).
-        weights: ``(name, tensor or safetensors slice)``; a kept slice is read whole here.
+        weights: ``(name, tensor or safetensors slice)``; without tensor parallelism a kept slice is
+            read whole here, with it the slice stays lazy (each TP rank reads only its part).
     Yields:
-        ``(name, tensor)`` with ``layers.<local index>`` names.
+        ``(name, tensor or slice)`` with ``layers.<local index>`` names.
     """
-    n, ends = len(model.layers), holds_ends()
+    n, ends, lazy = len(model.layers), holds_ends(), get_tp_size() > 1
     for name, source in weights:
         parts = name.removeprefix("model.").split(".")
         if parts[0] == "layers":
@@ -58,7 +68,7 @@ def stage_weights(model, weights):
             parts[1] = str(i)
         elif parts[0] in ("embed_tokens", "norm", "lm_head") and not ends:
             continue
-        yield ".".join(parts), source if isinstance(source, torch.Tensor) else source[:]
+        yield ".".join(parts), source if lazy or isinstance(source, torch.Tensor) else source[:]
 
 
 def pipeline_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta,
@@ -68,10 +78,12 @@ def pipeline_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, kv
     Rank 0 embeds, runs its layers and sends the hidden state ``[T, hidden]`` (the residual stream,
     ``x + residual``) on; each stage runs its layers on it (a stage's first layer takes it as a
     first layer takes the embeddings); the last sends the ``[R, hidden]`` rows of
-    ``logits_indices`` back to rank 0, which applies the final norm and the LM head.
+    ``logits_indices`` back to rank 0, which applies the final norm and the LM head. With tensor
+    parallelism every rank does this at its TP position; stage 0's TP group computes the logits
+    (``LlamaForCausalLM._logits``: vocabulary-parallel, gathered on rank 0).
 
     Returns:
-        ``[R, vocab]`` float32 logits on rank 0; ``[R, 0]`` on the other stages.
+        ``[R, vocab]`` float32 logits on rank 0; ``[R, 0]`` on every other rank.
     """
     rank, size = get_pp_rank(), get_pp_size()
     t, hidden, dev = input_ids.shape[0], model.config.hidden_size, input_ids.device
@@ -89,5 +101,4 @@ def pipeline_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, kv
     if rank != 0:
         return x.new_empty(logits_indices.shape[0], 0)
     rows = pp_recv((logits_indices.shape[0], hidden), dtype, size - 1, dev)
-    w = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-    return F.linear(model.norm(rows), w).float()
+    return model._logits(model.norm(rows))
