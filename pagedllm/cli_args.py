@@ -58,6 +58,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="ranks that split every layer (Megatron-style; native Llama/Qwen2, float weights)")
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
                    help="stages that split the layers (each a --tensor-parallel-size group: tp x pp ranks in all)")
+    p.add_argument("--pipeline-micro-batches", type=int, default=0,
+                   help="micro-batches per pipelined step, run through the stages as a pipeline (0: one per "
+                        "stage; 1: the whole step at once); a request is never split")
     p.add_argument("--distributed-executor-backend", choices=["mp", "uni", "ray"], default=None,
                    help="mp: one process per extra rank (default with several ranks); ray: Ray actors "
                         "(RAY_ADDRESS joins a cluster); uni: one rank in process")
@@ -101,6 +104,7 @@ def engine_args_from_cli(a: argparse.Namespace) -> EngineArgs:
                       async_scheduling=a.async_scheduling, speculative_config=a.speculative_config,
                       attention_backend=a.attention_backend, enforce_eager=a.enforce_eager,
                       tensor_parallel_size=a.tensor_parallel_size, pipeline_parallel_size=a.pipeline_parallel_size,
+                      pipeline_micro_batches=getattr(a, "pipeline_micro_batches", 0),
                       distributed_executor_backend=a.distributed_executor_backend,
                       data_parallel_size=a.data_parallel_size, runner=_runner(a))
 

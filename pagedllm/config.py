@@ -134,6 +134,9 @@ class EngineArgs:
         pipeline_parallel_size: ranks that split the layers into stages (``--pipeline-parallel-size``,
             ``models/layers/pipeline.py``); with ``tensor_parallel_size`` too, each stage is a TP group
             (``tp * pp`` ranks in all).
+        pipeline_micro_batches: micro-batches each pipelined step is cut into
+            (``--pipeline-micro-batches``, ``distributed/micro_batch.py``): 0 (default) one per stage,
+            1 the whole step at once; a request is never split, so a step has at most one per request.
         distributed_executor_backend: ``mp`` (one process per extra rank, the default above one
             rank), ``ray`` (Ray actors placed by a placement group: the job may span machines) or
             ``uni`` (one rank in process); vLLM's name.
@@ -182,6 +185,7 @@ class EngineArgs:
     speculative_config: Any = None
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    pipeline_micro_batches: int = 0
     distributed_executor_backend: str | None = None
     attention_backend: str | None = None
     enforce_eager: bool = False
@@ -242,7 +246,7 @@ class EngineArgs:
         """Refuse parallel settings that are not implemented (each message names its flag).
 
         Raises:
-            ValueError: a size below 1, tensor or pipeline parallelism with data parallelism, an unknown
+            ValueError: a size below 1 (micro-batches below 0), tensor or pipeline parallelism with data parallelism, an unknown
                 executor backend, ``uni`` with several ranks, or a draft model or packed
                 (``gguf``/``int8``) weights with them.
         """
@@ -250,6 +254,8 @@ class EngineArgs:
             raise ValueError(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
         if self.pipeline_parallel_size < 1:
             raise ValueError(f"--pipeline-parallel-size must be >= 1, got {self.pipeline_parallel_size}")
+        if self.pipeline_micro_batches < 0:
+            raise ValueError(f"--pipeline-micro-batches must be >= 0 (0: one per stage), got {self.pipeline_micro_batches}")
         world = self.tensor_parallel_size * self.pipeline_parallel_size
         if world > 1 and self.data_parallel_size > 1:
             raise ValueError("--data-parallel-size above 1 together with --tensor-parallel-size or "

@@ -104,3 +104,24 @@ def paged_fields(batch: AttentionBatch, device: torch.device) -> dict:
                 decode_block_tables=torch.from_numpy(dec_tables).to(device),
                 decode_seq_lens=torch.from_numpy(dec_len).to(device),
                 prefills=prefills)
+
+
+def slice_batch(batch: AttentionBatch, start: int, end: int) -> AttentionBatch:
+    """Requests ``[start, end)`` of ``batch`` as a batch of their own (a pipeline micro-batch).
+
+    Its rows are renumbered from 0: ``query_start_loc`` ``[end - start + 1]`` int64 starts at 0 and
+    ``slot_mapping`` keeps only those requests' ``qsl[end] - qsl[start]`` tokens; ``num_computed``,
+    ``seq_lens`` and ``rows`` (block table rows) are the requests' entries; the persistent
+    ``block_table`` is shared, not copied (a backend reads only the rows named). Views, no copies.
+
+    Raises:
+        ValueError: an empty or out-of-range request range.
+    """
+    r = batch.seq_lens.shape[0]
+    if not 0 <= start < end <= r:
+        raise ValueError(f"request range [{start}, {end}) is empty or outside the batch's {r} requests")
+    qsl = batch.query_start_loc
+    t0, t1 = int(qsl[start]), int(qsl[end])
+    return AttentionBatch(query_start_loc=qsl[start:end + 1] - t0, num_computed=batch.num_computed[start:end],
+                          seq_lens=batch.seq_lens[start:end], slot_mapping=batch.slot_mapping[t0:t1],
+                          block_table=batch.block_table, rows=batch.rows[start:end], block_size=batch.block_size)

@@ -111,7 +111,8 @@ class MultiprocExecutor(Executor):
                 self.conns.append(parent)
             backend = "nccl" if args.torch_device.type == "cuda" else "gloo"
             run_on_exec(lambda: init_distributed(0, world_size, url, backend,
-                                                 pipeline_parallel_size=args.pipeline_parallel_size))
+                                                 pipeline_parallel_size=args.pipeline_parallel_size,
+                                                 pipeline_micro_batches=args.pipeline_micro_batches))
         except BaseException:
             self.shutdown()
             raise

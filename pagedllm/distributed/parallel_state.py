@@ -50,7 +50,7 @@ class CommStats:
 
 
 _ALONE = {"rank": 0, "world_size": 1, "tp_rank": 0, "tp_size": 1, "pp_rank": 0, "pp_size": 1,
-          "group": None, "tp_group": None, "pp_group": None}
+          "group": None, "tp_group": None, "pp_group": None, "pp_micro_batches": 1}
 _STATE = dict(_ALONE)
 COMM_STATS = CommStats()
 
@@ -89,7 +89,8 @@ def _member_group(rank_lists: list[list[int]], rank: int, world_size: int):
 
 
 def init_distributed(rank: int, world_size: int, init_method: str, backend: str = "gloo",
-                     timeout_s: float = 300.0, pipeline_parallel_size: int = 1) -> None:
+                     timeout_s: float = 300.0, pipeline_parallel_size: int = 1,
+                     pipeline_micro_batches: int = 0) -> None:
     """Join the job as global ``rank`` of ``world_size`` = ``tp * pipeline_parallel_size`` ranks and
     build the grid's groups: this rank is TP rank ``rank % tp`` of stage ``rank // tp``.
 
@@ -101,6 +102,8 @@ def init_distributed(rank: int, world_size: int, init_method: str, backend: str 
             in collectives only while stepping (idle workers wait on their pipe), so no legitimate
             wait comes near it.
         pipeline_parallel_size: stages (1: the whole job is one TP group).
+        pipeline_micro_batches: micro-batches a pipelined step is split into
+            (``--pipeline-micro-batches``; 0: one per stage; 1: the whole step at once).
     Raises:
         RuntimeError: a group already exists in this process, or the rendezvous failed.
         ValueError: ``world_size`` is not a multiple of ``pipeline_parallel_size``.
@@ -116,7 +119,8 @@ def init_distributed(rank: int, world_size: int, init_method: str, backend: str 
     tp_lists, pp_lists = grid_groups(tp, pp)
     _STATE.update(rank=rank, world_size=world_size, tp_rank=rank % tp, tp_size=tp, pp_rank=rank // tp,
                   pp_size=pp, group=dist.group.WORLD, tp_group=_member_group(tp_lists, rank, world_size),
-                  pp_group=_member_group(pp_lists, rank, world_size))
+                  pp_group=_member_group(pp_lists, rank, world_size),
+                  pp_micro_batches=pipeline_micro_batches or pp)
 
 
 def destroy_distributed() -> None:
@@ -153,6 +157,12 @@ def get_pp_size() -> int:
     return _STATE["pp_size"]
 
 
+def get_pp_micro_batches() -> int:
+    """Micro-batches a pipelined step is split into at most (1 without a pipeline or with
+    ``--pipeline-micro-batches 1``)."""
+    return _STATE["pp_micro_batches"] if _STATE["pp_size"] > 1 else 1
+
+
 def pp_peer(stage: int) -> int:
     """The global rank at this rank's TP position in pipeline stage ``stage`` (its pipeline-group peer)."""
     return stage * _STATE["tp_size"] + _STATE["tp_rank"]
@@ -176,6 +186,34 @@ def pp_recv(shape: tuple[int, ...], dtype: torch.dtype, src: int, device=None) -
     dist.recv(x, pp_peer(src), group=_STATE["pp_group"])
     COMM_STATS.p2p_s += time.perf_counter() - t0
     return x
+
+
+def pp_isend(x: torch.Tensor, dst: int, tag: int = 0):
+    """Start sending ``x`` to this TP position's rank of pipeline stage ``dst`` without waiting.
+
+    Returns the ``torch.distributed`` work handle: ``x`` must stay unchanged until its ``wait()``
+    (the caller keeps both). ``tag`` tells apart the micro-batches of one step.
+    """
+    x = x.contiguous()
+    COMM_STATS.p2p_calls += 1
+    COMM_STATS.p2p_bytes += x.numel() * x.element_size()
+    return dist.isend(x, pp_peer(dst), group=_STATE["pp_group"], tag=tag)
+
+
+def pp_irecv(shape: tuple[int, ...], dtype: torch.dtype, src: int, device=None, tag: int = 0):
+    """Start receiving a ``shape`` ``dtype`` tensor from this TP position's rank of stage ``src``.
+
+    Returns ``(tensor, work)``: the tensor holds the message once ``work.wait()`` returned.
+    """
+    x = torch.empty(shape, dtype=dtype, device=device)
+    return x, dist.irecv(x, pp_peer(src), group=_STATE["pp_group"], tag=tag)
+
+
+def pp_wait(work) -> None:
+    """Wait for a ``pp_isend``/``pp_irecv`` handle, the wait counted in ``COMM_STATS.p2p_s``."""
+    t0 = time.perf_counter()
+    work.wait()
+    COMM_STATS.p2p_s += time.perf_counter() - t0
 
 
 def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:

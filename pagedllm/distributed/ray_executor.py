@@ -47,7 +47,8 @@ class RayWorker:
         torch.set_num_threads(self.args.num_threads or torch.get_num_threads())
         init_distributed(self.rank, self.world_size, self.init_method,
                          "nccl" if self.args.torch_device.type == "cuda" else "gloo",
-                         pipeline_parallel_size=self.args.pipeline_parallel_size)
+                         pipeline_parallel_size=self.args.pipeline_parallel_size,
+                         pipeline_micro_batches=self.args.pipeline_micro_batches)
         return os.getpid()
 
     def load(self) -> None:
@@ -121,7 +122,8 @@ class RayExecutor(Executor):
             joined = [a.join.remote() for a in self.actors]
             backend = "nccl" if args.torch_device.type == "cuda" else "gloo"
             run_on_exec(lambda: init_distributed(0, world_size, url, backend,
-                                                 pipeline_parallel_size=args.pipeline_parallel_size))
+                                                 pipeline_parallel_size=args.pipeline_parallel_size,
+                                                 pipeline_micro_batches=args.pipeline_micro_batches))
             self.pids = ray.get(joined)
             self._loads = [a.load.remote() for a in self.actors]
         except BaseException:

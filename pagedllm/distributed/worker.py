@@ -70,7 +70,8 @@ def worker_main(rank: int, world_size: int, init_method: str, args, model_dir: s
     torch.set_num_threads(args.num_threads or torch.get_num_threads())
     try:
         init_distributed(rank, world_size, init_method, "nccl" if args.torch_device.type == "cuda" else "gloo",
-                         pipeline_parallel_size=args.pipeline_parallel_size)
+                         pipeline_parallel_size=args.pipeline_parallel_size,
+                         pipeline_micro_batches=args.pipeline_micro_batches)
         from pagedllm.models.registry import load_model
         model, _ = load_model(model_dir, args.torch_dtype, args.torch_device, args.model_impl, args.quantization,
                               args.attention_backend)

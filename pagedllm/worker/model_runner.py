@@ -30,6 +30,7 @@ import torch
 from pagedllm.attention.backend import AttentionBackend
 from pagedllm.attention.metadata import AttentionBatch, AttentionMetadata
 from pagedllm.attention.torch_paged import TorchPagedBackend
+from pagedllm.distributed.micro_batch import step_metadata
 from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.structured_output.backend import apply_bitmask
 from pagedllm.structured_output.manager import GrammarMask
@@ -304,7 +305,8 @@ class ModelRunner:
         input_ids = b.token_ids[row_slot, pos].astype(np.int64)
         slot_mapping = b.block_table[row_slot, pos // bs] * bs + pos % bs
         b.num_computed_tokens[slots] = end
-        meta = self.attention_backend.build_metadata(AttentionBatch(
+        # whole, or as pipeline micro-batches (``distributed/micro_batch.py``)
+        meta = step_metadata(self.attention_backend, AttentionBatch(
             query_start_loc=qsl, num_computed=start, seq_lens=end, slot_mapping=slot_mapping,
             block_table=b.block_table, rows=slots, block_size=bs))
         return input_ids, pos, meta

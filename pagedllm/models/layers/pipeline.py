@@ -1,5 +1,5 @@
 """Pipeline parallelism: the decoder layers split into stages, one per rank (GPipe, Huang et al. 2019,
-without micro-batches; shaped as vLLM's ``make_layers`` / ``IntermediateTensors``).
+micro-batched inside each step; shaped as vLLM's ``make_layers`` / ``IntermediateTensors``).
 
 Stage ``r`` holds layers ``[first, end)`` (``stage_layers``; earlier stages take the extra layer
 when the split is uneven); rank 0 also holds both ends, the embedding and the final norm with the
@@ -18,13 +18,27 @@ the last stage's ranks send the ``[R, hidden]`` rows back to their stage-0 peers
 their vocabulary rows' logits, gathered on rank 0 (``ParallelLogits``). Sending the full hidden
 state from every TP rank costs ``tp`` times the bytes of vLLM's scattered send plus all-gather,
 and saves a collective per boundary; for a tied embedding it also keeps one copy of the table.
+
+Micro-batches (GPipe's, for a forward only): the step's requests are cut into ``M`` runs of whole
+requests (``distributed/micro_batch.py``, ``--pipeline-micro-batches``) and each stage takes them
+in turn: stage 0 runs micro-batch 0's layers, starts sending it (``pp_isend``, non-blocking) and
+goes on with micro-batch 1 while stage 1 runs micro-batch 0, and so on; a stage posts the receive
+of micro-batch ``k + 1`` before computing ``k``. Every send is waited before the step returns (its
+buffer is then free). Rank 0 receives each micro-batch's ``[R_k, hidden]`` final rows from the
+last stage, puts them back in ``logits_indices`` order and runs the norm and LM head once. With
+``S`` stages and ``M`` micro-batches a step's pipeline is busy ``M / (M + S - 1)`` of the time
+instead of ``1 / S``.
 """
 
 from __future__ import annotations
 
 import torch
 
-from pagedllm.distributed.parallel_state import get_pp_rank, get_pp_size, get_tp_size, pp_recv, pp_send
+from pagedllm.distributed.micro_batch import MicroBatch, micro_batches_of
+from pagedllm.distributed.parallel_state import get_pp_rank, get_pp_size, get_tp_size, pp_irecv, pp_isend, pp_wait
+
+# when a list, each stage call appends ``(event, micro-batch, sends in flight)`` to it (tests)
+PIPELINE_TRACE: list[tuple[str, int, int]] | None = None
 
 
 def stage_layers(num_layers: int) -> tuple[int, int]:
@@ -71,34 +85,81 @@ def stage_weights(model, weights):
         yield ".".join(parts), source if lazy or isinstance(source, torch.Tensor) else source[:]
 
 
-def pipeline_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta,
-                     logits_indices: torch.Tensor) -> torch.Tensor:
-    """One step of this stage (``LlamaForCausalLM.forward``'s arguments; ``kv_caches``: this stage's layers).
+def _trace(event: str, k: int, in_flight: int) -> None:
+    """Record a pipeline event while ``PIPELINE_TRACE`` is a list (a test counts them)."""
+    if PIPELINE_TRACE is not None:
+        PIPELINE_TRACE.append((event, k, in_flight))
 
-    Rank 0 embeds, runs its layers and sends the hidden state ``[T, hidden]`` (the residual stream,
-    ``x + residual``) on; each stage runs its layers on it (a stage's first layer takes it as a
-    first layer takes the embeddings); the last sends the ``[R, hidden]`` rows of
-    ``logits_indices`` back to rank 0, which applies the final norm and the LM head. With tensor
-    parallelism every rank does this at its TP position; stage 0's TP group computes the logits
-    (``LlamaForCausalLM._logits``: vocabulary-parallel, gathered on rank 0).
 
-    Returns:
-        ``[R, vocab]`` float32 logits on rank 0; ``[R, 0]`` on every other rank.
-    """
-    rank, size = get_pp_rank(), get_pp_size()
-    t, hidden, dev = input_ids.shape[0], model.config.hidden_size, input_ids.device
-    dtype = model.layers[0].input_layernorm.weight.dtype
-    x = model.embed_tokens(input_ids) if rank == 0 else pp_recv((t, hidden), dtype, rank - 1, dev)
+def _run_layers(model, x: torch.Tensor, positions: torch.Tensor, kv_caches, meta) -> torch.Tensor:
+    """This stage's layers on ``x`` ``[t, hidden]`` (embeddings or the previous stage's stream);
+    returns the residual stream ``[t, hidden]`` (``x + residual`` after the last layer)."""
     residual = None
     rope = model.rotary.prepare(positions, x.dtype)
     for layer, kv in zip(model.layers, kv_caches):
         x, residual = layer(rope, x, residual, kv, meta)
-    stream = x + residual
-    if rank < size - 1:
-        pp_send(stream, rank + 1)
-    else:
-        pp_send(stream.index_select(0, logits_indices), 0)
+    return x + residual
+
+
+def _logits_rows(mbs: list[MicroBatch], logits_indices: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per micro-batch ``(positions in logits_indices, rows local to the micro-batch)``, int64 each:
+    where its logits go in the step's ``[R, vocab]`` and which of its rows the last stage sends."""
+    out = []
+    for mb in mbs:
+        pick = torch.nonzero((logits_indices >= mb.start) & (logits_indices < mb.end)).flatten()
+        out.append((pick, logits_indices.index_select(0, pick) - mb.start))
+    return out
+
+
+def pipeline_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta,
+                     logits_indices: torch.Tensor) -> torch.Tensor:
+    """One step of this stage, micro-batch by micro-batch (``LlamaForCausalLM.forward``'s arguments;
+    ``kv_caches``: this stage's layers; ``meta``: a ``MicroBatchedMetadata`` or one backend metadata).
+
+    Rank 0 embeds each micro-batch, runs its layers and sends the hidden state ``[t_k, hidden]``
+    (the residual stream) on; each stage runs its layers on it (a stage's first layer takes it as a
+    first layer takes the embeddings); the last sends micro-batch ``k``'s rows of
+    ``logits_indices`` back to rank 0, which applies the final norm and the LM head to all of them.
+    With tensor parallelism every rank does this at its TP position; stage 0's TP group computes
+    the logits (``LlamaForCausalLM._logits``: vocabulary-parallel, gathered on rank 0). Sends are
+    non-blocking (``pp_isend``, tag = micro-batch index) and waited before returning.
+
+    Returns:
+        ``[R, vocab]`` float32 logits on rank 0, in ``logits_indices`` order; ``[R, 0]`` on every other rank.
+    Raises:
+        RuntimeError: a peer's send or receive failed (``torch.distributed``; a dead rank).
+    """
+    rank, size = get_pp_rank(), get_pp_size()
+    hidden, dev = model.config.hidden_size, input_ids.device
+    dtype = model.layers[0].input_layernorm.weight.dtype
+    mbs = micro_batches_of(meta, input_ids.shape[0])
+    rows = _logits_rows(mbs, logits_indices)
+    # rank 0 posts the returns first: the last stage's sends complete as soon as they are made
+    back = [pp_irecv((pick.shape[0], hidden), dtype, size - 1, dev, tag=k) for k, (pick, _) in enumerate(rows)] \
+        if rank == 0 else []
+    recv = pp_irecv((mbs[0].end - mbs[0].start, hidden), dtype, rank - 1, dev, tag=0) if rank > 0 else None
+    sends = []  # (buffer, work) in flight: the buffer lives until its wait
+    for k, mb in enumerate(mbs):
+        if rank == 0:
+            x = model.embed_tokens(input_ids[mb.start:mb.end])
+        else:
+            x, work = recv
+            pp_wait(work)
+            if k + 1 < len(mbs):  # the next micro-batch arrives while this one computes
+                nxt = mbs[k + 1]
+                recv = pp_irecv((nxt.end - nxt.start, hidden), dtype, rank - 1, dev, tag=k + 1)
+        _trace("compute", k, len(sends))
+        stream = _run_layers(model, x, positions[mb.start:mb.end], kv_caches, mb.meta)
+        out = stream if rank < size - 1 else stream.index_select(0, rows[k][1])
+        sends.append((out, pp_isend(out, (rank + 1) % size, tag=k)))
+        _trace("send", k, len(sends))
+    for _, work in sends:
+        pp_wait(work)
     if rank != 0:
-        return x.new_empty(logits_indices.shape[0], 0)
-    rows = pp_recv((logits_indices.shape[0], hidden), dtype, size - 1, dev)
-    return model._logits(model.norm(rows))
+        return logits_indices.new_empty(logits_indices.shape[0], 0, dtype=torch.float32)
+    final = torch.empty(logits_indices.shape[0], hidden, dtype=dtype, device=dev)
+    for k, ((part, work), (pick, _)) in enumerate(zip(back, rows)):
+        pp_wait(work)
+        _trace("receive", k, 0)
+        final.index_copy_(0, pick, part)
+    return model._logits(model.norm(final))
