@@ -183,3 +183,23 @@ def test_pp3_three_micro_batches_match_pp1(tiny_model_dir, reference, greedy_ref
     assert _children() == []
     _check(batch, reference[0], PROMPTS, path, greedy_ref, "PP=3 x 3 micro-batches")
     _check(single, reference[1], PROMPTS[:1], path, greedy_ref, "PP=3 x 3, one request")
+
+
+def test_pp2_micro_batches_with_ngram_drafts_match_pp1(tiny_model_dir):
+    """Draft tokens give a request several logits rows; each micro-batch returns its own, in order."""
+    path = tiny_model_dir("llama")
+    prompts = [PROMPTS[1], [5, 6, 7, 8] * 8, PROMPTS[0]]
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "dynamic": False, "prompt_lookup_min": 1}
+    ref = LLM(str(path), **CHUNKED)
+    try:
+        want = _generate(ref, prompts)
+    finally:
+        ref.engine.shutdown()
+    llm = LLM(str(path), pipeline_parallel_size=2, speculative_config=spec, **CHUNKED)
+    try:
+        got = _generate(llm, prompts)
+        stats = llm.engine.get_stats()
+        assert stats.spec_num_draft_tokens > 0 and stats.spec_num_accepted_tokens > 0, stats
+    finally:
+        llm.engine.shutdown()
+    assert got == want
