@@ -109,6 +109,7 @@ class MultiprocExecutor(Executor):
                 child.close()
                 self.procs.append(p)
                 self.conns.append(parent)
+            self._await_joining()
             backend = "nccl" if args.torch_device.type == "cuda" else "gloo"
             run_on_exec(lambda: init_distributed(0, world_size, url, backend,
                                                  pipeline_parallel_size=args.pipeline_parallel_size,
@@ -125,6 +126,30 @@ class MultiprocExecutor(Executor):
         logger.info("tensor-parallel size %d, pipeline-parallel size %d: rank 0 in this process, ranks 1..%d "
                     "in worker processes (%s)", args.tensor_parallel_size, args.pipeline_parallel_size,
                     world_size - 1, backend)
+
+    def _await_joining(self, timeout_s: float = 300.0) -> None:
+        """Wait until every worker is about to join the group (its ``("joining", None)``).
+
+        The rendezvous itself waits for every rank until its timeout, so a worker that died on
+        the way (a failed import, a bad argument) would hold the engine's start-up for minutes;
+        its exit or its error report is seen here at once instead.
+
+        Raises:
+            RuntimeError: a worker exited or reported an error first (its traceback in the
+                message), or sent nothing in ``timeout_s`` seconds.
+        """
+        for rank, (p, conn) in enumerate(zip(self.procs, self.conns), start=1):
+            if not wait([conn, p.sentinel], timeout=timeout_s):
+                raise RuntimeError(f"tensor-parallel worker rank {rank} did not start in {timeout_s:.0f} s")
+            try:
+                kind, detail = conn.recv() if conn.poll() else ("died", None)
+            except EOFError:
+                kind, detail = "died", None
+            if kind == "died":
+                p.join(5)
+                raise RuntimeError(f"tensor-parallel worker rank {rank} died while starting (exit code {p.exitcode})")
+            if kind != "joining":
+                raise RuntimeError(f"tensor-parallel worker rank {rank} failed to start:\n{detail}")
 
     def start(self, runner: ModelRunner, runner_kwargs: dict) -> None:
         """Send every worker its runner's sizes and wait until each has built its runner.

@@ -63,12 +63,13 @@ def worker_main(rank: int, world_size: int, init_method: str, args, model_dir: s
     """A worker process (``rank`` >= 1): join the group, load the shard, run steps from ``conn``.
 
     Messages on ``conn`` (a ``multiprocessing`` pipe end): in, ``runner kwargs`` (dict) once, then
-    a ``SchedulerOutput`` per step, ``None`` to stop; out, ``("ready", None)`` once the runner is
-    built, or ``("error", traceback text)`` when anything fails (then the process exits with 1).
+    a ``SchedulerOutput`` per step, ``None`` to stop; out, ``("joining", None)`` before the
+    rendezvous, ``("ready", None)`` once the runner is built, or ``("error", traceback text)`` when anything fails (then the process exits with 1).
     """
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(args.num_threads or torch.get_num_threads())
     try:
+        conn.send(("joining", None))  # rank 0 waits for this before its rendezvous (MultiprocExecutor)
         init_distributed(rank, world_size, init_method, "nccl" if args.torch_device.type == "cuda" else "gloo",
                          pipeline_parallel_size=args.pipeline_parallel_size,
                          pipeline_micro_batches=args.pipeline_micro_batches)

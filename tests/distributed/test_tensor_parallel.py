@@ -247,6 +247,18 @@ def test_a_script_that_never_shuts_down_exits_cleanly(tiny_model_dir):
     assert "terminate called" not in r.stderr and "died with exit code" not in r.stderr
 
 
+def test_worker_dying_before_the_rendezvous_fails_start_up_at_once(tiny_model_dir, tmp_path, monkeypatch):
+    """A worker that exits before joining the group (here: its interpreter cannot start) fails
+    ``LLM(...)`` with its rank named, instead of holding start-up for the rendezvous' 300 s."""
+    (tmp_path / "sitecustomize.py").write_text("raise SystemExit(3)\n")  # only spawned children read it
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"worker rank 1 died while starting \(exit code 1\)"):
+        LLM(str(tiny_model_dir("llama")), num_kv_blocks=64, num_threads=1, tensor_parallel_size=2)
+    assert time.monotonic() - t0 < 150  # the rendezvous alone would have waited 300 s
+    assert _children() == []
+
+
 def test_worker_dying_while_idle_marks_engine_dead(tiny_model_dir):
     """``/health`` reads ``is_alive``: it turns False without a request, and the next request fails."""
     llm = LLM(str(tiny_model_dir("llama")), num_kv_blocks=64, num_threads=1, tensor_parallel_size=2)
