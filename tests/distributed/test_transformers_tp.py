@@ -80,9 +80,11 @@ def test_llama_plan_and_sharded_shapes_on_one_rank(tiny_model_dir, monkeypatch):
 
 # ---------------------------------------------------------------- greedy equivalence over gloo
 
-@pytest.mark.parametrize("kind, kv_heads", [("llama", 1), ("qwen2", 1), ("llama_mqa", 1)])
-def test_transformers_tp2_greedy_equals_tp1(kind, kv_heads, tiny_model_dir, greedy_ref):
-    """Untied head (llama), q/k/v bias and tied embeddings (qwen2), one KV head replicated (llama_mqa)."""
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "llama_mqa", "llama_bias_tied"])
+def test_transformers_tp2_greedy_equals_tp1(kind, tiny_model_dir, greedy_ref):
+    """Untied head (llama), q/k/v bias and tied embeddings (qwen2), one KV head replicated on both
+    ranks (llama_mqa), o_proj and down_proj bias added once after the all-reduce (llama_bias_tied).
+    The tiny models have 4 query heads and 2 KV heads (llama_mqa: 1)."""
     path = tiny_model_dir(kind)
     want, llm1 = _generate(path)
     llm1.engine.shutdown()
@@ -91,14 +93,34 @@ def test_transformers_tp2_greedy_equals_tp1(kind, kv_heads, tiny_model_dir, gree
         core = llm2.engine.core
         model = core.runner.model
         # rank 0 holds 2 of the 4 query heads and its KV heads only: the KV pool per rank shrinks
-        assert (model.num_heads, model.num_kv_heads) == (2, kv_heads)
-        assert core.runner.kv_caches[0][0].shape[0] == kv_heads
+        assert (model.num_heads, model.num_kv_heads) == (2, 1)
+        assert core.runner.kv_caches[0][0].shape[0] == 1
         assert len(_children()) == 1
     finally:
         llm2.engine.shutdown()
     assert _children() == []
     for k, (g, w) in enumerate(zip(got, want)):
         greedy_ref.assert_same_greedy(g, w, PROMPTS[k], _hf_loader(path), f"{kind} transformers TP=2 prompt {k}")
+
+
+def test_smollm2_transformers_tp2_greedy_equals_tp1(smollm2_dir, smollm2_tokenizer, hf_smollm2, greedy_ref):
+    """SmolLM2's 9 heads in 3 KV groups split unevenly, 6 + 3 (2 + 1 KV heads), which transformers'
+    own even split would refuse; the MLP's 1536 columns 768 + 768."""
+    texts = ["The capital of France is", "def fibonacci(n):\n    "]
+    prompts = [smollm2_tokenizer(t)["input_ids"] for t in texts]
+    outs = []
+    for kw in ({}, {"tensor_parallel_size": 2}):
+        llm = LLM(str(smollm2_dir), num_kv_blocks=64, num_threads=1, model_impl="transformers", **kw)
+        try:
+            outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)])
+            if kw:
+                model = llm.engine.core.runner.model
+                assert (model.num_heads, model.num_kv_heads) == (6, 2)
+                assert model.hf.model.layers[0].mlp.up_proj.weight.shape == (768, 576)
+        finally:
+            llm.engine.shutdown()
+    for k, (g, w) in enumerate(zip(outs[1], outs[0])):
+        greedy_ref.assert_same_greedy(g, w, prompts[k], hf_smollm2, f"smollm2 transformers TP=2 prompt {k}")
 
 
 def test_model_without_plan_is_refused_at_load(tiny_model_dir):
