@@ -17,8 +17,8 @@ loaded modules itself with the Megatron-LM layers of ``layers/parallel.py`` (Sho
 Why not ``from_pretrained(tp_plan="auto")``: transformers splits K/V projections evenly by
 width (refusing KV heads that do not divide by the ranks) and hands DTensors around, while
 pagedllm's paged attention wants whole heads per rank, a KV head replicated when there are fewer
-KV heads than ranks, and plain local tensors. So inside an attention module (a module with a
-``head_dim``) the split follows ``head_shard``: Q rows and the output projection's input columns
+KV heads than ranks, and plain local tensors. So inside an attention module (``_is_attention``: a
+module with a ``head_dim``, ``head_size`` or ``layer_idx``) the split follows ``head_shard``: Q rows and the output projection's input columns
 by this rank's query heads, K/V rows by its KV heads. Elsewhere (the MLP) a width splits into
 ``balanced_split`` ranges, the same for a colwise layer's output and the rowwise layer reading it.
 
@@ -98,6 +98,13 @@ def _attention_range(name: str, width: int, style: str, ranges: dict, q_width: i
                      "are not split")
 
 
+def _is_attention(mod: nn.Module) -> bool:
+    """Whether ``mod`` looks like an attention module. Broad on purpose: a layer taken for an
+    attention projection that is none is refused (``_attention_range``), while an attention
+    projection split as an MLP width could cut a head silently."""
+    return any(hasattr(mod, a) for a in ("head_dim", "head_size", "layer_idx"))
+
+
 def _split_linear(lin: nn.Linear, style: str, span: tuple[int, int]) -> nn.Module:
     """The local replacement of ``lin``: its rows ``span`` (colwise) or columns ``span`` (rowwise).
 
@@ -168,7 +175,7 @@ def shard_transformers_model(hf: nn.Module, config, tp_size: int, rank: int) -> 
         parent_name, _, child = name.rpartition(".")
         parent = base.get_submodule(parent_name)
         width = mod.out_features if style == "colwise" else mod.in_features
-        if hasattr(parent, "head_dim"):  # an attention module: whole heads
+        if _is_attention(parent):  # whole heads
             span = _attention_range(name, width, style, ranges, heads * head_dim, kv_heads * head_dim)
         else:
             span = balanced_split(width, tp_size, rank)
@@ -185,7 +192,7 @@ def shard_transformers_model(hf: nn.Module, config, tp_size: int, rank: int) -> 
 def _set_local_head_counts(base: nn.Module, shard: HeadShard) -> None:
     """Attention modules that keep head counts get this rank's (some models reshape by them)."""
     for mod in base.modules():
-        if not hasattr(mod, "head_dim"):
+        if not _is_attention(mod):
             continue
         for attr in _Q_ATTRS:
             if isinstance(getattr(mod, attr, None), int):

@@ -52,6 +52,18 @@ def test_unsplittable_plans_are_refused(cls, kwargs, match):
         tensor_parallel_plan(getattr(transformers, cls)(**kwargs), 2)
 
 
+def test_fused_qkv_in_a_plan_is_refused():
+    """GPT-NeoX plans its fused, per-head interleaved query_key_value colwise: not cut into whole heads."""
+    from transformers import AutoModelForCausalLM, GPTNeoXConfig
+
+    from pagedllm.models.transformers_tp import shard_transformers_model
+    cfg = GPTNeoXConfig(hidden_size=64, num_attention_heads=4, intermediate_size=128, num_hidden_layers=1,
+                        vocab_size=128)
+    hf = AutoModelForCausalLM.from_config(cfg)
+    with pytest.raises(ValueError, match=r"query_key_value \(colwise, width 192\) is not a per-head"):
+        shard_transformers_model(hf, cfg, 2, 0)
+
+
 def test_llama_plan_and_sharded_shapes_on_one_rank(tiny_model_dir, monkeypatch):
     """Rank 1 of 2 (no group needed to build it): whole heads, the MLP halved, the head's vocabulary rows."""
     from transformers import AutoModelForCausalLM
@@ -101,6 +113,40 @@ def test_transformers_tp2_greedy_equals_tp1(kind, tiny_model_dir, greedy_ref):
     assert _children() == []
     for k, (g, w) in enumerate(zip(got, want)):
         greedy_ref.assert_same_greedy(g, w, PROMPTS[k], _hf_loader(path), f"{kind} transformers TP=2 prompt {k}")
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma3_dir(tmp_path_factory, smollm2_dir):
+    """A random tiny Gemma 3 text model: q/k norms (planned replicated), sliding-window layers,
+    scaled embeddings, tied head; SmolLM2's tokenizer files."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM, Gemma3TextConfig
+    out = tmp_path_factory.mktemp("tiny-gemma3")
+    cfg = Gemma3TextConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=16, num_hidden_layers=3, sliding_window=8,
+                           max_position_embeddings=1024, initializer_range=0.1, bos_token_id=1, eos_token_id=2,
+                           pad_token_id=2, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(out)
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (smollm2_dir / f).is_file():
+            shutil.copy(smollm2_dir / f, out / f)
+    return out
+
+
+def test_gemma3_transformers_tp2_greedy_equals_tp1(tiny_gemma3_dir, greedy_ref):
+    """A model with no native implementation, split by its own plan."""
+    want, llm1 = _generate(tiny_gemma3_dir)
+    llm1.engine.shutdown()
+    got, llm2 = _generate(tiny_gemma3_dir, tensor_parallel_size=2)
+    try:
+        model = llm2.engine.core.runner.model
+        assert (model.num_heads, model.num_kv_heads) == (2, 1)
+    finally:
+        llm2.engine.shutdown()
+    for k, (g, w) in enumerate(zip(got, want)):
+        greedy_ref.assert_same_greedy(g, w, PROMPTS[k], _hf_loader(tiny_gemma3_dir), f"gemma3 TP=2 prompt {k}")
 
 
 def test_smollm2_transformers_tp2_greedy_equals_tp1(smollm2_dir, smollm2_tokenizer, hf_smollm2, greedy_ref):
