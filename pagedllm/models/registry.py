@@ -201,12 +201,14 @@ def check_tensor_parallel(impl: str, quantization: str, world: int) -> str:
     """The weight format a rank of a parallel job serves: float weights only (``auto`` -> ``none``).
 
     Raises:
-        ValueError: the Transformers backend, or ``--quantization gguf|int8``, with more than one
-            rank (the message names the flags).
+        ValueError: the Transformers backend with pipeline ranks (its tensor-parallel plan is
+            checked at load: ``transformers_tp.tensor_parallel_plan``), or ``--quantization gguf|int8``,
+            with more than one rank (the message names the flags).
     """
-    if impl != "native":
-        raise ValueError(f"--tensor-parallel-size / --pipeline-parallel-size ({world} ranks) need a native "
-                         "model (Llama, Qwen2); --model-impl transformers is not parallel")
+    from pagedllm.distributed.parallel_state import get_pp_size
+    if impl not in ("native", "transformers") or (impl == "transformers" and get_pp_size() > 1):
+        raise ValueError(f"--pipeline-parallel-size ({world} ranks) needs a native model (Llama, Qwen2); "
+                         "--model-impl transformers runs tensor parallel only (--tensor-parallel-size)")
     if quantization not in ("auto", "none"):
         raise ValueError(f"--tensor-parallel-size / --pipeline-parallel-size ({world} ranks) serve float "
                          f"weights only: use --quantization none (or auto), not {quantization!r}")

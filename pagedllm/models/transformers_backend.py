@@ -178,16 +178,19 @@ class TransformersCausalLM(nn.Module):
     Args:
         hf_model: a model loaded with ``attn_implementation="pagedllm"``.
         attention_backend: the paged attention backend its attention modules call.
+        heads: this rank's ``(query heads, KV heads)`` when the model is split over
+            tensor-parallel ranks (``transformers_tp.shard_transformers_model``), else ``None``
+            (the config's counts).
     """
 
-    def __init__(self, hf_model: nn.Module, attention_backend: AttentionBackend) -> None:
+    def __init__(self, hf_model: nn.Module, attention_backend: AttentionBackend,
+                 heads: tuple[int, int] | None = None) -> None:
         super().__init__()
         self.hf = hf_model
         self.attention_backend = attention_backend
         cfg = _text_config(hf_model.config)
         self.num_layers = cfg.num_hidden_layers
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = _num_kv_heads(cfg)
+        self.num_heads, self.num_kv_heads = heads or (cfg.num_attention_heads, _num_kv_heads(cfg))
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         stateful = set(state_layer_indices(cfg))
         attn = [i for i in range(self.num_layers) if i not in stateful]
@@ -252,16 +255,30 @@ def load_transformers_model(model_dir, config, dtype: torch.dtype, device: torch
     ``from_pretrained`` builds the model on the meta device and loads the
     safetensors weights into place, so there is no random init and no second copy.
     On CPU in float32 its ``nn.Linear`` layers become ``PackedLinear`` (``cpu_linear``).
+    On a rank of a tensor-parallel group the loaded model is split by its ``tp_plan``
+    (``transformers_tp.shard_transformers_model``): each rank keeps its heads' slices (the
+    whole checkpoint is read, then the other slices are freed) and runs plain torch linears.
 
     Raises:
-        ValueError: see ``check_supported`` and ``_check_modules``.
+        ValueError: see ``check_supported``, ``_check_modules`` and, with several tensor-parallel
+            ranks, ``transformers_tp.tensor_parallel_plan`` (checked before any weight is read).
     """
     from transformers import AutoModelForCausalLM
+
+    from pagedllm.distributed.parallel_state import get_tp_rank, get_tp_size
     check_supported(config)
+    tp = get_tp_size()
+    if tp > 1:  # refuse an unsplittable model before reading its weights
+        from pagedllm.models.transformers_tp import tensor_parallel_plan
+        tensor_parallel_plan(_text_config(config), tp)
     register()
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation=ATTN_NAME)
     _check_modules(hf)
     hf = hf.to(device).eval()
+    if tp > 1:  # torch linears on each rank's slices, as the native model's parallel layers
+        from pagedllm.models.transformers_tp import shard_transformers_model
+        shard = shard_transformers_model(hf, _text_config(hf.config), tp, get_tp_rank())
+        return TransformersCausalLM(hf, attention_backend, (shard.q_heads, shard.kv_heads))
     from pagedllm.models.cpu_linear import prepack_available, prepack_linears
     if prepack_available(device, dtype):
         # the same oneDNN-packed linears (and batch-1 kernel) as the native models
