@@ -246,7 +246,7 @@ class EngineArgs:
         """Refuse parallel settings that are not implemented (each message names its flag).
 
         Raises:
-            ValueError: a size below 1 (micro-batches below 0), tensor or pipeline parallelism with data parallelism, an unknown
+            ValueError: a size below 1 (micro-batches below 0), an unknown
                 executor backend, ``uni`` with several ranks, or a draft model or packed
                 (``gguf``/``int8``) weights with them.
         """
@@ -257,9 +257,6 @@ class EngineArgs:
         if self.pipeline_micro_batches < 0:
             raise ValueError(f"--pipeline-micro-batches must be >= 0 (0: one per stage), got {self.pipeline_micro_batches}")
         world = self.tensor_parallel_size * self.pipeline_parallel_size
-        if world > 1 and self.data_parallel_size > 1:
-            raise ValueError("--data-parallel-size above 1 together with --tensor-parallel-size or "
-                             "--pipeline-parallel-size above 1 is not implemented yet (use one of them)")
         if world > 1 and self.runner == "pooling":
             raise ValueError("--runner pooling (embeddings) with --tensor-parallel-size or --pipeline-parallel-size "
                              "above 1 is not implemented yet")

@@ -89,7 +89,6 @@ def test_head_shard_whole_groups_and_replication():
 # ---------------------------------------------------------------- flags
 
 @pytest.mark.parametrize("kwargs, flag", [
-    (dict(pipeline_parallel_size=2, tensor_parallel_size=2, data_parallel_size=2), "--data-parallel-size above 1"),
     (dict(pipeline_parallel_size=2, quantization="gguf"), "--pipeline-parallel-size 2 serves float"),
     (dict(tensor_parallel_size=2, distributed_executor_backend="spark"), "--distributed-executor-backend"),
     (dict(tensor_parallel_size=2, distributed_executor_backend="uni"), "--distributed-executor-backend uni"),

@@ -55,8 +55,7 @@ def test_grid_layout_is_stage_major():
 def test_grid_flags_accepted_and_other_refusals_kept():
     a = EngineArgs(**GRID)
     assert a.parallel_flags() == "--tensor-parallel-size 2 --pipeline-parallel-size 2"
-    with pytest.raises(ValueError, match="--data-parallel-size above 1 together"):
-        EngineArgs(data_parallel_size=2, **GRID)
+    assert EngineArgs(data_parallel_size=2, **GRID).data_parallel_size == 2  # each replica a grid
     with pytest.raises(ValueError, match="--tensor-parallel-size 2 --pipeline-parallel-size 2 serves float"):
         EngineArgs(quantization="int8", **GRID)
     with pytest.raises(ValueError, match="uni runs one rank; --tensor-parallel-size 2 --pipeline-parallel-size 2"):

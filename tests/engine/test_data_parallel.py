@@ -213,3 +213,39 @@ def test_async_requests_spread_and_a_dead_replica_fails_only_its_streams(model):
 async def _drain(stream) -> None:
     async for _ in stream:
         pass
+
+
+def test_dp2_with_tp2_replicas_each_shard_and_match_one_core(model):
+    """DP=2 x TP=2: each replica's core process runs its own tensor-parallel group (one worker
+    process each, its own rendezvous); greedy output equals one unsharded core's."""
+    one = LLM(model=model, num_kv_blocks=256)
+    try:
+        want = [o.outputs[0].token_ids for o in one.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    finally:
+        one.engine.shutdown()
+    llm = LLM(model=model, num_kv_blocks=64, data_parallel_size=2, tensor_parallel_size=2, num_threads=1)
+    try:
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+        reps = _wait_counters(llm.engine, lambda rs: sum(r["num_generation_tokens"] for r in rs) == 80)
+        pids = llm.engine.client.pids
+        workers = _children_of(pids)
+    finally:
+        llm.engine.shutdown()
+    assert got == want
+    assert [r["routed"] for r in reps] == [4, 4]
+    assert len(workers) >= 2  # a tensor-parallel worker under each replica's core
+    assert _gone(pids + workers)
+
+
+def _children_of(pids: list[int]) -> list[int]:
+    """Processes whose parent is one of ``pids`` (read from /proc)."""
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                stat = open(f"/proc/{d}/stat").read()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) in pids:
+                out.append(int(d))
+    return out
