@@ -133,3 +133,17 @@ def test_default_sizes():
     assert cuda_graphs.default_sizes(4) == [1, 2, 4]
     assert cuda_graphs.default_sizes(20) == [1, 2, 4, 8, 16, 20]
     assert cuda_graphs.default_sizes(32) == [1, 2, 4, 8, 16, 24, 32]
+
+
+def test_graph_tokens_with_host_inputs(runs, tiny_model_dir, monkeypatch):
+    """The host-built metadata (``PAGEDLLM_DEVICE_INPUTS=0``) feeds the graphs as well."""
+    monkeypatch.setenv("PAGEDLLM_DEVICE_INPUTS", "0")
+    monkeypatch.setattr(triton_paged, "SPLIT_TOKENS", 16)
+    capture = cuda_graphs.CallCapture()
+    monkeypatch.setattr(cuda_graphs, "capture_for", lambda device: capture)
+    llm = _llm(tiny_model_dir, cuda_graph_sizes=[1, 3])
+    assert llm.llm_engine.runner._device_inputs is None
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in MAX_TOKENS]
+    toks = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    assert toks == runs["eager"]["tokens"]
+    assert capture.replays[3] >= 2 and capture.replays[1] >= 1
