@@ -146,9 +146,12 @@ class EngineArgs:
             ``None`` (the default) chooses by device and dtype (``select_attention_backend``).
             An explicit ``torch`` or ``triton`` also runs the norms, rotary and activations in torch
             ops (the C CPU kernels run only with their attention backend).
-        enforce_eager: never capture CUDA graphs (vLLM's ``--enforce-eager``). Graphs are only
-            captured for decode steps on CUDA devices; on the CPU every step is eager and this is
-            a no-op.
+        enforce_eager: never capture CUDA graphs (vLLM's ``--enforce-eager``). Otherwise, with the
+            Triton backend on a CUDA device and one rank, decode steps replay graphs captured at
+            start-up per batch bucket (``worker/cuda_graphs.py``); on the CPU every step is eager
+            and this is a no-op.
+        cuda_graph_sizes: the decode batch buckets to capture (vLLM's ``--cuda-graph-sizes``);
+            ``None``: 1, 2, 4, 8, then multiples of 8 up to ``max_num_seqs`` (and it).
         data_parallel_size: engine cores (replicas) behind one front end (vLLM's
             ``--data-parallel-size``), each in its own process with its own KV pool of
             ``kv_cache_memory`` (or ``num_kv_blocks``) and its own copy of the weights; a
@@ -189,6 +192,7 @@ class EngineArgs:
     distributed_executor_backend: str | None = None
     attention_backend: str | None = None
     enforce_eager: bool = False
+    cuda_graph_sizes: list[int] | None = None
     data_parallel_size: int = 1
     runner: str = "auto"
     extra: dict[str, Any] = field(default_factory=dict)
@@ -198,6 +202,8 @@ class EngineArgs:
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.cuda_graph_sizes is not None and (not self.cuda_graph_sizes or min(self.cuda_graph_sizes) < 1):
+            raise ValueError(f"cuda_graph_sizes must be positive batch sizes, got {self.cuda_graph_sizes}")
         if self.num_state_checkpoints is not None and self.num_state_checkpoints < 0:
             raise ValueError(f"num_state_checkpoints must be >= 0, got {self.num_state_checkpoints}")
         if self.max_num_batched_tokens < 1:

@@ -170,8 +170,10 @@ def _reduce_kernel(part_out, part_lse, out, query_start_loc, decode_req, stride_
     base = (i * num_heads + h) * num_splits
     lse = tl.load(part_lse + base + s, mask=s < num_splits, other=float("-inf"))
     mx = tl.max(lse, 0)
+    mx = tl.where(mx > float("-inf"), mx, 0.0)  # an empty context (a CUDA graph's padded row): output 0
     w = tl.exp(lse - mx)  # an empty split has lse -inf: weight 0
-    w = w / tl.sum(w, 0)
+    tot = tl.sum(w, 0)
+    w = w / tl.where(tot > 0, tot, 1.0)
     o = tl.load(part_out + (base + s)[:, None] * D_P + d[None, :], mask=(s < num_splits)[:, None], other=0.0)
     res = tl.sum(w[:, None] * o, 0)
     tl.store(out + row * stride_ot + h * stride_oh + d, res.to(out.dtype.element_ty), mask=d < head_dim)

@@ -158,10 +158,19 @@ class TritonPagedBackend(AttentionBackend):
         tile_req = np.repeat(pre, tiles)
         tile_q0 = (np.arange(int(tiles.sum()), dtype=np.int64) - np.repeat(np.cumsum(tiles) - tiles, tiles)) * self.block_q
         max_dec = int(seq_lens[dec].max()) if dec.size else 1
-        num_splits = int(min(self.max_splits, max(1, -(-max_dec // self.split_tokens))))
-        split_len = -(-(-(-max_dec // num_splits)) // bs) * bs
+        num_splits, split_len = self.fixed_splits(max_dec, bs)
         return StepLayout(decode_req=dec, tile_req=tile_req, tile_q0=tile_q0, num_splits=num_splits,
                           split_len=split_len, nblk=nblk)
+
+    def fixed_splits(self, max_len: int, block_size: int) -> tuple[int, int]:
+        """The decode split-K grid covering contexts up to ``max_len`` tokens: ``(num_splits,
+        split_len)``, ``ceil(max_len / split_tokens)`` splits (at most ``max_splits``), each a whole
+        number of blocks. A step uses its longest decode context; a CUDA graph, whose grid is
+        frozen, uses ``max_model_len`` (``worker/cuda_graphs.py``)."""
+        max_len = max(1, int(max_len))
+        num_splits = int(min(self.max_splits, max(1, -(-max_len // self.split_tokens))))
+        split_len = -(-(-(-max_len // num_splits)) // block_size) * block_size
+        return num_splits, split_len
 
     def build_metadata(self, batch: AttentionBatch) -> TritonMetadata:
         """Pack the step's layout (``step_layout``, with the slot mapping, lengths and block-table

@@ -77,6 +77,7 @@ class PreparedStep:
         model_kwargs: extra keyword arguments of the model's forward (a hybrid model's ``state``).
         device_plan: the device path's staged step (``worker/device_inputs.py``); while set,
             ``input_ids``, ``positions`` and ``meta`` are ``None`` until the step runs.
+        graph: the step's forward replays a captured decode graph (``worker/cuda_graphs.py``).
     """
 
     input_ids: torch.Tensor
@@ -99,6 +100,7 @@ class PreparedStep:
     pool_spans: list[PoolingSpan] = field(default_factory=list)
     model_kwargs: dict = field(default_factory=dict)
     device_plan: DeviceStepPlan | None = None
+    graph: bool = False
 
 
 class StepHandle:
@@ -154,15 +156,22 @@ class ModelRunner:
             (``worker/scripted.py``) instead of the sampled ones.
         num_state_checkpoints: a hybrid model's prefix-cache checkpoint slots, after its
             ``max_num_reqs`` request slots in the state tensors (``core/state_pool.py``).
+        enforce_eager: capture no CUDA graph (vLLM's ``--enforce-eager``).
+        cuda_graph_sizes: decode batch buckets to capture (``None``: ``cuda_graphs.default_sizes``).
+        graph_capture: the capture mechanism (``None``: ``cuda_graphs.capture_for(device)``, which
+            captures only on CUDA); graphs are built only for the Triton backend.
     Attributes:
         attention_backend: the model's attention backend (chosen at load), or for a model
             without one (test doubles that read the metadata themselves) the torch reference.
+        decode_graphs: the captured decode graphs (``cuda_graphs.DecodeGraphs``), or ``None``.
+        step_counts: forwards run so far, ``{"graph": n, "eager": m}``.
     """
 
     def __init__(self, model, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
                  seed: int = 0, eos_token_ids: set[int] | None = None, max_num_reqs: int = 128,
                  max_model_len: int = 8192, executor: ThreadPoolExecutor | None = None,
-                 scripted_output: ScriptedOutput | None = None, num_state_checkpoints: int = 0) -> None:
+                 scripted_output: ScriptedOutput | None = None, num_state_checkpoints: int = 0,
+                 enforce_eager: bool = False, cuda_graph_sizes: list[int] | None = None, graph_capture=None) -> None:
         self.model = model
         backend: AttentionBackend | None = getattr(model, "attention_backend", None)
         self.attention_backend = backend or TorchPagedBackend(device)
@@ -191,6 +200,44 @@ class ModelRunner:
         self._last: PreparedStep | None = None  # the most recently issued step
         self._executor = executor
         self._script = scripted_output
+        self.max_model_len = max_model_len
+        self.step_counts = {"graph": 0, "eager": 0}
+        self.decode_graphs = None if enforce_eager else self._capture_graphs(cuda_graph_sizes, graph_capture)
+
+    def _capture_graphs(self, sizes: list[int] | None, capture):
+        """Capture the decode graphs at start-up (``worker/cuda_graphs.py``): Triton backend only,
+        a model with no recurrent state; ``None`` when none applies or capture fails (logged: the
+        engine still serves, eagerly)."""
+        from pagedllm.worker import cuda_graphs
+        capture = capture or cuda_graphs.capture_for(self.device)
+        if capture is None or self.attention_backend.name != "triton" or self.state_cache is not None:
+            return None
+        b = self.input_batch
+        try:
+            return cuda_graphs.DecodeGraphs(
+                self.model, self.kv_caches, self.attention_backend, self.max_model_len, self.block_size,
+                b.block_table.shape[1], sizes or cuda_graphs.default_sizes(b.max_num_reqs), capture, self.device)
+        except RuntimeError as e:
+            cuda_graphs.logger.warning("CUDA graph capture failed, every step runs eagerly: %s", e)
+            return None
+
+    def _graph_step(self, n: np.ndarray, spec: np.ndarray, sample: np.ndarray, rows: np.ndarray,
+                    pool_rows) -> bool:
+        """Whether a step replays a decode graph: graphs captured, one query token and no draft per
+        request, every request sampled with no prompt-logprob row, nothing pooled, and at most the
+        largest bucket's requests."""
+        g = self.decode_graphs
+        return (g is not None and pool_rows is None and bool((n == 1).all()) and not spec.any()
+                and sample.size == n.size == rows.size and g.bucket(n.size) is not None)
+
+    def _forward(self, step: PreparedStep) -> torch.Tensor:
+        """The step's logits ``[R', vocab]`` float32: replayed through its decode graph, or eager."""
+        if step.graph:
+            self.step_counts["graph"] += 1
+            return self.decode_graphs.run(step.input_ids, step.positions, step.meta)
+        self.step_counts["eager"] += 1
+        return self.model(step.input_ids, step.positions, self.kv_caches, step.meta, step.logits_rows,
+                          **step.model_kwargs)
 
     @property
     def requests(self) -> dict[str, int]:
@@ -231,6 +278,7 @@ class ModelRunner:
                                             so.state_restores, so.state_checkpoints)}
         return PreparedStep(
             pool_rows=pool_rows, pool_spans=pool_spans, model_kwargs=kwargs,
+            graph=self._graph_step(n, spec, sample, rows, pool_rows),
             **inputs, sample_ids=[rids[i] for i in sample.tolist()], sampling=sampling, prompt_lp=prompt_lp,
             slot_row=slot_row, grammar=self._grammar_rows(rids, sample, sampling, so.spec_token_ids),
             drafts=None if not so.spec_token_ids else [so.spec_token_ids.get(rids[i], []) for i in sample.tolist()],
@@ -416,8 +464,7 @@ class ModelRunner:
         self._fill_inputs(step, prev)
         out = ModelRunnerOutput()
         if step.pool_rows is None:
-            logits = self.model(step.input_ids, step.positions, self.kv_caches, step.meta, step.logits_rows,
-                                **step.model_kwargs)
+            logits = self._forward(step)
         else:  # the same forward also hands back the pooled rows' final hidden states
             logits, hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta, step.logits_rows,
                                         step.pool_rows, **step.model_kwargs)
