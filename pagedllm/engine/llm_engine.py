@@ -8,6 +8,7 @@ token ids into ``RequestOutput``s. The offline ``LLM`` drives it in a loop.
 from __future__ import annotations
 
 import logging
+import weakref
 from pathlib import Path
 
 from pagedllm.config import EngineArgs
@@ -78,6 +79,10 @@ class LLMEngine:
             else InprocClient(EngineCore(args, self.model_dir, self.max_model_len, self.eos_token_ids,
                                          scripted_output=scripted_output)))
         self.num_blocks = self.client.num_blocks
+        # an engine nobody holds any more (``del llm``), or one left to the interpreter's exit, stops
+        # its core, worker and replica processes: a data-parallel script that never called
+        # ``shutdown`` hung at exit, and a second tensor-parallel LLM found the first's group alive
+        self._finalizer = weakref.finalize(self, self.client.shutdown)
         self.processor = Processor(self.tokenizer, self.hf_config.vocab_size, self.context_limit, self.pooler_config)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids)
         self._held: list[RequestOutput] = []  # outputs of a step that raised for a dead DP replica
@@ -107,7 +112,7 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stop the core (its process, or its execution thread in process); safe to call twice."""
-        self.client.shutdown()
+        self._finalizer()  # the client's shutdown, once
 
     def reset_prefix_cache(self) -> int:
         """Drop every cached KV block no request holds (in process or in the core process)."""

@@ -7,6 +7,7 @@ tests keep models tiny and generations short: the machine's cores are shared.
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import os
 import signal
@@ -256,6 +257,23 @@ def test_worker_dying_before_the_rendezvous_fails_start_up_at_once(tiny_model_di
     with pytest.raises(RuntimeError, match=r"worker rank 1 died while starting \(exit code 1\)"):
         LLM(str(tiny_model_dir("llama")), num_kv_blocks=64, num_threads=1, tensor_parallel_size=2)
     assert time.monotonic() - t0 < 150  # the rendezvous alone would have waited 300 s
+    assert _children() == []
+
+
+def test_a_dropped_tp_llm_stops_its_worker_and_frees_the_group(tiny_model_dir):
+    """``del llm`` (no ``shutdown``) stops the worker and leaves the group, so a second
+    ``LLM(tensor_parallel_size=2)`` in the same process starts (it found the first group alive)."""
+    path = str(tiny_model_dir("llama"))
+    llm = LLM(path, num_kv_blocks=64, num_threads=1, tensor_parallel_size=2)
+    first = llm.generate([PROMPTS[0]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    del llm
+    gc.collect()
+    assert _children() == []
+    llm = LLM(path, num_kv_blocks=64, num_threads=1, tensor_parallel_size=2)
+    try:
+        assert llm.generate([PROMPTS[0]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == first
+    finally:
+        llm.engine.shutdown()
     assert _children() == []
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -249,3 +251,15 @@ def _children_of(pids: list[int]) -> list[int]:
             if int(stat.rsplit(")", 1)[1].split()[1]) in pids:
                 out.append(int(d))
     return out
+
+
+def test_a_script_that_never_shuts_down_dp_exits(model):
+    """An ``LLM(data_parallel_size=2)`` left to the interpreter's exit stops its core processes (a
+    script that never called ``shutdown`` hung at exit in multiprocessing's join)."""
+    code = ("from pagedllm import LLM, SamplingParams; "
+            f"llm = LLM(model={model!r}, num_kv_blocks=64, data_parallel_size=2); "
+            "print(len(llm.generate([[1, 520, 3012]], SamplingParams(temperature=0, max_tokens=3), "
+            "use_tqdm=False)[0].outputs[0].token_ids))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip().endswith("3")
