@@ -252,10 +252,14 @@ class EngineArgs:
         """Refuse parallel settings that are not implemented (each message names its flag).
 
         Raises:
-            ValueError: a size below 1 (micro-batches below 0), an unknown
+            ValueError: a size that is not an integer or below 1 (micro-batches below 0), an unknown
                 executor backend, ``uni`` with several ranks, or a draft model or packed
                 (``gguf``/``int8``) weights with them.
         """
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "pipeline_micro_batches"):
+            if not isinstance(getattr(self, name), int) or isinstance(getattr(self, name), bool):
+                raise ValueError(f"--{name.replace('_', '-')} ({name}) must be an integer, "
+                                 f"got {getattr(self, name)!r}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
         if self.pipeline_parallel_size < 1:

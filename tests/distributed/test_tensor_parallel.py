@@ -94,6 +94,7 @@ def test_head_shard_whole_groups_and_replication():
     (dict(tensor_parallel_size=2, distributed_executor_backend="spark"), "--distributed-executor-backend"),
     (dict(tensor_parallel_size=2, distributed_executor_backend="uni"), "--distributed-executor-backend uni"),
     (dict(tensor_parallel_size=0), "--tensor-parallel-size"),
+    (dict(tensor_parallel_size="2"), r"--tensor-parallel-size \(tensor_parallel_size\) must be an integer"),
     (dict(tensor_parallel_size=2, speculative_config={"method": "draft_model", "model": "x",
                                                       "num_speculative_tokens": 2}), "--tensor-parallel-size"),
 ])
