@@ -70,7 +70,7 @@ def max_model_len() -> int:
 
 
 @contextlib.contextmanager
-def _serve_process(log_dir: Path, extra_args: Sequence[str] = ()):
+def _serve_process(log_dir: Path, extra_args: Sequence[str] = (), extra_env: dict | None = None):
     """Start ``pagedllm serve`` with the common test flags plus ``extra_args``; yield
     ``(base URL, Popen)`` once ``/health`` answers 200; stop it on exit (if it still runs).
 
@@ -86,7 +86,7 @@ def _serve_process(log_dir: Path, extra_args: Sequence[str] = ()):
     # output goes to a file, never a pipe nobody drains (a full pipe would block the server)
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env={**env, "PYTHONUNBUFFERED": "1"})
+                                env={**env, "PYTHONUNBUFFERED": "1", **(extra_env or {})})
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
@@ -108,9 +108,9 @@ def _serve_process(log_dir: Path, extra_args: Sequence[str] = ()):
 
 
 @contextlib.contextmanager
-def _serve(log_dir: Path, extra_args: Sequence[str] = ()):
+def _serve(log_dir: Path, extra_args: Sequence[str] = (), extra_env: dict | None = None):
     """As ``_serve_process``, yielding only the base URL (``http://127.0.0.1:PORT``)."""
-    with _serve_process(log_dir, extra_args) as (url, _):
+    with _serve_process(log_dir, extra_args, extra_env) as (url, _):
         yield url
 
 
@@ -134,13 +134,13 @@ def secure_server(tmp_path_factory) -> SimpleNamespace:
 
 @pytest.fixture(scope="session")
 def start_server():
-    """The server context manager ``start_server(log_dir, extra_args)`` (yields the base URL),
+    """The server context manager ``start_server(log_dir, extra_args, extra_env)`` (yields the base URL),
     for modules that need a server of their own (tests cannot import conftest)."""
     return _serve
 
 
 @pytest.fixture(scope="session")
 def start_server_process():
-    """``start_server_process(log_dir, extra_args)`` yields ``(base URL, Popen)``, for tests that
+    """``start_server_process(log_dir, extra_args, extra_env)`` yields ``(base URL, Popen)``, for tests that
     signal the server or read its exit status."""
     return _serve_process

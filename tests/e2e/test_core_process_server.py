@@ -29,8 +29,9 @@ def test_killed_core_ends_the_stream_with_an_error_and_fails_health(tmp_path, st
     """SIGKILL of the core mid-stream: the stream ends with an error event, /health answers 503
     with the gauges at 0, and then the server exits with status 1 (for a supervisor to restart
     it), leaving no ipc socket files."""
-    before = _ipc_sockets()
-    with start_server_process(tmp_path) as (url, proc):
+    ipc = _private_tmp(tmp_path)
+    before = _ipc_sockets(ipc)
+    with start_server_process(tmp_path, (), {"TMPDIR": ipc}) as (url, proc):
         pid = httpx.get(f"{url}/stats").json()["core_pid"]
         assert pid != os.getpid() and _alive(pid)
         body = {"prompt": "Tell me a long story.", "max_tokens": 2000, "ignore_eos": True, "stream": True}
@@ -51,24 +52,33 @@ def test_killed_core_ends_the_stream_with_an_error_and_fails_health(tmp_path, st
         stats = httpx.get(f"{url}/stats").json()
         assert (stats["num_running"], stats["num_waiting"]) == (0, 0)
         assert proc.wait(timeout=30) == 1
-    assert not (_ipc_sockets() - before)
+    assert not (_ipc_sockets(ipc) - before)
 
 
-def _ipc_sockets() -> set[str]:
-    return set(glob.glob(os.path.join(tempfile.gettempdir(), "pagedllm-*-in")))
+def _private_tmp(tmp_path) -> str:
+    """A temporary directory for the server alone (its ``TMPDIR``): the ipc socket files of other
+    pagedllm processes on the machine (other test runs) must not count as the server's."""
+    d = tmp_path / "ipc"
+    d.mkdir()
+    return str(d)
+
+
+def _ipc_sockets(directory: str | None = None) -> set[str]:
+    return set(glob.glob(os.path.join(directory or tempfile.gettempdir(), "pagedllm-*-in")))
 
 
 def test_stopping_the_server_ends_the_core(tmp_path, start_server):
     """After the server stops (SIGTERM), its core process is gone, with no orphan, and its ipc
     socket files are removed (uvicorn re-raises SIGTERM after its shutdown; the front end must
     still stop the core)."""
-    before = _ipc_sockets()
-    with start_server(tmp_path) as url:
+    ipc = _private_tmp(tmp_path)
+    before = _ipc_sockets(ipc)
+    with start_server(tmp_path, (), {"TMPDIR": ipc}) as url:
         pid = httpx.get(f"{url}/stats").json()["core_pid"]
         assert _alive(pid)
-        ours = _ipc_sockets() - before
+        ours = _ipc_sockets(ipc) - before
         assert len(ours) == 1
-    assert not (ours & _ipc_sockets())
+    assert not (ours & _ipc_sockets(ipc))
     deadline = time.monotonic() + 15
     while _alive(pid) and time.monotonic() < deadline:
         time.sleep(0.2)
