@@ -7,7 +7,13 @@ On the embedded SmolLM2-135M-Instruct, in process, greedy, EOS ignored, for each
 
 * repetitive, batch 1: a ~300-token code passage, then the prompt asks for it again and starts it;
   256 output tokens; decode tokens/s (after the first token), best of ``--repeats``;
-* W1, batch 1: a 32-token random prompt (no repetition), 128 output tokens; decode tokens/s;
+* edit and quote, batch 1, through the chat template (the issue's repetitive workloads as a user
+  sends them): "rewrite this code with these small edits" over the same passage, and "summarize this
+  text, quoting it" over a ~300-token passage of this repository's docs; 256 output tokens each;
+* W1, batch 1: a 32-token random prompt, 128 output tokens; decode tokens/s. SmolLM2's greedy
+  continuation of it repeats itself, so this is not the no-repetition case; W1 sampled is: the
+  same prompt at temperature 0.8 (seeded, so each configuration draws from the same distribution,
+  not the same tokens), where drafts are mostly refused and the depth rule must turn itself down;
 * concurrency 16: 64 random 128-token prompts, 16 in flight (``max_num_seqs`` 16: a finished
   request's slot goes to the next, as under 16 clients), 128 output tokens each; output tokens/s;
 * concurrency 16, closed batch: 16 prompts at once, output tokens/s over the slowest one's
@@ -16,8 +22,10 @@ On the embedded SmolLM2-135M-Instruct, in process, greedy, EOS ignored, for each
   30 ms for 16 on float32), so this number measures the tail, not the step;
 * ``suffix`` runs without its cross-request cache (``suffix_decoding_max_cached_requests`` 0):
   the repeats run the same prompts, which that cache would replay;
-* the draft tokens, accepted tokens and acceptance by position over the run, the depth rule's
-  measured step times (``t(T)``, ms) and, for the repetitive run, the drafts per step over time.
+* the draft tokens, accepted tokens and acceptance by position, per workload, the depth rule's
+  measured step times (``t(T)``, ms) and the drafts per step over time (``k_trace``: per step,
+  seconds since the workload started, requests in the step, draft tokens in it) for the repetitive
+  run and the concurrency-16 run.
 
 Greedy tokens with speculation are compared with those without (they must be equal up to a
 near-tie; the engine tests check that against transformers). The configurations are measured in
@@ -44,13 +52,37 @@ METHODS = (None, "ngram", "suffix")
 C16_REQUESTS = 64  # the sustained concurrency-16 load: 64 requests, 16 in flight (max_num_seqs)
 
 
+def _passage(rel: str, start: str, chars: int) -> str:
+    src = (Path(__file__).resolve().parents[1] / rel).read_text()
+    return src[src.index(start):][:chars]
+
+
 def repetitive_prompt(tokenizer) -> list[int]:
     """A code passage (~300 tokens of this repository), then a request to repeat it, begun."""
-    src = (Path(__file__).resolve().parents[1] / "pagedllm/spec_decode/proposers.py").read_text()
-    code = src[src.index("class NgramProposer"):][:1300]
+    code = _passage("pagedllm/spec_decode/proposers.py", "class NgramProposer", 1300)
     text = ("Here is a Python class:\n\n" + code + "\n\nHere is the same class with the docstrings kept and the "
             "method names unchanged:\n\n" + code[:40])
     return tokenizer.encode(text)
+
+
+def chat_prompt(tokenizer, content: str) -> list[int]:
+    """``content`` as one user message through the model's chat template."""
+    return tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                         tokenize=True, return_dict=False)
+
+
+def edit_prompt(tokenizer) -> list[int]:
+    """Rewrite a ~300-token code passage with small edits (a rename and one changed default)."""
+    code = _passage("pagedllm/spec_decode/proposers.py", "class NgramProposer", 1300)
+    return chat_prompt(tokenizer, "Rewrite this Python code with two small edits: rename `propose_one` to "
+                                  "`propose_for`, and keep everything else exactly as it is.\n\n" + code)
+
+
+def quote_prompt(tokenizer) -> list[int]:
+    """Summarize a ~300-token passage of prose, quoting it."""
+    text = _passage("docs/speculative-decoding.md", "#", 1500)
+    return chat_prompt(tokenizer, "Summarize the following text in a few sentences, quoting its key "
+                                  "sentences word for word:\n\n" + text)
 
 
 def random_prompts(n: int, length: int, seed: int) -> list[list[int]]:
@@ -58,12 +90,18 @@ def random_prompts(n: int, length: int, seed: int) -> list[list[int]]:
     return [[rng.randint(100, 49000) for _ in range(length)] for _ in range(n)]
 
 
-def decode_rate(llm, prompt: list[int], max_tokens: int, trace: list | None = None) -> tuple[float, list[int]]:
+def _spec_counts(eng) -> tuple[int, int, int]:
+    s = eng.get_stats()
+    return s.spec_num_drafts, s.spec_num_draft_tokens, s.spec_num_accepted_tokens
+
+
+def decode_rate(llm, prompt: list[int], max_tokens: int, trace: list | None = None,
+                params: SamplingParams | None = None) -> tuple[float, list[int]]:
     """Batch-1 decode tokens/s after the first token, and the output tokens; ``trace`` gets
-    ``(seconds since the first token, tokens so far)`` per step."""
+    ``(seconds since the first token, tokens so far, draft tokens so far)`` per step."""
     eng = llm.llm_engine
     rid = f"r{time.perf_counter_ns()}"
-    eng.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    eng.add_request(rid, prompt, params or SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
     first, tokens = None, []
     while eng.has_unfinished_requests():
         for out in eng.step():
@@ -71,8 +109,39 @@ def decode_rate(llm, prompt: list[int], max_tokens: int, trace: list | None = No
             if first is None and tokens:
                 first, n_first = time.perf_counter(), len(tokens)
             elif trace is not None and first is not None:
-                trace.append((round(time.perf_counter() - first, 4), len(tokens)))
+                trace.append((round(time.perf_counter() - first, 4), len(tokens), _spec_counts(eng)[1]))
     return (len(tokens) - n_first) / (time.perf_counter() - first), list(tokens)
+
+
+def load_rate(llm, prompts: list[list[int]], params: SamplingParams, trace: list | None = None):
+    """All ``prompts`` through the engine's step loop (``max_num_seqs`` bounds the requests in
+    flight); output tokens/s and the tokens in prompt order. ``trace`` gets, every 8 steps,
+    ``(seconds, running requests, draft tokens per step over those 8 steps)``."""
+    eng = llm.llm_engine
+    ids = [f"c{i}-{time.perf_counter_ns()}" for i in range(len(prompts))]
+    for rid, p in zip(ids, prompts):
+        eng.add_request(rid, p, params)
+    done: dict[str, list[int]] = {}
+    t0, steps, last = time.perf_counter(), 0, _spec_counts(eng)[1]
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = list(out.outputs[0].token_ids)
+        steps += 1
+        if trace is not None and steps % 8 == 0:
+            drafts = _spec_counts(eng)[1]
+            running = eng.get_stats().num_running
+            trace.append((round(time.perf_counter() - t0, 3), running, round((drafts - last) / 8, 2)))
+            last = drafts
+    elapsed = time.perf_counter() - t0
+    toks = [done[r] for r in ids]
+    return sum(map(len, toks)) / elapsed, toks
+
+
+def _delta(after: tuple, before: tuple) -> dict:
+    steps, drafts, kept = (a - b for a, b in zip(after, before))
+    return {"verified_steps": steps, "draft_tokens": drafts, "accepted_tokens": kept,
+            "acceptance": round(kept / drafts, 3) if drafts else None}
 
 
 def measure(quantization: str, method: str | None, repeats: int) -> dict:
@@ -84,33 +153,37 @@ def measure(quantization: str, method: str | None, repeats: int) -> dict:
     llm = LLM(quantization=quantization, speculative_config=spec, max_num_seqs=16, kv_cache_memory="512MiB")
     tok = llm.get_tokenizer()
     llm.generate(random_prompts(1, 8, 99), SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
-    rep = repetitive_prompt(tok)
-    out = {"method": method or "off"}
-    best, toks, trace = 0.0, None, []
-    for _ in range(repeats):
-        t: list = []
-        rate, toks = decode_rate(llm, rep, 256, t)
-        if rate > best:
-            best, trace = rate, t
-    out["repetitive_decode_tok_s"], out["repetitive_tokens"], out["repetitive_trace"] = best, toks, trace
-    w1 = random_prompts(1, 32, 1)[0]
-    rates, w1_toks = [], None
-    for _ in range(repeats):
-        r, w1_toks = decode_rate(llm, w1, 128)
-        rates.append(r)
-    out["w1_decode_tok_s"], out["w1_tokens"] = max(rates), w1_toks
+    eng = llm.llm_engine
+    out = {"method": method or "off", "per_workload": {}}
+    batch1 = {"repetitive": (repetitive_prompt(tok), 256), "edit": (edit_prompt(tok), 256),
+              "quote": (quote_prompt(tok), 256), "w1": (random_prompts(1, 32, 1)[0], 128)}
+    for name, (prompt, n) in batch1.items():
+        before = _spec_counts(eng)
+        best, toks, trace = 0.0, None, []
+        for _ in range(repeats):
+            t: list = []
+            rate, toks = decode_rate(llm, prompt, n, t)
+            if rate > best:
+                best, trace = rate, t
+        out[f"{name}_decode_tok_s"], out[f"{name}_tokens"] = best, toks
+        out["per_workload"][name] = _delta(_spec_counts(eng), before)
+        if name == "repetitive":
+            out["repetitive_trace"] = trace
+    before = _spec_counts(eng)
+    sampled = [decode_rate(llm, batch1["w1"][0], 128, params=SamplingParams(
+        temperature=0.8, seed=s, max_tokens=128, ignore_eos=True))[0] for s in range(repeats)]
+    out["w1_sampled_decode_tok_s"] = max(sampled)
+    out["per_workload"]["w1_sampled"] = _delta(_spec_counts(eng), before)
     greedy = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
-    batch = random_prompts(16, 128, 7)
-    t0 = time.perf_counter()
-    outs = llm.generate(batch, greedy, use_tqdm=False)
-    out["c16_closed_output_tok_s"] = 16 * 128 / (time.perf_counter() - t0)
-    out["c16_closed_tokens"] = [o.outputs[0].token_ids for o in outs]
-    batch = random_prompts(C16_REQUESTS, 128, 8)
-    t0 = time.perf_counter()
-    outs = llm.generate(batch, greedy, use_tqdm=False)
-    out["c16_output_tok_s"] = C16_REQUESTS * 128 / (time.perf_counter() - t0)
-    out["c16_tokens"] = [o.outputs[0].token_ids for o in outs]
-    s = llm.llm_engine.get_stats()
+    before = _spec_counts(eng)
+    rate, out["c16_closed_tokens"] = load_rate(llm, random_prompts(16, 128, 7), greedy)
+    out["c16_closed_output_tok_s"] = rate
+    out["per_workload"]["c16_closed"] = _delta(_spec_counts(eng), before)
+    before, trace = _spec_counts(eng), []
+    rate, out["c16_tokens"] = load_rate(llm, random_prompts(C16_REQUESTS, 128, 8), greedy, trace)
+    out["c16_output_tok_s"], out["c16_k_trace"] = rate, trace
+    out["per_workload"]["c16"] = _delta(_spec_counts(eng), before)
+    s = eng.get_stats()
     out.update(draft_tokens=s.spec_num_draft_tokens, accepted_tokens=s.spec_num_accepted_tokens,
                verified_steps=s.spec_num_drafts, accepted_per_position=s.spec_accepted_per_position)
     core = getattr(llm.llm_engine.client, "core", None)
@@ -120,6 +193,11 @@ def measure(quantization: str, method: str | None, repeats: int) -> dict:
     del llm
     gc.collect()
     return out
+
+
+RATES = ("repetitive_decode_tok_s", "edit_decode_tok_s", "quote_decode_tok_s", "w1_decode_tok_s",
+         "w1_sampled_decode_tok_s", "c16_output_tok_s", "c16_closed_output_tok_s")
+GREEDY = ("repetitive", "edit", "quote", "w1", "c16", "c16_closed")  # workloads whose tokens must match
 
 
 def main() -> int:
@@ -135,31 +213,33 @@ def main() -> int:
         for _ in range(a.rounds - 1):  # the VM's speed drifts: interleave rounds, keep each one's best
             for r, m in zip(runs, METHODS):
                 again = measure(q, m, a.repeats)
-                for key in ("repetitive_decode_tok_s", "w1_decode_tok_s", "c16_output_tok_s", "c16_closed_output_tok_s"):
+                r.setdefault("rounds", [{k: r[k] for k in RATES}]).append({k: again[k] for k in RATES})
+                for key in RATES:
                     if again[key] > r[key]:
                         r[key] = again[key]
                         if key == "repetitive_decode_tok_s":
                             r["repetitive_trace"] = again["repetitive_trace"]
+                        if key == "c16_output_tok_s":
+                            r["c16_k_trace"] = again["c16_k_trace"]
         base = runs[0]
+        for r in runs:
+            r["greedy_equal_to_off"] = {k: r[f"{k}_tokens"] == base[f"{k}_tokens"] for k in GREEDY}
+            r["ratio_to_off"] = {k: round(r[k] / base[k], 3) for k in RATES}
         print(f"\nquantization={q}")
-        print(f"{'method':8} {'repetitive':>11} {'x':>6} {'W1':>8} {'x':>6} {'c16':>8} {'x':>6} {'closed16':>8} {'x':>6}"
-              "  accepted/drafts  per position")
+        names = [k.replace("_decode_tok_s", "").replace("_output_tok_s", "") for k in RATES]
+        print(f"{'method':8} " + " ".join(f"{n:>16}" for n in names))
         for r in runs:
-            r["greedy_equal_to_off"] = {k: r[f"{k}_tokens"] == base[f"{k}_tokens"]
-                                        for k in ("repetitive", "w1", "c16", "c16_closed")}
-        for r in runs:
-            same = r["greedy_equal_to_off"]
-            ratio = {k: r[f"{k}_tok_s" if k == "c16_output" else f"{k}_decode_tok_s"] for k in ("repetitive", "w1")}
-            print(f"{r['method']:8} {r['repetitive_decode_tok_s']:11.1f} {ratio['repetitive'] / base['repetitive_decode_tok_s']:6.2f}"
-                  f" {r['w1_decode_tok_s']:8.1f} {ratio['w1'] / base['w1_decode_tok_s']:6.2f}"
-                  f" {r['c16_output_tok_s']:8.1f} {r['c16_output_tok_s'] / base['c16_output_tok_s']:6.2f}"
-                  f" {r['c16_closed_output_tok_s']:8.1f} {r['c16_closed_output_tok_s'] / base['c16_closed_output_tok_s']:6.2f}"
-                  f"  {r['accepted_tokens']}/{r['draft_tokens']}  {r['accepted_per_position']}  equal={same}")
+            print(f"{r['method']:8} " + " ".join(f"{r[k]:9.1f} ({r['ratio_to_off'][k]:4.2f})" for k in RATES))
+            print(f"         accepted/drafts {r['accepted_tokens']}/{r['draft_tokens']} by position "
+                  f"{r['accepted_per_position']}; greedy equal: {r['greedy_equal_to_off']}")
+            for w, d in r["per_workload"].items():
+                if d["draft_tokens"]:
+                    print(f"         {w}: {d['accepted_tokens']}/{d['draft_tokens']} kept over {d['verified_steps']} steps")
             if "step_ms_by_tokens" in r:
                 print(f"         step ms by tokens per step: {r['step_ms_by_tokens']}")
         for r in runs:
-            for k in ("repetitive_tokens", "w1_tokens", "c16_tokens", "c16_closed_tokens"):
-                r.pop(k)
+            for k in GREEDY:
+                r.pop(f"{k}_tokens")
         results["runs"][q] = runs
     path = Path(a.json_out or Path(__file__).parent / "results" / f"spec_decode-{time.strftime('%Y-%m-%d')}.json")
     path.write_text(json.dumps(results, indent=1))

@@ -25,6 +25,7 @@ import atexit
 import logging
 import multiprocessing as mp
 import threading
+import time
 from multiprocessing.connection import wait
 
 from pagedllm.worker.model_runner import ModelRunner, StepHandle
@@ -178,10 +179,9 @@ class MultiprocExecutor(Executor):
         if self._closing:
             return
         rank, p = sentinels[ready[0]]
-        p.join(0.1)
-        self.failure = (f"tensor-parallel worker rank {rank} (pid {p.pid}) died with exit code {p.exitcode}; "
-                        "the engine cannot step any more")
-        logger.error("%s", self.failure)
+        if self.failure is None:  # check_health may have described it first
+            self.failure = _death_message(rank, p)
+            logger.error("%s", self.failure)
 
     def check_health(self) -> None:
         """Raise ``WorkerDiedError`` when a worker process has exited."""
@@ -190,9 +190,8 @@ class MultiprocExecutor(Executor):
                 # the sentinel, not ``is_alive``: while another thread reaps the child, ``is_alive``
                 # can still answer True for a process that is gone (waitpid gives ECHILD)
                 if wait([p.sentinel], timeout=0):
-                    p.join(1)
-                    self.failure = (f"tensor-parallel worker rank {rank} (pid {p.pid}) died with exit code "
-                                    f"{p.exitcode}; the engine cannot step any more")
+                    self.failure = _death_message(rank, p)
+                    break
         if self.failure is not None:
             raise WorkerDiedError(self.failure)
 
@@ -245,6 +244,26 @@ class MultiprocExecutor(Executor):
             destroy_distributed()
         except Exception:  # a group whose peers died cannot be torn down cleanly; it is dropped anyway
             logger.debug("process group teardown failed", exc_info=True)
+
+
+def _exit_code(p, timeout_s: float = 2.0) -> int | None:
+    """The exit code of the exited process ``p``, waiting up to ``timeout_s`` seconds for it.
+
+    Several threads may reap the same child (the monitor, ``check_health``, a caller's ``join``); the
+    one whose ``waitpid`` loses gets ECHILD and reads None until the winner has stored the code, so
+    poll briefly instead of trusting the first read.
+    """
+    deadline = time.monotonic() + timeout_s
+    p.join(timeout_s)
+    while p.exitcode is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return p.exitcode
+
+
+def _death_message(rank: int, p) -> str:
+    """The failure text for worker ``rank`` (process ``p``) having exited."""
+    return (f"tensor-parallel worker rank {rank} (pid {p.pid}) died with exit code {_exit_code(p)}; "
+            "the engine cannot step any more")
 
 
 def _start_child(p) -> None:

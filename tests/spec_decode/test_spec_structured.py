@@ -73,6 +73,37 @@ def test_sampled_constrained_output_follows_the_schema(tiny_model_dir, assert_no
     assert_no_leaks(llm.llm_engine)
 
 
+def test_draft_model_constrained_greedy_equals_no_speculation(smollm2_dir, plain_outputs, assert_no_leaks):
+    """A draft model proposes for constrained requests too (its drafts kept whole, the masked
+    target judging them): the same greedy tokens as without speculation, drafts kept."""
+    spec = {"method": "draft_model", "model": str(smollm2_dir), "num_speculative_tokens": 3, "dynamic": False}
+    llm = LLM(str(smollm2_dir), num_kv_blocks=256, speculative_config=spec)
+    outs = [o.outputs[0] for o in llm.chat([PROMPT, PROMPT], _params(temperature=0), use_tqdm=False)]
+    for got, want in zip(outs, plain_outputs):
+        assert got.token_ids == want.token_ids
+        jsonschema.validate(json.loads(got.text), SCHEMA)
+    stats = llm.llm_engine.get_stats()
+    assert stats.spec_num_accepted_tokens > 0.7 * stats.spec_num_draft_tokens > 20, stats
+    assert_no_leaks(llm.llm_engine)
+
+
+def test_sampled_draft_model_drafts_keep_the_schema(tiny_model_dir, assert_no_leaks):
+    """Drafts sampled from a draft model's distribution, which knows nothing of the grammar: the
+    target's masked rows reject what the grammar refuses, so every output still validates."""
+    path = str(tiny_model_dir("llama"))
+    llm = LLM(path, num_kv_blocks=256, max_num_seqs=8,
+              speculative_config={"method": "draft_model", "model": path, "num_speculative_tokens": 3,
+                                  "dynamic": False})
+    params = [_params(temperature=1.0, seed=s, max_tokens=400) for s in range(6)]
+    outs = llm.generate(["Answer in JSON:"] * 6, params, use_tqdm=False)
+    for o in outs:
+        c = o.outputs[0]
+        assert c.finish_reason == "stop", c.text
+        jsonschema.validate(json.loads(c.text), SCHEMA)
+    assert llm.llm_engine.get_stats().spec_num_draft_tokens > 0
+    assert_no_leaks(llm.llm_engine)
+
+
 def test_mask_rows_after_each_draft_and_rollback(smollm2_dir):
     """``GrammarState.fill`` with drafts: row ``j`` is the mask after drafts ``0 .. j - 1`` (as a
     second matcher fed them one by one computes it), rows after a refused draft allow everything,
