@@ -144,8 +144,9 @@ class EngineCore:
         self.kv_cache_manager = KVCacheManager(num_blocks, args.block_size,
                                                args.enable_prefix_caching, state_pool)
         spec = (None if args.speculative_config is None
-                else SpecDecoding(args.speculative_config, max_model_len, self._target_info(args, model_dir, model,
-                                                                                           max_model_len)))
+                else SpecDecoding(args.speculative_config, max_model_len,
+                                  self._target_info(args, model_dir, model, max_model_len),
+                                  async_scheduling=args.async_scheduling))
         if spec is not None:
             logger.info("speculative decoding: %s, up to %d draft tokens (%s depth)", args.speculative_config.method,
                         args.speculative_config.num_speculative_tokens,

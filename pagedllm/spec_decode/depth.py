@@ -13,10 +13,14 @@ instead of assumed).
   its own verdicts, from ``PRIOR_ALPHA``) expects ``E(k) = alpha + ... + alpha ** k`` extra tokens
   from ``k`` drafts. In a step of ``B`` decodes it gets the ``k`` maximising
   ``(B + E(k)) / t(B + k)``, 0 when none beats ``B / t(B)``.
-* Under async scheduling a request with a step in flight gets its drafts by sitting one step out
-  (``scheduler.HOLD``); beside other decodes that step loses its token, so its drafts must earn
-  ``E(k) - 1`` (``sit_out``); alone, the step it skips costs no token. Without this, 16 concurrent
-  requests lost 7-14% to probes and sit-outs (``benchmarks/spec_decode.py``).
+* Under async scheduling step ``N + 1`` is planned while step ``N`` runs, so a request whose
+  drafts are in step ``N`` cannot be in step ``N + 1`` (its verdict moves its position): beside
+  other decodes that step loses its token, so drafts must earn ``E(k) - 1``. A request with a
+  step in flight gets its drafts by sitting one step out first (``scheduler.HOLD``, ``sit_out``)
+  and then misses the step after its drafts too: ``E(k) - 2``. Alone, a skipped step costs no
+  token (nothing else would run in it). Without the sit-out's token, 16 concurrent requests lost
+  7-14% to probes and sit-outs (``benchmarks/spec_decode.py``); the step after the drafts was
+  left out of the rule until the async flag reached it (``async_scheduling``).
 
 * The extra time drafts add to a step counts ``DRAFT_COST_MARGIN`` (1.25) times: near the
   break-even point the estimate is within its own noise (step times move by 10% on a busy
@@ -57,10 +61,12 @@ class DepthController:
     Args:
         max_k: ``num_speculative_tokens``.
         dynamic: ``False``: always ``max_k``.
+        async_scheduling: the engine plans a step while the previous one runs, so drafting beside
+            other decodes costs the request the next step (module docstring).
     """
 
-    def __init__(self, max_k: int, dynamic: bool = True) -> None:
-        self.max_k, self.dynamic = max_k, dynamic
+    def __init__(self, max_k: int, dynamic: bool = True, async_scheduling: bool = False) -> None:
+        self.max_k, self.dynamic, self.async_scheduling = max_k, dynamic, async_scheduling
         self.alpha: dict[str, float] = {}
         self._since_probe: dict[str, int] = {}
         self._times: dict[int, list[float]] = {}  # tokens per step -> [mean seconds, samples]
@@ -146,7 +152,7 @@ class DepthController:
         tokens = batch_size + self._planned
         expected = batch_size + self._planned_gain
         alpha = self.alpha.get(request_id, PRIOR_ALPHA)
-        penalty = 1.0 if sit_out and batch_size > 1 else 0.0
+        penalty = float(self.skipped_steps(batch_size, sit_out))
         k = self._best(alpha, tokens, expected, penalty)
         if not k:
             n = self._since_probe.get(request_id, 0) + 1
@@ -155,6 +161,13 @@ class DepthController:
                 self._since_probe[request_id] = 0
                 k = self.max_k
         return k
+
+    def skipped_steps(self, batch_size: int, sit_out: bool) -> int:
+        """Steps beside other decodes that drafting this step costs the request (module docstring):
+        the sit-out (``sit_out``) and, under async scheduling, the step after its drafts."""
+        if batch_size <= 1:
+            return 0
+        return int(sit_out) + int(self.async_scheduling)
 
     def planned(self, request_id: str, num_drafts: int) -> None:
         """``num_drafts`` drafts were scheduled for the request in the step being planned."""

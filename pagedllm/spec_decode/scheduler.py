@@ -64,16 +64,19 @@ class SpecDecoding:
         config: the validated ``SpeculativeConfig``.
         max_model_len: longest sequence (drafts never reach past it).
         target: what the engine says about the target (``draft_model`` needs it; ``make_proposer``).
+        async_scheduling: the engine plans each step while the previous one runs (the depth rule
+            counts the step a request with drafts in flight misses).
     Attributes:
         num_drafts: verified steps that carried drafts; num_draft_tokens, num_accepted_tokens: their
             draft tokens and how many were kept; accepted_per_position: kept drafts by position (0-based).
     """
 
-    def __init__(self, config: SpeculativeConfig, max_model_len: int, target: TargetInfo | None = None) -> None:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, target: TargetInfo | None = None,
+                 async_scheduling: bool = False) -> None:
         self.config = config
         self.max_model_len = max_model_len
         self.proposer = make_proposer(config, target)
-        self.depth = DepthController(config.num_speculative_tokens, config.dynamic)
+        self.depth = DepthController(config.num_speculative_tokens, config.dynamic, async_scheduling)
         self._prefetched: dict[str, list[int]] | None = None  # a batched proposer's drafts of this step
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
         self.accepted_per_position = [0] * config.num_speculative_tokens

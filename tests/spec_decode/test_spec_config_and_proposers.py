@@ -113,6 +113,24 @@ def test_sitting_a_step_out_costs_a_token_beside_other_decodes():
     assert d.depth("a", 1, sit_out=True) == d.depth("a", 1) > 0
 
 
+def test_async_drafting_costs_the_step_after_the_drafts():
+    """Under async scheduling a request with drafts in step N misses step N + 1: beside other
+    decodes its drafts must earn that token too (and a sit-out's), alone they need not; with
+    synchronous scheduling nothing is skipped."""
+    sync, asyn = DepthController(max_k=5), DepthController(max_k=5, async_scheduling=True)
+    for d in (sync, asyn):
+        for t in (1, 16, 21):
+            for _ in range(2):
+                d.observe(t, 0.010 + 0.001 * t)  # 26 ms at 16 tokens, 31 ms at 21: 4 kept drafts pay 10%
+        d.alpha["r"] = 0.9
+    assert [d.skipped_steps(16, False) for d in (sync, asyn)] == [0, 1]
+    assert asyn.skipped_steps(16, True) == 2 and asyn.skipped_steps(1, True) == 0
+    assert sync.depth("r", 16) > 0
+    assert asyn.depth("r", 16) < sync.depth("r", 16)
+    assert asyn.depth("r", 16, sit_out=True) == 0
+    assert asyn.depth("r", 1) == sync.depth("r", 1) > 0
+
+
 def test_drafts_near_break_even_are_not_planned():
     """Float32 SmolLM2 at 16 concurrent requests: a 33-token step cost 1.9x a 16-token one and
     drafts planned on a predicted gain of a few percent ran at 0.89x; the drafts' extra time counts
