@@ -59,3 +59,18 @@ def test_pairs_and_cosine():
         pair_texts([], "a")
     assert cosine([1, 0], [0, 1]) == 0.0 and cosine([1, 1], [2, 2]) == pytest.approx(1.0)
     assert cosine([0, 0], [1, 1]) == 0.0
+
+
+@pytest.mark.parametrize("flags, runner", [
+    ([], "auto"), (["--task", "embed"], "pooling"), (["--task", "score"], "pooling"),
+    (["--task", "generate"], "generate"), (["--runner", "pooling"], "pooling"),
+    (["--runner", "generate", "--task", "embed"], "generate"),  # --runner wins, as in vLLM
+])
+def test_task_and_runner_flags(flags, runner):
+    """vLLM's older ``--task embed`` / ``score`` mean ``--runner pooling``."""
+    import argparse
+
+    from pagedllm.cli_args import add_engine_flags, engine_args_from_cli
+    p = argparse.ArgumentParser()
+    add_engine_flags(p)
+    assert engine_args_from_cli(p.parse_args(["some-model", *flags])).runner == runner
