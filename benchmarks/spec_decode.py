@@ -29,7 +29,11 @@ On the embedded SmolLM2-135M-Instruct, in process, greedy, EOS ignored, for each
 
 Greedy tokens with speculation are compared with those without (they must be equal up to a
 near-tie; the engine tests check that against transformers). The configurations are measured in
-``--rounds`` interleaved passes and each keeps its best (the VM's speed drifts). Results:
+``--rounds`` interleaved passes, each round starting with another configuration; each keeps its
+best and the median over the rounds (the VM's speed drifts, at times by 2x between passes). At concurrency 16 the run also records the steps
+taken and the milliseconds per step of each phase: where the depth rule plans no drafts the
+steps are the same with and without speculation, and what speculation costs is the planning
+time it adds to ``schedule``. Results:
 ``results/spec_decode-<date>.json`` with the machine's CPU model and flags.
 
 Usage: ``python benchmarks/spec_decode.py [--repeats 2] [--rounds 2] [--quantizations gguf none]``
@@ -41,6 +45,7 @@ import argparse
 import gc
 import json
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -179,10 +184,15 @@ def measure(quantization: str, method: str | None, repeats: int) -> dict:
     rate, out["c16_closed_tokens"] = load_rate(llm, random_prompts(16, 128, 7), greedy)
     out["c16_closed_output_tok_s"] = rate
     out["per_workload"]["c16_closed"] = _delta(_spec_counts(eng), before)
-    before, trace = _spec_counts(eng), []
+    before, trace, t0 = _spec_counts(eng), [], eng.get_stats().step_timings
     rate, out["c16_tokens"] = load_rate(llm, random_prompts(C16_REQUESTS, 128, 8), greedy, trace)
     out["c16_output_tok_s"], out["c16_k_trace"] = rate, trace
     out["per_workload"]["c16"] = _delta(_spec_counts(eng), before)
+    t1 = eng.get_stats().step_timings  # the same steps with and without speculation when no drafts are planned:
+    steps = t1.steps - t0.steps        # then what speculation adds is the scheduler's planning time
+    out["c16_steps"] = steps
+    out["c16_ms_per_step"] = {k: round((getattr(t1, f"{k}_s") - getattr(t0, f"{k}_s")) / steps * 1e3, 3)
+                              for k in ("schedule", "prepare", "execute", "sample", "update")}
     s = eng.get_stats()
     out.update(draft_tokens=s.spec_num_draft_tokens, accepted_tokens=s.spec_num_accepted_tokens,
                verified_steps=s.spec_num_drafts, accepted_per_position=s.spec_accepted_per_position)
@@ -210,8 +220,11 @@ def main() -> int:
     results = {"machine": machine_facts(), "runs": {}}
     for q in a.quantizations:
         runs = [measure(q, m, a.repeats) for m in METHODS]
-        for _ in range(a.rounds - 1):  # the VM's speed drifts: interleave rounds, keep each one's best
-            for r, m in zip(runs, METHODS):
+        for i in range(1, a.rounds):  # the VM's speed drifts: interleave rounds, keep each one's best
+            # each round starts with another configuration: in a fixed order the first engine of a
+            # round ran 5-10% faster at concurrency 16 whichever it was (the order, not speculation)
+            order = [(i + j) % len(METHODS) for j in range(len(METHODS))]
+            for r, m in ((runs[j], METHODS[j]) for j in order):
                 again = measure(q, m, a.repeats)
                 r.setdefault("rounds", [{k: r[k] for k in RATES}]).append({k: again[k] for k in RATES})
                 for key in RATES:
@@ -222,7 +235,11 @@ def main() -> int:
                         if key == "c16_output_tok_s":
                             r["c16_k_trace"] = again["c16_k_trace"]
         base = runs[0]
+        for r in runs:  # the median over the rounds beside the best: this VM's speed swings by 2x at times
+            r["median_of_rounds"] = {k: statistics.median(x[k] for x in r.get("rounds", [r])) for k in RATES}
         for r in runs:
+            r["median_ratio_to_off"] = {k: round(r["median_of_rounds"][k] / base["median_of_rounds"][k], 3)
+                                        for k in RATES}
             r["greedy_equal_to_off"] = {k: r[f"{k}_tokens"] == base[f"{k}_tokens"] for k in GREEDY}
             r["ratio_to_off"] = {k: round(r[k] / base[k], 3) for k in RATES}
         print(f"\nquantization={q}")
@@ -230,6 +247,9 @@ def main() -> int:
         print(f"{'method':8} " + " ".join(f"{n:>16}" for n in names))
         for r in runs:
             print(f"{r['method']:8} " + " ".join(f"{r[k]:9.1f} ({r['ratio_to_off'][k]:4.2f})" for k in RATES))
+            print(f"         median of rounds (ratio): " + " ".join(
+                f"{r['median_of_rounds'][k]:.1f} ({r['median_ratio_to_off'][k]:.2f})" for k in RATES))
+            print(f"         c16: {r['c16_steps']} steps, ms per step {r['c16_ms_per_step']}")
             print(f"         accepted/drafts {r['accepted_tokens']}/{r['draft_tokens']} by position "
                   f"{r['accepted_per_position']}; greedy equal: {r['greedy_equal_to_off']}")
             for w, d in r["per_workload"].items():

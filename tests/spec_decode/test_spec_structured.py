@@ -42,10 +42,15 @@ def plain_outputs(smollm2_dir):
     return [o.outputs[0] for o in llm.chat([PROMPT, PROMPT], _params(temperature=0), use_tqdm=False)]
 
 
-@pytest.mark.parametrize("method, engine_kw", [("ngram", {}), ("suffix", {"async_scheduling": False})])
+@pytest.mark.parametrize("method, engine_kw", [("ngram", {}), ("suffix", {"async_scheduling": False}),
+                                               ("draft_model", {})])
 def test_constrained_greedy_output_equals_no_speculation(smollm2_dir, plain_outputs, assert_no_leaks,
                                                          method, engine_kw):
-    llm = LLM(str(smollm2_dir), num_kv_blocks=256, speculative_config=_spec(method), **engine_kw)
+    """The same greedy tokens as without speculation; a draft model (SmolLM2 drafting for itself)
+    proposes for constrained requests too, its drafts kept whole and judged by the masked target."""
+    spec = (_spec(method) if method != "draft_model" else
+            {"method": method, "model": str(smollm2_dir), "num_speculative_tokens": 3, "dynamic": False})
+    llm = LLM(str(smollm2_dir), num_kv_blocks=256, speculative_config=spec, **engine_kw)
     outs = [o.outputs[0] for o in llm.chat([PROMPT, PROMPT], _params(temperature=0), use_tqdm=False)]
     for got, want in zip(outs, plain_outputs):
         assert got.token_ids == want.token_ids
@@ -57,45 +62,19 @@ def test_constrained_greedy_output_equals_no_speculation(smollm2_dir, plain_outp
     assert_no_leaks(llm.llm_engine)
 
 
-def test_sampled_constrained_output_follows_the_schema(tiny_model_dir, assert_no_leaks):
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_sampled_constrained_output_follows_the_schema(tiny_model_dir, assert_no_leaks, method):
     """A random model picks tokens with no sense of JSON; with drafts (most refused by the grammar
-    or the target) every output still parses and validates, and finishes with ``stop``."""
-    llm = LLM(str(tiny_model_dir("llama")), num_kv_blocks=256, max_num_seqs=16,
-              speculative_config={"method": "ngram", "num_speculative_tokens": 3, "dynamic": False,
-                                  "prompt_lookup_min": 1})
-    params = [_params(temperature=1.0, seed=s, max_tokens=400) for s in range(12)]
-    outs = llm.generate(["Answer in JSON:"] * 12, params, use_tqdm=False)
-    for o in outs:
-        c = o.outputs[0]
-        assert c.finish_reason == "stop", c.text
-        jsonschema.validate(json.loads(c.text), SCHEMA)
-    assert llm.llm_engine.get_stats().spec_num_draft_tokens > 0
-    assert_no_leaks(llm.llm_engine)
-
-
-def test_draft_model_constrained_greedy_equals_no_speculation(smollm2_dir, plain_outputs, assert_no_leaks):
-    """A draft model proposes for constrained requests too (its drafts kept whole, the masked
-    target judging them): the same greedy tokens as without speculation, drafts kept."""
-    spec = {"method": "draft_model", "model": str(smollm2_dir), "num_speculative_tokens": 3, "dynamic": False}
-    llm = LLM(str(smollm2_dir), num_kv_blocks=256, speculative_config=spec)
-    outs = [o.outputs[0] for o in llm.chat([PROMPT, PROMPT], _params(temperature=0), use_tqdm=False)]
-    for got, want in zip(outs, plain_outputs):
-        assert got.token_ids == want.token_ids
-        jsonschema.validate(json.loads(got.text), SCHEMA)
-    stats = llm.llm_engine.get_stats()
-    assert stats.spec_num_accepted_tokens > 0.7 * stats.spec_num_draft_tokens > 20, stats
-    assert_no_leaks(llm.llm_engine)
-
-
-def test_sampled_draft_model_drafts_keep_the_schema(tiny_model_dir, assert_no_leaks):
-    """Drafts sampled from a draft model's distribution, which knows nothing of the grammar: the
-    target's masked rows reject what the grammar refuses, so every output still validates."""
+    or the target) every output still parses and validates, and finishes with ``stop``. n-gram
+    drafts are cut at the grammar's first refusal; a draft model's sampled drafts are kept whole
+    and the target's masked rows reject what the grammar refuses."""
     path = str(tiny_model_dir("llama"))
-    llm = LLM(path, num_kv_blocks=256, max_num_seqs=8,
-              speculative_config={"method": "draft_model", "model": path, "num_speculative_tokens": 3,
-                                  "dynamic": False})
-    params = [_params(temperature=1.0, seed=s, max_tokens=400) for s in range(6)]
-    outs = llm.generate(["Answer in JSON:"] * 6, params, use_tqdm=False)
+    spec = {"method": method, "num_speculative_tokens": 3, "dynamic": False}
+    spec.update({"prompt_lookup_min": 1} if method == "ngram" else {"model": path})
+    llm = LLM(path, num_kv_blocks=256, max_num_seqs=16, speculative_config=spec)
+    n = 12 if method == "ngram" else 6
+    params = [_params(temperature=1.0, seed=s, max_tokens=400) for s in range(n)]
+    outs = llm.generate(["Answer in JSON:"] * n, params, use_tqdm=False)
     for o in outs:
         c = o.outputs[0]
         assert c.finish_reason == "stop", c.text
@@ -137,3 +116,25 @@ def test_mask_rows_after_each_draft_and_rollback(smollm2_dir):
     state.fill(again, 0)
     assert torch.equal(again[0], rows[0])
     mgr.shutdown()
+
+
+def test_a_draft_eos_leaves_the_matcher_on_the_kept_tokens(smollm2_dir):
+    """A draft EOS right after the grammar's last token: its row is judged, but consuming it would
+    stop the matcher and llguidance's rollback does not undo a stop (the kept ``]`` was then
+    refused and a correct output finished with ``error``)."""
+    from transformers import AutoTokenizer
+
+    from pagedllm.structured_output.manager import StructuredOutputManager
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    manager = StructuredOutputManager(str(smollm2_dir), len(tok), {tok.eos_token_id})
+    schema = {"type": "array", "items": {"type": "integer"}, "minItems": 2}
+    state = manager.submit(StructuredOutputsParams(json=schema, disable_any_whitespace=True))
+    manager.wait_for_compiles(30)
+    assert state.ready
+    for t in tok.encode("[1,2"):
+        assert state.accept(t) is None
+    close = tok.encode("]")
+    bitmask = torch.zeros((3, (len(tok) + 31) // 32), dtype=torch.int32)
+    state.fill(bitmask, 0, close + [tok.eos_token_id])
+    assert state.accept(close[0]) != "error", state.error
+    assert state.accept(tok.eos_token_id) == "stop"
