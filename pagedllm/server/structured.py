@@ -50,6 +50,9 @@ class StructuredRequest:
         return param, message
 
 
+_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")  # what a constraint is
+
+
 def _sources(body) -> list[tuple[str, dict]]:
     found: list[tuple[str, dict]] = []
     rf = body.response_format
@@ -67,7 +70,7 @@ def _sources(body) -> list[tuple[str, dict]]:
         fields = so.model_dump(by_alias=True, exclude={"backend", "disable_fallback"}, exclude_defaults=True)
         if isinstance(fields.get("structural_tag"), dict):
             fields["structural_tag"] = json.dumps(fields["structural_tag"])
-        kinds = [k for k in ("json", "regex", "choice", "grammar", "json_object", "structural_tag") if k in fields]
+        kinds = [k for k in _KINDS if k in fields]
         found.append((f"structured_outputs.{kinds[0]}" if len(kinds) == 1 else "structured_outputs", fields))
     for name, kind in _GUIDED.items():
         value = getattr(body, name)
@@ -135,6 +138,11 @@ def structured_request(body, reasoning_end_tag: str | None = None, tools: bool =
         found.append(forced)
     if not found:
         return None
+    # ``structured_outputs`` with options only (``disable_additional_properties``, ...) shapes the
+    # one constraint given another way (``response_format``, ``guided_*``, a forced tool call)
+    options = [f for s, f, _ in found if s == "structured_outputs" and not set(f).intersection(_KINDS)]
+    if options and len(found) == 2:
+        found = [(s, {**f, **options[0]}, t) for s, f, t in found if s != "structured_outputs"]
     if len(found) > 1:
         raise APIError(400, f"{found[1][0]}: only one structured-output constraint per request (also got "
                        f"{found[0][0]})", found[1][0].split(".")[0], code="invalid_value")

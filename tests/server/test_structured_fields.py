@@ -55,6 +55,18 @@ def test_whitespace_pattern_and_options_carry_over():
     assert sr.params.disable_any_whitespace
 
 
+def test_options_only_structured_outputs_shape_the_other_constraint():
+    """``structured_outputs`` with options only is no second constraint: its options apply to the
+    one ``response_format`` (or ``guided_*``) gives, as the README suggests for open objects."""
+    schema = {"type": "object", "properties": {"name": {"type": "string"}}}
+    sr = structured_request(chat(response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": schema}},
+                                 structured_outputs={"disable_additional_properties": True}))
+    assert sr.params.kind == "json" and sr.params.disable_additional_properties
+    assert sr.source == "response_format.json_schema.schema"
+    sr = structured_request(chat(guided_json=schema, structured_outputs={"disable_any_whitespace": True}))
+    assert sr.params.disable_any_whitespace and sr.source == "guided_json"
+
+
 def test_two_sources_are_refused_naming_the_second():
     with pytest.raises(APIError) as e:
         structured_request(chat(response_format={"type": "json_object"}, guided_regex="a"))
