@@ -76,6 +76,7 @@ class GuidanceBackend:
         n_vocab = max(vocab_size, len(tokenizer))
         eos = sorted(eos_token_ids) or [tokenizer.eos_token_id]
         self.ll_tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=n_vocab, eos_token=eos)
+        self.eos_token_ids = frozenset(eos)  # what ends every grammar
         self.vocab_size = n_vocab
         self._cache: OrderedDict[str, object] = OrderedDict()
         self._lock = threading.Lock()  # the cache is shared by the compile thread and the front end

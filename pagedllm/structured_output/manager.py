@@ -48,13 +48,14 @@ class GrammarState:
         reasoning_end_tag: the constraint starts after the token that completes this text
             (``None``: from the first token).
         decode: token ids -> bytes (the tokenizer's), to find ``reasoning_end_tag``.
-        eos_token_ids: the tokens that end the grammar (``fill`` never consumes one: see there).
+        eos_token_ids: returns the tokens that end the grammar (the backend's; asked in ``fill``,
+            which never consumes one: see there).
     """
 
     def __init__(self, future: Future, reasoning_end_tag: str | None = None, decode=None,
-                 eos_token_ids: frozenset[int] = frozenset()) -> None:
+                 eos_token_ids=frozenset) -> None:
         self._future: Future | None = future
-        self._eos = frozenset(eos_token_ids)
+        self._eos_token_ids = eos_token_ids
         self.matcher = None
         self.error: str | None = None
         self._end = reasoning_end_tag.encode() if reasoning_end_tag else b""
@@ -121,7 +122,8 @@ class GrammarState:
         # a draft EOS is judged by its row but never consumed: llguidance's rollback does not undo
         # the stop it causes (the matcher then refused the kept tokens' next one), and no row after
         # it is read (the request ends there)
-        n = next((i for i, t in enumerate(drafts[:n]) if t in self._eos), n)
+        eos = self._eos_token_ids()
+        n = next((i for i, t in enumerate(drafts[:n]) if t in eos), n)
         for j in range(n + 1):
             if j:
                 m.consume_token(drafts[j - 1])
@@ -195,8 +197,7 @@ class StructuredOutputManager:
         future = self._executor.submit(self._compile, params)
         self._pending.add(future)
         future.add_done_callback(self._pending.discard)
-        eos = frozenset(self._eos) or frozenset([self.backend.ll_tokenizer.eos_token])  # as the backend's
-        return GrammarState(future, params.reasoning_end_tag, self._decode, eos)
+        return GrammarState(future, params.reasoning_end_tag, self._decode, lambda: self.backend.eos_token_ids)
 
     def _decode(self, token_ids: list[int]) -> bytes:
         return self.backend.ll_tokenizer.decode_bytes(token_ids)
