@@ -60,12 +60,17 @@ class Scheduler:
         enable_chunked_prefill: when False a prompt is admitted only whole.
         spec: speculative decoding's planner, or ``None`` (no drafts).
         encoder_only: the model is an encoder (prompts whole, no KV blocks; see the module docstring).
+        pipeline_overlap: keep a request whose token is still being sampled out of the next step,
+            so that consecutive steps hold different requests and a pipeline can run them at once
+            (``ModelRunner(pipeline_overlap=True)``; vLLM keeps ``pipeline_parallel_size`` batches
+            in flight the same way).
     """
 
     def __init__(self, kv_cache_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, enable_chunked_prefill: bool = True, spec: SpecDecoding | None = None,
-                 encoder_only: bool = False) -> None:
+                 encoder_only: bool = False, pipeline_overlap: bool = False) -> None:
         self.encoder_only = encoder_only
+        self.pipeline_overlap = pipeline_overlap
         self.kv = kv_cache_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -143,6 +148,8 @@ class Scheduler:
 
     def _num_new_tokens(self, req: Request, budget: int) -> int:
         pending = req.num_output_placeholders
+        if pending and self.pipeline_overlap:
+            return 0  # in the step in flight: the step after it holds other requests
         if pending and (req.num_output_tokens + pending >= req.max_tokens
                         or req.num_tokens + pending >= self.max_model_len):
             return 0  # finishes for length when the tokens in flight arrive

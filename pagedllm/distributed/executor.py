@@ -69,6 +69,33 @@ class Executor:
     def shutdown(self) -> None:
         """Stop the other ranks (safe to call twice)."""
 
+    # ---- for executors with worker ranks ----------------------------------
+    _latest = None  # the handle of the step issued last (pipeline overlap: see ``before_result``)
+
+    def _send(self, so) -> None:
+        """Hand step ``so`` to every worker rank, in issue order (subclasses with workers)."""
+        raise NotImplementedError
+
+    def _issue(self, so, timer, non_blocking: bool) -> "CheckedHandle":
+        """Send ``so`` to the workers when they need it, then issue it on rank 0. Workers need a step
+        that changes their batch, and with several steps in flight (``runner.pipeline_overlap``) every
+        step: the next step's arrival is what tells a worker to finish the one before (its order)."""
+        self.check_health()
+        if not so.is_empty or so.finished_req_ids or self.runner.pipeline_overlap:
+            self._send(so)
+        handle = CheckedHandle(self.runner.execute(so, timer, non_blocking=non_blocking), self)
+        self._latest = handle
+        return handle
+
+    def before_result(self, handle: "CheckedHandle") -> None:
+        """Before rank 0 finishes ``handle``'s step: when no step was issued after it and steps
+        overlap, send the workers an empty step, so that they finish it too (rank 0's finish
+        broadcasts the tokens, which waits for every rank to take them)."""
+        if self.runner.pipeline_overlap and handle is self._latest:
+            from pagedllm.core.scheduler_output import SchedulerOutput
+            self._latest = None
+            self._send(SchedulerOutput())
+
 
 class UniProcExecutor(Executor):
     """One rank, in the engine core's process: today's path, no communication."""
@@ -200,21 +227,25 @@ class MultiprocExecutor(Executor):
         wait([p.sentinel for p in self.procs], timeout=timeout_s)
 
     def execute(self, so, timer=None, non_blocking: bool = False) -> StepHandle:
-        """Send ``so`` to every worker, then issue it on rank 0.
+        """Send ``so`` to every worker (``Executor._issue``), then issue it on rank 0.
 
         Raises:
             WorkerDiedError: a worker is gone (also from the returned handle's ``result()``).
         """
-        self.check_health()
-        if not so.is_empty or so.finished_req_ids:
-            try:
-                for conn in self.conns:
-                    conn.send(so)
-            except OSError as e:
-                self.check_health()
-                raise WorkerDiedError(f"a tensor-parallel worker stopped reading steps ({e})") from e
-        handle = self.runner.execute(so, timer, non_blocking=non_blocking)
-        return CheckedHandle(handle, self)
+        return self._issue(so, timer, non_blocking)
+
+    def _send(self, so) -> None:
+        """Write ``so`` down every worker's pipe.
+
+        Raises:
+            WorkerDiedError: a pipe is closed (its worker is gone).
+        """
+        try:
+            for conn in self.conns:
+                conn.send(so)
+        except OSError as e:
+            self.check_health()
+            raise WorkerDiedError(f"a tensor-parallel worker stopped reading steps ({e})") from e
 
     def shutdown(self) -> None:
         """Ask each worker to stop, wait up to 5 s, then terminate (and kill) what is left; leave the
@@ -298,6 +329,7 @@ class CheckedHandle:
             WorkerDiedError: a worker died (the collective's own error is chained).
         """
         try:
+            self._executor.before_result(self)
             return self._handle.result()
         except WorkerDiedError:
             raise

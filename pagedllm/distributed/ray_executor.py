@@ -20,7 +20,7 @@ import logging
 import os
 import threading
 
-from pagedllm.distributed.executor import Executor, WorkerDiedError, CheckedHandle
+from pagedllm.distributed.executor import Executor, WorkerDiedError
 from pagedllm.worker.model_runner import ModelRunner, StepHandle
 
 logger = logging.getLogger(__name__)
@@ -64,8 +64,8 @@ class RayWorker:
         self.runner = WorkerModelRunner(self.model, **runner_kwargs)
 
     def execute(self, so) -> None:
-        """Run one step (its collectives pair with rank 0's)."""
-        self.runner.execute(so).result()
+        """Run one step (its collectives pair with rank 0's), in rank 0's order (``WorkerModelRunner.run_step``)."""
+        self.runner.run_step(so)
 
     def watch(self) -> None:
         """Return only at ``stop`` (in its own concurrency group): a dead actor fails this call."""
@@ -186,10 +186,11 @@ class RayExecutor(Executor):
         Raises:
             WorkerDiedError: an actor is gone (also from the returned handle's ``result()``).
         """
-        self.check_health()
-        if not so.is_empty or so.finished_req_ids:
-            self._pending += [a.execute.remote(so) for a in self.actors]
-        return CheckedHandle(self.runner.execute(so, timer, non_blocking=non_blocking), self)
+        return self._issue(so, timer, non_blocking)
+
+    def _send(self, so) -> None:
+        """Submit ``so`` to every actor (a sync actor runs one caller's calls in order)."""
+        self._pending += [a.execute.remote(so) for a in self.actors]
 
     def shutdown(self) -> None:
         """Stop and kill the actors, remove the placement group, leave the group; stop a Ray we started."""

@@ -32,31 +32,65 @@ class DriverModelRunner(ModelRunner):
     """Rank 0's runner: a ``ModelRunner`` that broadcasts each step's tokens to the workers."""
 
     @torch.inference_mode()
-    def _run(self, step: PreparedStep, prev: PreparedStep | None, timer) -> ModelRunnerOutput:
-        """Forward and sample as ``ModelRunner``; then send ``(sampled ids, emitted drafts)`` to every rank."""
-        out = super()._run(step, prev, timer)
+    def _finish(self, step: PreparedStep, prev: PreparedStep | None, timer, launched: tuple) -> ModelRunnerOutput:
+        """Sample as ``ModelRunner``; then send ``(sampled ids, emitted drafts)`` to every rank."""
+        out = super()._finish(step, prev, timer, launched)
         broadcast_object((step.sampled_list, step.emitted))
         return out
 
 
 class WorkerModelRunner(ModelRunner):
-    """A worker rank's runner: forwards its shard, samples nothing, takes rank 0's tokens."""
+    """A worker rank's runner: forwards its shard, samples nothing, takes rank 0's tokens.
+
+    It launches and finishes steps in rank 0's order (``run_step``): with ``pipeline_overlap`` rank 0
+    launches step N+1 before it finishes step N, and a worker whose stage computes logits (stage 0's
+    TP ranks: the vocabulary gather is a collective) must do the same.
+    """
+
+    _unfinished = None  # the handle of the step launched but not finished (pipeline_overlap)
 
     @torch.inference_mode()
-    def _run(self, step: PreparedStep, prev: PreparedStep | None, timer) -> ModelRunnerOutput:
-        """Forward (the collectives pair with rank 0's), then record rank 0's broadcast tokens.
+    def _launch(self, step: PreparedStep, prev: PreparedStep | None, timer) -> tuple:
+        """Forward this rank's shard (the collectives pair with rank 0's); only issued with ``pipeline_overlap``."""
+        self._fill_inputs(step, prev)
+        args = (step.input_ids, step.positions, self.kv_caches, step.meta, step.logits_rows)
+        if self.pipeline_overlap:
+            return 0.0, None, None, self.model.forward_launch(*args)
+        self.model(*args)
+        return 0.0, None, None, None
+
+    @torch.inference_mode()
+    def _finish(self, step: PreparedStep, prev: PreparedStep | None, timer, launched: tuple) -> ModelRunnerOutput:
+        """Finish the forward, then record rank 0's broadcast tokens.
 
         Raises:
             RuntimeError: rank 0 sent no tokens (it failed mid-step).
         """
-        self._fill_inputs(step, prev)
-        self.model(step.input_ids, step.positions, self.kv_caches, step.meta, step.logits_rows)
+        if launched[3] is not None:
+            self.model.forward_finish(launched[3])
         got = broadcast_object()
         if got is None:
             raise RuntimeError("rank 0 sent no tokens for the step")
         step.sampled_list, step.emitted = got
         step.sampled = torch.tensor(step.sampled_list, dtype=torch.int64, device=self.device)
         return ModelRunnerOutput()
+
+    def run_step(self, so) -> None:
+        """Run one step from rank 0 in rank 0's order: at once, or with ``pipeline_overlap``
+        launch it, then finish the step before it (rank 0 finishes step N after issuing N+1)."""
+        handle = self.execute(so)
+        if not self.pipeline_overlap:
+            handle.result()
+            return
+        before, self._unfinished = self._unfinished, handle
+        if before is not None:
+            before.result()
+
+    def drain(self) -> None:
+        """Finish the step still launched (shutdown: rank 0 finishes its last step before it stops us)."""
+        before, self._unfinished = self._unfinished, None
+        if before is not None:
+            before.result()
 
 
 def worker_main(rank: int, world_size: int, init_method: str, args, model_dir: str, conn) -> None:
@@ -80,7 +114,8 @@ def worker_main(rank: int, world_size: int, init_method: str, args, model_dir: s
         runner = WorkerModelRunner(model, **kwargs)
         conn.send(("ready", None))
         while (so := conn.recv()) is not None:
-            runner.execute(so).result()
+            runner.run_step(so)
+        runner.drain()
     except EOFError:  # rank 0's process closed the pipe: nothing to report to
         raise SystemExit(1)
     except BaseException:

@@ -151,14 +151,18 @@ class EngineCore:
             logger.info("speculative decoding: %s, up to %d draft tokens (%s depth)", args.speculative_config.method,
                         args.speculative_config.num_speculative_tokens,
                         "dynamic" if args.speculative_config.dynamic else "fixed")
+        # a pipeline keeps several steps in flight (worker/model_runner.py: _issue_overlapped)
+        overlap = (args.async_scheduling and args.pipeline_parallel_size > 1
+                   and bool(getattr(model, "supports_step_overlap", False)))
         self.scheduler = Scheduler(self.kv_cache_manager, args.max_num_seqs, args.max_num_batched_tokens,
-                                   max_model_len, args.enable_chunked_prefill, spec, encoder_only=encoder_only)
+                                   max_model_len, args.enable_chunked_prefill, spec, encoder_only=encoder_only,
+                                   pipeline_overlap=overlap)
         # decode CUDA graphs with one rank only (every rank gets these sizes: none captures with several)
         sizes = dict(num_blocks=num_blocks, block_size=args.block_size, dtype=dtype, device=device, seed=args.seed,
                      eos_token_ids=eos_token_ids, max_num_reqs=args.max_num_seqs, max_model_len=max_model_len,
                      num_state_checkpoints=0 if state_pool is None else state_pool.num_checkpoints,
                      enforce_eager=args.enforce_eager or not isinstance(self.executor, UniProcExecutor),
-                     cuda_graph_sizes=args.cuda_graph_sizes)
+                     cuda_graph_sizes=args.cuda_graph_sizes, pipeline_overlap=overlap)
         self.runner = self._exec.submit(self.executor.runner_class, model, **sizes, executor=self._exec,
                                         scripted_output=scripted_output).result()
         self.executor.start(self.runner, sizes)

@@ -22,7 +22,8 @@ from pagedllm.distributed.parallel_state import get_pp_size, get_tp_rank, get_tp
 from pagedllm.kernels import cpu as cpu_kernels
 from pagedllm.models.layers import (RMSNorm, RotaryEmbedding, RotaryStep, build_rms_norm, build_rotary,
                                     build_silu_and_mul)
-from pagedllm.models.layers.pipeline import holds_ends, pipeline_forward, stage_layers, stage_weights
+from pagedllm.models.layers.pipeline import (holds_ends, pipeline_finish, pipeline_forward, pipeline_launch, stage_layers,
+                                             stage_weights)
 
 __all__ = ["LlamaForCausalLM", "RMSNorm", "RotaryEmbedding"]
 
@@ -175,6 +176,7 @@ class LlamaForCausalLM(nn.Module):
         rotary = build_rotary(config, head_dim, config.max_position_embeddings, cpu_kernels)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.tp_size, self.pp_size = get_tp_size(), get_pp_size()
+        self.pp_launches = 0  # pipelined steps issued (their messages' tags: layers/pipeline.py)
         # a pipeline stage holds its layers; rank 0 (every rank without a pipeline) also both ends
         self.first_layer, end = stage_layers(config.num_hidden_layers)
         ends = holds_ends()
@@ -195,6 +197,27 @@ class LlamaForCausalLM(nn.Module):
         """``(num_layers, num_kv_heads, head_dim)`` of the KV cache this model needs."""
         attn = self.layers[0].self_attn
         return len(self.layers), attn.num_kv_heads, attn.head_dim
+
+    @property
+    def supports_step_overlap(self) -> bool:
+        """Whether ``forward_launch`` / ``forward_finish`` can keep several steps in flight (a pipeline)."""
+        return self.pp_size > 1
+
+    @torch.inference_mode()
+    def forward_launch(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta: AttentionMetadata,
+                       logits_indices: torch.Tensor):
+        """Issue a pipelined step without waiting for its logits (``forward``'s arguments; only with
+        ``supports_step_overlap``); returns what ``forward_finish`` takes (``layers/pipeline.py``)."""
+        return pipeline_launch(self, input_ids, positions, kv_caches, meta, logits_indices)
+
+    @torch.inference_mode()
+    def forward_finish(self, launched) -> torch.Tensor:
+        """The logits of a launched step: ``[R, vocab]`` float32 on rank 0, ``[R, 0]`` elsewhere.
+
+        Raises:
+            RuntimeError: a pipeline peer failed.
+        """
+        return pipeline_finish(self, launched)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],

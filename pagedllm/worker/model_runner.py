@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import os
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -41,99 +39,7 @@ from pagedllm.worker.spec_verify import verify
 from pagedllm.worker.upload import to_device
 from pagedllm.worker.state_cache import StateCache
 from pagedllm.worker.scripted import ScriptedOutput
-
-if TYPE_CHECKING:
-    from pagedllm.worker.device_inputs import DeviceStepPlan
-
-
-@dataclass
-class PreparedStep:
-    """One step's inputs, built on the scheduling thread, then run on the execution thread.
-
-    Attributes:
-        input_ids: ``[T]`` int64; entries at ``pending_idx`` are filled from the previous step.
-        positions: ``[T]`` int64 absolute positions.
-        meta: the attention backend's metadata of the step.
-        logits_rows: ``[R + P]`` int64 rows of the flattened batch whose logits are needed:
-            the ``R`` sampled ones, then the prompt-logprob positions.
-        sample_ids: the ``R`` request ids sampled this step, in row order.
-        sampling: their ``SamplingMetadata`` (``None`` when ``R == 0``).
-        prompt_lp: per request with prompt logprobs computed this step,
-            ``(request id, first prompt token index, targets [n] int64, k)``.
-        pending_idx, pending_src: ``[P]`` int64 rows of ``input_ids`` that take the previous
-            step's sampled token, and that token's row among the previous step's samples.
-        slot_row: ``[max_num_reqs]`` int64, the sample row of each batch slot this step (-1: none).
-        grammar: the token bitmask of the rows with structured outputs, filled by the engine
-            core while the forward runs (``None``: no such row).
-        sampled: ``[R]`` int64 sampled ids, set once the step has run (a request with drafts:
-            its last emitted token).
-        drafts: per sampled request, its draft tokens (``None``: no request has any); a request
-            with ``k`` drafts has ``k + 1`` rows in ``logits_rows``.
-        emitted: per sampled request with drafts, every token the verification emitted.
-        draft_probs: per sampled request, the ``[len(drafts), V]`` float32 distributions its drafts
-            were drawn from, or ``None`` (point masses); ``None`` when no request has any.
-        pool_rows: ``[N]`` int64 rows whose final hidden states the pooling requests finishing
-            this step need (``None``: no such request); pool_spans: those requests (``worker/pooler.py``).
-        model_kwargs: extra keyword arguments of the model's forward (a hybrid model's ``state``).
-        device_plan: the device path's staged step (``worker/device_inputs.py``); while set,
-            ``input_ids``, ``positions`` and ``meta`` are ``None`` until the step runs.
-        graph: the step's forward replays a captured decode graph (``worker/cuda_graphs.py``).
-    """
-
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    meta: AttentionMetadata
-    logits_rows: torch.Tensor
-    sample_ids: list[str]
-    sampling: SamplingMetadata | None
-    prompt_lp: list
-    pending_idx: torch.Tensor
-    pending_src: torch.Tensor
-    slot_row: np.ndarray
-    grammar: GrammarMask | None = None
-    sampled: torch.Tensor | None = None
-    sampled_list: list[int] = field(default_factory=list)
-    drafts: list[list[int]] | None = None
-    emitted: dict[str, list[int]] = field(default_factory=dict)
-    draft_probs: list | None = None
-    pool_rows: torch.Tensor | None = None
-    pool_spans: list[PoolingSpan] = field(default_factory=list)
-    model_kwargs: dict = field(default_factory=dict)
-    device_plan: DeviceStepPlan | None = None
-    graph: bool = False
-
-
-class StepHandle:
-    """An issued step. ``result()`` waits for it, records its tokens in the batch, and returns them.
-
-    Raises:
-        Exception: whatever the step raised on the execution thread.
-    """
-
-    def __init__(self, runner: "ModelRunner | None", step: PreparedStep | None,
-                 output: ModelRunnerOutput | None = None, future: Future | None = None, run=None) -> None:
-        self._runner, self._step, self._output, self._future = runner, step, output, future
-        self._run = run  # a step run on the caller's thread (no executor) runs when its result is asked
-        self.grammar = step.grammar if step is not None else None
-
-    def result(self) -> ModelRunnerOutput:
-        """The step's sampled tokens (and logprobs), once it has run."""
-        if self._run is not None:
-            self._output, self._run = self._run(), None
-        if self._future is not None:
-            self._output, self._future = self._future.result(), None
-        if self._step is not None:
-            batch = self._runner.input_batch
-            if self._step.emitted:
-                for rid, toks in self._step.emitted.items():
-                    batch.extend_tokens(rid, toks)
-                rest = [(r, t) for r, t in zip(self._step.sample_ids, self._step.sampled_list)
-                        if r not in self._step.emitted]
-                batch.append_tokens([r for r, _ in rest], [t for _, t in rest])
-            else:
-                batch.append_tokens(self._step.sample_ids, self._step.sampled_list)
-            self._step = None
-        return self._output
+from pagedllm.worker.prepared_step import PreparedStep, StepHandle
 
 
 class ModelRunner:
@@ -160,6 +66,9 @@ class ModelRunner:
         cuda_graph_sizes: decode batch buckets to capture (``None``: ``cuda_graphs.default_sizes``).
         graph_capture: the capture mechanism (``None``: ``cuda_graphs.capture_for(device)``, which
             captures only on CUDA); graphs are built only for the Triton backend.
+        pipeline_overlap: with a pipelined model (``supports_step_overlap``), issue each step's
+            forward and take its logits only when its result is asked (``_issue_overlapped``); the
+            scheduler must then keep in-flight requests out of the next step.
     Attributes:
         attention_backend: the model's attention backend (chosen at load), or for a model
             without one (test doubles that read the metadata themselves) the torch reference.
@@ -171,8 +80,11 @@ class ModelRunner:
                  seed: int = 0, eos_token_ids: set[int] | None = None, max_num_reqs: int = 128,
                  max_model_len: int = 8192, executor: ThreadPoolExecutor | None = None,
                  scripted_output: ScriptedOutput | None = None, num_state_checkpoints: int = 0,
-                 enforce_eager: bool = False, cuda_graph_sizes: list[int] | None = None, graph_capture=None) -> None:
+                 enforce_eager: bool = False, cuda_graph_sizes: list[int] | None = None, graph_capture=None,
+                 pipeline_overlap: bool = False) -> None:
         self.model = model
+        # several steps in flight across pipeline stages (``_issue_overlapped``), where the model can
+        self.pipeline_overlap = pipeline_overlap and getattr(model, "supports_step_overlap", False)
         backend: AttentionBackend | None = getattr(model, "attention_backend", None)
         self.attention_backend = backend or TorchPagedBackend(device)
         self.block_size = block_size
@@ -448,26 +360,61 @@ class ModelRunner:
         self._last = step
         if timer is not None:
             timer.totals.prepare += time.perf_counter() - t0
-        if self._executor is None:
+        if self.pipeline_overlap:
+            handle = self._issue_overlapped(step, prev, timer)
+        elif self._executor is None:
             return StepHandle(self, step, run=lambda: self._run(step, prev, timer))
-        handle = StepHandle(self, step, future=self._executor.submit(self._run, step, prev, timer))
+        else:
+            handle = StepHandle(self, step, future=self._executor.submit(self._run, step, prev, timer))
         if not non_blocking:
             handle.result()
         return handle
 
+    def _issue_overlapped(self, step: PreparedStep, prev: PreparedStep | None, timer) -> StepHandle:
+        """Launch the step now (after the steps issued before it) and finish it when its result is
+        asked. The core asks for step N's result after issuing N+1, so each stage runs N+1's part
+        while the later stages still run N's: several steps in flight across the pipeline. The
+        scheduler keeps a request out of the step after the one that samples its token
+        (``Scheduler(pipeline_overlap=True)``), so no launch needs the token of a step not finished.
+        """
+        if self._executor is None:  # a worker rank: launch here, in the order rank 0 does
+            launched = self._launch(step, prev, timer)
+            return StepHandle(self, step, run=lambda: self._finish(step, prev, timer, launched))
+        launching = self._executor.submit(self._launch, step, prev, timer)
+        return StepHandle(self, step, run=lambda: self._executor.submit(
+            lambda: self._finish(step, prev, timer, launching.result())).result())
+
     @torch.inference_mode()
     def _run(self, step: PreparedStep, prev: PreparedStep | None, timer) -> ModelRunnerOutput:
         """Forward and sample one prepared step (on the execution thread when non-blocking)."""
+        return self._finish(step, prev, timer, self._launch(step, prev, timer))
+
+    @torch.inference_mode()
+    def _launch(self, step: PreparedStep, prev: PreparedStep | None, timer) -> tuple:
+        """Complete the step's inputs and run its forward; returns ``(start time, logits, pooled
+        hidden states or None, launched pipeline step or None)``: with ``pipeline_overlap`` the
+        forward is only issued (``model.forward_launch``) and ``_finish`` takes its logits."""
         t1 = time.perf_counter()
         if timer is not None:
             timer.exec_started(t1)
         self._fill_inputs(step, prev)
-        out = ModelRunnerOutput()
-        if step.pool_rows is None:
-            logits = self._forward(step)
-        else:  # the same forward also hands back the pooled rows' final hidden states
+        if step.pool_rows is not None:  # the same forward also hands back the pooled rows' final hidden states
             logits, hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta, step.logits_rows,
                                         step.pool_rows, **step.model_kwargs)
+            return t1, logits, hidden, None
+        if self.pipeline_overlap:
+            return t1, None, None, self.model.forward_launch(step.input_ids, step.positions, self.kv_caches,
+                                                             step.meta, step.logits_rows)
+        return t1, self._forward(step), None, None
+
+    @torch.inference_mode()
+    def _finish(self, step: PreparedStep, prev: PreparedStep | None, timer, launched: tuple) -> ModelRunnerOutput:
+        """Sample a launched step (``_launch``'s result) and fill its ``ModelRunnerOutput``."""
+        t1, logits, hidden, pending = launched
+        out = ModelRunnerOutput()
+        if pending is not None:
+            logits = self.model.forward_finish(pending)
+        if hidden is not None:
             out.pooled = pool(hidden, step.pool_spans)
         t2 = time.perf_counter()
         num_sampled = len(step.sample_ids)

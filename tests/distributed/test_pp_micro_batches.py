@@ -143,6 +143,13 @@ def test_pp2_two_micro_batches_interleave_and_match_pp1(tiny_model_dir, referenc
     _check(batch, reference[0], PROMPTS, path, greedy_ref, "PP=2 x 2 micro-batches")
     _check(single, reference[1], PROMPTS[:1], path, greedy_ref, "PP=2 x 2, one request")
 
+    steps = [e[:2] for e in batch_events if e[0] in ("launch", "finish")]
+    batch_events = [e for e in batch_events if e[0] not in ("launch", "finish")]
+    single_events = [e for e in single_events if e[0] not in ("launch", "finish")]
+    # several steps in flight: step s + 1 is launched before step s finishes, in most steps
+    launched_early = [s for s in range(len(steps) // 2 - 1)
+                      if steps.index(("launch", s + 1)) < steps.index(("finish", s))]
+    assert len(launched_early) >= MAX_NEW // 2, steps
     computes = [(k, flying) for ev, k, flying in batch_events if ev == "compute"]
     split = [c for c in computes if c[0] == 1]
     # every step of the batch run has 2+ requests until the last ones finish: most steps are split
@@ -150,10 +157,9 @@ def test_pp2_two_micro_batches_interleave_and_match_pp1(tiny_model_dir, referenc
     assert all(flying == 1 for _, flying in split)  # micro-batch 0 still being sent while 1 computes
     assert max(k for k, _ in computes) == 1
     assert sum(ev == "receive" for ev, _, _ in batch_events) == len(computes)
-    # per step: compute 0, send 0, compute 1, send 1, then the two returns
+    # per step: compute 0, send 0, compute 1, send 1 (then the next step's, or the two returns)
     i = batch_events.index(("compute", 1, 1))
-    assert [e[:2] for e in batch_events[i - 2:i + 4]] == [("compute", 0), ("send", 0), ("compute", 1),
-                                                          ("send", 1), ("receive", 0), ("receive", 1)]
+    assert [e[:2] for e in batch_events[i - 2:i + 2]] == [("compute", 0), ("send", 0), ("compute", 1), ("send", 1)]
     # one request is one micro-batch
     assert {k for ev, k, _ in single_events} == {0} and len(single_events) == 3 * MAX_NEW
 
@@ -168,7 +174,24 @@ def test_pp2_one_micro_batch_is_the_sequential_step(tiny_model_dir, reference, g
     finally:
         llm.engine.shutdown()
     _check(got, reference[0], PROMPTS, path, greedy_ref, "PP=2 x 1 micro-batch")
-    assert {k for _, k, _ in trace} == {0}
+    assert {k for ev, k, _ in trace if ev not in ("launch", "finish")} == {0}
+
+
+def test_pp2_without_async_scheduling_drains_every_step(tiny_model_dir, reference, greedy_ref, monkeypatch):
+    """Synchronous scheduling keeps one step in flight: every launch is finished before the next."""
+    path = tiny_model_dir("llama")
+    trace: list = []
+    monkeypatch.setattr(pipeline, "PIPELINE_TRACE", trace)
+    llm = LLM(str(path), pipeline_parallel_size=2, async_scheduling=False, **CHUNKED)
+    try:
+        assert not llm.engine.core.scheduler.pipeline_overlap
+        got = _generate(llm, PROMPTS)
+    finally:
+        llm.engine.shutdown()
+    _check(got, reference[0], PROMPTS, path, greedy_ref, "PP=2, synchronous")
+    steps = [e[:2] for e in trace if e[0] in ("launch", "finish")]
+    assert len(steps) >= 2 * MAX_NEW
+    assert steps == [(ev, i // 2) for i, ev in enumerate(["launch", "finish"] * (len(steps) // 2))]
 
 
 def test_pp3_three_micro_batches_match_pp1(tiny_model_dir, reference, greedy_ref):

@@ -32,12 +32,15 @@ instead of ``1 / S``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from pagedllm.distributed.micro_batch import MicroBatch, micro_batches_of
 from pagedllm.distributed.parallel_state import get_pp_rank, get_pp_size, get_tp_size, pp_irecv, pp_isend, pp_wait
 
-# when a list, each stage call appends ``(event, micro-batch, sends in flight)`` to it (tests)
+# when a list, each stage call appends ``(event, micro-batch, sends in flight)`` to it, and each
+# launch / finish ``("launch" or "finish", step number, 0)`` (tests)
 PIPELINE_TRACE: list[tuple[str, int, int]] | None = None
 
 
@@ -111,34 +114,65 @@ def _logits_rows(mbs: list[MicroBatch], logits_indices: torch.Tensor) -> list[tu
     return out
 
 
-def pipeline_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta,
-                     logits_indices: torch.Tensor) -> torch.Tensor:
-    """One step of this stage, micro-batch by micro-batch (``LlamaForCausalLM.forward``'s arguments;
-    ``kv_caches``: this stage's layers; ``meta``: a ``MicroBatchedMetadata`` or one backend metadata).
+# tags of one step's messages: ``step slot * TAG_STRIDE + micro-batch`` (the slot cycles, so two
+# steps in flight never share a tag whatever order the transport matches messages in)
+TAG_STRIDE, TAG_SLOTS = 1024, 4
+
+
+@dataclass
+class LaunchedStep:
+    """A pipelined step this stage has issued but whose logits it has not taken yet.
+
+    Attributes:
+        sends: ``(buffer, work)`` per send in flight (each buffer lives until its wait).
+        back: rank 0 only: ``(tensor, work)`` per micro-batch, its final rows from the last stage.
+        rows: per micro-batch ``(positions in logits_indices, local rows)`` (``_logits_rows``).
+        num_rows: ``R``, the step's logits rows.
+        dtype, device: of the residual stream.
+        seq: this stage's launch count before it (the step's number, the same on every rank).
+    """
+
+    sends: list
+    back: list
+    rows: list
+    num_rows: int
+    dtype: torch.dtype
+    device: torch.device
+    seq: int
+
+
+def pipeline_launch(model, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta,
+                    logits_indices: torch.Tensor) -> LaunchedStep:
+    """Issue one step on this stage, micro-batch by micro-batch, without waiting for its logits
+    (``LlamaForCausalLM.forward``'s arguments; ``kv_caches``: this stage's layers; ``meta``: a
+    ``MicroBatchedMetadata`` or one backend metadata).
 
     Rank 0 embeds each micro-batch, runs its layers and sends the hidden state ``[t_k, hidden]``
     (the residual stream) on; each stage runs its layers on it (a stage's first layer takes it as a
     first layer takes the embeddings); the last sends micro-batch ``k``'s rows of
-    ``logits_indices`` back to rank 0, which applies the final norm and the LM head to all of them.
-    With tensor parallelism every rank does this at its TP position; stage 0's TP group computes
-    the logits (``LlamaForCausalLM._logits``: vocabulary-parallel, gathered on rank 0). Sends are
-    non-blocking (``pp_isend``, tag = micro-batch index) and waited before returning.
+    ``logits_indices`` back to rank 0. With tensor parallelism every rank does this at its TP
+    position (``model.pp_launches`` counts the launches). Sends are non-blocking (``pp_isend``) and waited in ``pipeline_finish``, so rank 0 can
+    issue the next step's first stage while the other stages still run this one (several steps in
+    flight: ``ModelRunner`` with ``pipeline_overlap``). Every rank launches and finishes the same
+    steps in the same order; each launch takes the next tag slot (``TAG_STRIDE``).
 
-    Returns:
-        ``[R, vocab]`` float32 logits on rank 0, in ``logits_indices`` order; ``[R, 0]`` on every other rank.
     Raises:
         RuntimeError: a peer's send or receive failed (``torch.distributed``; a dead rank).
     """
     rank, size = get_pp_rank(), get_pp_size()
     hidden, dev = model.config.hidden_size, input_ids.device
     dtype = model.layers[0].input_layernorm.weight.dtype
+    seq = model.pp_launches
+    model.pp_launches += 1
+    base = TAG_STRIDE * (seq % TAG_SLOTS)
+    _trace("launch", seq, 0)
     mbs = micro_batches_of(meta, input_ids.shape[0])
     rows = _logits_rows(mbs, logits_indices)
     # rank 0 posts the returns first: the last stage's sends complete as soon as they are made
-    back = [pp_irecv((pick.shape[0], hidden), dtype, size - 1, dev, tag=k) for k, (pick, _) in enumerate(rows)] \
+    back = [pp_irecv((pick.shape[0], hidden), dtype, size - 1, dev, tag=base + k) for k, (pick, _) in enumerate(rows)] \
         if rank == 0 else []
-    recv = pp_irecv((mbs[0].end - mbs[0].start, hidden), dtype, rank - 1, dev, tag=0) if rank > 0 else None
-    sends = []  # (buffer, work) in flight: the buffer lives until its wait
+    recv = pp_irecv((mbs[0].end - mbs[0].start, hidden), dtype, rank - 1, dev, tag=base) if rank > 0 else None
+    sends = []
     for k, mb in enumerate(mbs):
         if rank == 0:
             x = model.embed_tokens(input_ids[mb.start:mb.end])
@@ -147,19 +181,45 @@ def pipeline_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, kv
             pp_wait(work)
             if k + 1 < len(mbs):  # the next micro-batch arrives while this one computes
                 nxt = mbs[k + 1]
-                recv = pp_irecv((nxt.end - nxt.start, hidden), dtype, rank - 1, dev, tag=k + 1)
+                recv = pp_irecv((nxt.end - nxt.start, hidden), dtype, rank - 1, dev, tag=base + k + 1)
         _trace("compute", k, len(sends))
         stream = _run_layers(model, x, positions[mb.start:mb.end], kv_caches, mb.meta)
         out = stream if rank < size - 1 else stream.index_select(0, rows[k][1])
-        sends.append((out, pp_isend(out, (rank + 1) % size, tag=k)))
+        sends.append((out, pp_isend(out, (rank + 1) % size, tag=base + k)))
         _trace("send", k, len(sends))
-    for _, work in sends:
+    return LaunchedStep(sends, back, rows, logits_indices.shape[0], dtype, dev, seq)
+
+
+def pipeline_finish(model, launched: LaunchedStep) -> torch.Tensor:
+    """Wait for a launched step's sends and, on rank 0, its final rows; apply the final norm and the
+    LM head to them (stage 0's TP group computes the logits: ``LlamaForCausalLM._logits``,
+    vocabulary-parallel, gathered on rank 0).
+
+    Returns:
+        ``[R, vocab]`` float32 logits on rank 0, in ``logits_indices`` order; ``[R, 0]`` on every other rank.
+    Raises:
+        RuntimeError: a peer's send or receive failed.
+    """
+    _trace("finish", launched.seq, 0)
+    for _, work in launched.sends:
         pp_wait(work)
-    if rank != 0:
-        return logits_indices.new_empty(logits_indices.shape[0], 0, dtype=torch.float32)
-    final = torch.empty(logits_indices.shape[0], hidden, dtype=dtype, device=dev)
-    for k, ((part, work), (pick, _)) in enumerate(zip(back, rows)):
+    if get_pp_rank() != 0:
+        return torch.empty(launched.num_rows, 0, dtype=torch.float32, device=launched.device)
+    final = torch.empty(launched.num_rows, model.config.hidden_size, dtype=launched.dtype, device=launched.device)
+    for k, ((part, work), (pick, _)) in enumerate(zip(launched.back, launched.rows)):
         pp_wait(work)
         _trace("receive", k, 0)
         final.index_copy_(0, pick, part)
     return model._logits(model.norm(final))
+
+
+def pipeline_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta,
+                     logits_indices: torch.Tensor) -> torch.Tensor:
+    """One whole step of this stage: ``pipeline_finish(pipeline_launch(...))``.
+
+    Returns:
+        ``[R, vocab]`` float32 logits on rank 0, in ``logits_indices`` order; ``[R, 0]`` on every other rank.
+    Raises:
+        RuntimeError: a peer's send or receive failed (``torch.distributed``; a dead rank).
+    """
+    return pipeline_finish(model, pipeline_launch(model, input_ids, positions, kv_caches, meta, logits_indices))
