@@ -256,8 +256,9 @@ def load_transformers_model(model_dir, config, dtype: torch.dtype, device: torch
     safetensors weights into place, so there is no random init and no second copy.
     On CPU in float32 its ``nn.Linear`` layers become ``PackedLinear`` (``cpu_linear``).
     On a rank of a tensor-parallel group the loaded model is split by its ``tp_plan``
-    (``transformers_tp.shard_transformers_model``): each rank keeps its heads' slices (the
-    whole checkpoint is read, then the other slices are freed) and runs plain torch linears.
+    (``transformers_tp.shard_transformers_model``) before any weight is read: built with its
+    parameters on the meta device, split, then filled with this rank's slices only
+    (``transformers_tp_load.load_sharded``); it runs plain torch linears.
 
     Raises:
         ValueError: see ``check_supported``, ``_check_modules`` and, with several tensor-parallel
@@ -272,13 +273,19 @@ def load_transformers_model(model_dir, config, dtype: torch.dtype, device: torch
         from pagedllm.models.transformers_tp import tensor_parallel_plan
         tensor_parallel_plan(_text_config(config), tp)
     register()
+    if tp > 1:  # torch linears on each rank's slices, as the native model's parallel layers
+        from pagedllm.models.transformers_tp import shard_transformers_model
+        from pagedllm.models.transformers_tp_load import load_sharded, parameters_on_meta
+        with parameters_on_meta():
+            hf = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=ATTN_NAME)
+        _check_modules(hf)
+        shard = shard_transformers_model(hf, _text_config(hf.config), tp, get_tp_rank())
+        load_sharded(hf, model_dir, device)  # this rank's slices only (transformers_tp_load.py)
+        hf = hf.to(device).eval()
+        return TransformersCausalLM(hf, attention_backend, (shard.q_heads, shard.kv_heads))
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation=ATTN_NAME)
     _check_modules(hf)
     hf = hf.to(device).eval()
-    if tp > 1:  # torch linears on each rank's slices, as the native model's parallel layers
-        from pagedllm.models.transformers_tp import shard_transformers_model
-        shard = shard_transformers_model(hf, _text_config(hf.config), tp, get_tp_rank())
-        return TransformersCausalLM(hf, attention_backend, (shard.q_heads, shard.kv_heads))
     from pagedllm.models.cpu_linear import prepack_available, prepack_linears
     if prepack_available(device, dtype):
         # the same oneDNN-packed linears (and batch-1 kernel) as the native models

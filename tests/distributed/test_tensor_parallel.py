@@ -320,57 +320,21 @@ def test_smollm2_tp2_and_pp2_greedy_equal_tp1(parallel, smollm2_dir, smollm2_tok
 
 # ---------------------------------------------------------------- sharded loading
 
-def test_a_rank_reads_only_its_slices_of_the_checkpoint(tiny_model_dir, monkeypatch):
+def test_a_rank_reads_only_its_slices_of_the_checkpoint(tiny_model_dir, monkeypatch, counting_safe_open,
+                                                        checkpoint_elements):
     """Rank 1 of 2, built in this process (no group needed to load): every tensor is read through a
     safetensors slice, never whole, and the elements read are this rank's share (whole heads, half
     the MLP and vocabulary; the norms and the replicated KV heads in full)."""
-    from safetensors import safe_open as real_safe_open
-
     from pagedllm.distributed import parallel_state
     from pagedllm.models import registry
     for key, value in dict(rank=1, world_size=2, tp_rank=1, tp_size=2).items():
         monkeypatch.setitem(parallel_state._STATE, key, value)
     path = tiny_model_dir("llama")
-    read, whole = [0], []
-
-    class Slice:
-        def __init__(self, s):
-            self.s = s
-
-        def __getitem__(self, index):
-            t = self.s[index]
-            read[0] += t.numel()
-            return t
-
-    class Handle:
-        def __init__(self, fh):
-            self.fh = fh
-
-        def keys(self):
-            return self.fh.keys()
-
-        def get_tensor(self, name):
-            whole.append(name)
-            return self.fh.get_tensor(name)
-
-        def get_slice(self, name):
-            return Slice(self.fh.get_slice(name))
-
-    class Open:
-        def __init__(self, *a, **kw):
-            self.cm = real_safe_open(*a, **kw)
-
-        def __enter__(self):
-            return Handle(self.cm.__enter__())
-
-        def __exit__(self, *exc):
-            return self.cm.__exit__(*exc)
-
-    with real_safe_open(str(path / "model.safetensors"), framework="pt") as fh:
-        total = sum(math.prod(fh.get_slice(name).get_shape()) for name in fh.keys())
-    monkeypatch.setattr(registry, "safe_open", Open)
+    counting = counting_safe_open
+    total = checkpoint_elements(path)
+    monkeypatch.setattr(registry, "safe_open", counting)
     model, _ = registry.load_model(path, torch.float32, torch.device("cpu"))
-    assert whole == []
+    assert counting.whole == []
     held = sum(p.numel() for p in model.parameters())
-    assert read[0] == held, (read[0], held)  # each element this rank holds read once, nothing more
-    assert read[0] < 0.6 * total, (read[0], total)
+    assert counting.read == held, (counting.read, held)  # each element this rank holds read once, nothing more
+    assert counting.read < 0.6 * total, (counting.read, total)

@@ -90,6 +90,37 @@ def test_llama_plan_and_sharded_shapes_on_one_rank(tiny_model_dir, monkeypatch):
     assert torch.equal(hf.lm_head.table.weight, full["lm_head.weight"][24576:])
 
 
+def test_a_rank_reads_only_its_slices_with_the_transformers_backend(tiny_model_dir, monkeypatch, counting_safe_open,
+                                                                    checkpoint_elements):
+    """Rank 1 of 2, built in this process: no tensor read whole (``from_pretrained`` would read them
+    all), the elements read equal the elements held, and the slices equal the full model's."""
+    import safetensors
+    from transformers import AutoModelForCausalLM
+
+    from pagedllm.distributed import parallel_state
+    from pagedllm.models import registry
+    path = tiny_model_dir("llama")
+    full = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    for key, value in dict(rank=1, world_size=2, tp_rank=1, tp_size=2).items():
+        monkeypatch.setitem(parallel_state._STATE, key, value)
+    counting = counting_safe_open
+    monkeypatch.setattr(safetensors, "safe_open", counting)
+    model, _ = registry.load_model(path, torch.float32, torch.device("cpu"), model_impl="transformers")
+    hf = model.hf
+    assert counting.whole == []
+    held = sum(p.numel() for p in hf.parameters())
+    assert counting.read == held, (counting.read, held)
+    # the plans keep the embedding and the norms whole (over half of this tiny model); the rest is halved
+    whole = sum(p.numel() for n, p in full.named_parameters() if "embed" in n or "norm" in n)
+    assert counting.read == whole + (checkpoint_elements(path) - whole) // 2, counting.read
+    assert not any(p.is_meta for p in hf.parameters()) and not any(b.is_meta for b in hf.buffers())
+    attn, want = hf.model.layers[0].self_attn, full.model.layers[0].self_attn
+    assert torch.equal(attn.q_proj.weight, want.q_proj.weight[32:64])  # query heads 2 and 3 of 4
+    assert torch.equal(attn.o_proj.weight, want.o_proj.weight[:, 32:64])
+    assert torch.equal(hf.model.embed_tokens.weight, full.model.embed_tokens.weight)
+    assert torch.equal(hf.model.rotary_emb.inv_freq, full.model.rotary_emb.inv_freq)
+
+
 # ---------------------------------------------------------------- greedy equivalence over gloo
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "llama_mqa", "llama_bias_tied"])
