@@ -48,6 +48,10 @@ from pagedllm.spec_decode.scheduler import HOLD, SpecDecoding
 
 logger = logging.getLogger(__name__)
 
+# prompt tokens to compute from which a pipeline's steps split the requests between them (reasoned:
+# below it a forward is bound by reading the weights, above it by the matrix products)
+PIPELINE_SPLIT_MIN_TOKENS = 256
+
 
 class Scheduler:
     """Decides which tokens of which requests run in each step.
@@ -60,19 +64,23 @@ class Scheduler:
         enable_chunked_prefill: when False a prompt is admitted only whole.
         spec: speculative decoding's planner, or ``None`` (no drafts).
         encoder_only: the model is an encoder (prompts whole, no KV blocks; see the module docstring).
-        pipeline_overlap: keep a request whose token is still being sampled out of the next step,
-            so that consecutive steps hold different requests and a pipeline can run them at once
-            (``ModelRunner(pipeline_overlap=True)``; vLLM keeps ``pipeline_parallel_size`` batches
-            in flight the same way).
+        steps_in_flight: steps a pipeline runs at once (its stages; 1: no pipeline overlap). Above
+            1, while prompts are computed, a request whose token is still being sampled stays out
+            of the next steps and a step takes at most ``ceil(requests / steps_in_flight)`` requests
+            (``_requests_per_step``), so that consecutive steps hold different requests and a pipeline runs them at once (``ModelRunner(pipeline_overlap=True)``;
+            vLLM keeps ``pipeline_parallel_size`` batches in flight the same way).
     """
 
     def __init__(self, kv_cache_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, enable_chunked_prefill: bool = True, spec: SpecDecoding | None = None,
-                 encoder_only: bool = False, pipeline_overlap: bool = False) -> None:
+                 encoder_only: bool = False, steps_in_flight: int = 1) -> None:
         self.encoder_only = encoder_only
-        self.pipeline_overlap = pipeline_overlap
+        self.steps_in_flight = steps_in_flight
+        self.pipeline_overlap = steps_in_flight > 1
         self.kv = kv_cache_manager
         self.max_num_seqs = max_num_seqs
+        self._step_cap = max_num_seqs  # requests one step may take (``schedule`` sets it per step)
+        self._split = False  # this step splits the requests with the steps in flight
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
@@ -134,6 +142,7 @@ class Scheduler:
         self.kv.begin_step()
         if self.spec is not None:
             self.spec.begin_step(self.running)
+        self._step_cap = self._requests_per_step()
         preempted = self._schedule_running(out, budget)
         budget -= out.total_num_scheduled_tokens
         if not preempted:
@@ -146,9 +155,27 @@ class Scheduler:
                     req.num_output_placeholders += 1  # this step samples the next token
         return out
 
+    def _requests_per_step(self) -> int:
+        """Requests this step may take: all (``max_num_seqs``), or with several steps in flight and
+        at least ``PIPELINE_SPLIT_MIN_TOKENS`` prompt tokens to compute, ``ceil(requests /
+        steps_in_flight)``, so that the next steps hold the others. Decode-only work is not split:
+        a decode step reads every weight once whatever its batch (memory-bound), so two half
+        batches would read them twice for the same tokens (measured: ``benchmarks/tensor_parallel.py``).
+        Such a step takes the requests in flight too (their tokens as placeholders, as with one step
+        in flight); the runner then finishes the step before it first."""
+        self._split = False
+        if not self.pipeline_overlap:
+            return self.max_num_seqs
+        prompt = sum(r.num_tokens - r.num_computed_tokens for r in self.running if not r.num_output_placeholders)
+        prompt += sum(r.num_tokens - r.num_computed_tokens for r in self.waiting)
+        if prompt < PIPELINE_SPLIT_MIN_TOKENS:
+            return self.max_num_seqs  # decode: all together, the tokens in flight as placeholders
+        self._split = True
+        return -(-(len(self.running) + len(self.waiting)) // self.steps_in_flight)
+
     def _num_new_tokens(self, req: Request, budget: int) -> int:
         pending = req.num_output_placeholders
-        if pending and self.pipeline_overlap:
+        if pending and self._split:
             return 0  # in the step in flight: the step after it holds other requests
         if pending and (req.num_output_tokens + pending >= req.max_tokens
                         or req.num_tokens + pending >= self.max_model_len):
@@ -160,7 +187,7 @@ class Scheduler:
         """Schedule running requests in admission order; preempt from the back when blocks run out."""
         preempted_any = False
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and len(out.num_scheduled_tokens) < self._step_cap:
             req = self.running[i]
             n = self._num_new_tokens(req, budget)
             drafts = self._drafts(req, n, budget) if n > 0 else []
@@ -210,7 +237,8 @@ class Scheduler:
         is still compiling is passed over (it keeps its place in the queue).
         """
         passed: list[Request] = []
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
+               and len(out.num_scheduled_tokens) < self._step_cap):
             req = self.waiting[0]
             if req.structured is not None and not req.structured.ready:
                 passed.append(self.waiting.popleft())

@@ -22,7 +22,7 @@ import traceback
 import torch
 
 from pagedllm.core.scheduler_output import ModelRunnerOutput
-from pagedllm.distributed.parallel_state import destroy_distributed, init_distributed, broadcast_object
+from pagedllm.distributed.parallel_state import broadcast_object, destroy_distributed, get_pp_rank, init_distributed
 from pagedllm.worker.model_runner import ModelRunner, PreparedStep
 
 logger = logging.getLogger(__name__)
@@ -42,9 +42,7 @@ class DriverModelRunner(ModelRunner):
 class WorkerModelRunner(ModelRunner):
     """A worker rank's runner: forwards its shard, samples nothing, takes rank 0's tokens.
 
-    It launches and finishes steps in rank 0's order (``run_step``): with ``pipeline_overlap`` rank 0
-    launches step N+1 before it finishes step N, and a worker whose stage computes logits (stage 0's
-    TP ranks: the vocabulary gather is a collective) must do the same.
+    With ``pipeline_overlap`` it launches and finishes steps in the order ``run_step`` gives.
     """
 
     _unfinished = None  # the handle of the step launched but not finished (pipeline_overlap)
@@ -76,15 +74,22 @@ class WorkerModelRunner(ModelRunner):
         return ModelRunnerOutput()
 
     def run_step(self, so) -> None:
-        """Run one step from rank 0 in rank 0's order: at once, or with ``pipeline_overlap``
-        launch it, then finish the step before it (rank 0 finishes step N after issuing N+1)."""
-        handle = self.execute(so)
+        """Run one step from rank 0 at once, or with ``pipeline_overlap`` in the order that keeps the
+        pipeline full. Rank 0 launches step N+1, then finishes N (takes its logits and broadcasts
+        its tokens, a broadcast that waits for every rank). A rank of stage 0 (its TP group gathers
+        the logits with rank 0) does the same: launch N+1, then finish N. A later stage finishes N
+        (takes N's tokens) before it runs N+1: were it to run N+1 first, rank 0's broadcast of N
+        would wait for that whole computation and the stages would take turns instead of overlapping.
+        """
         if not self.pipeline_overlap:
-            handle.result()
-            return
-        before, self._unfinished = self._unfinished, handle
-        if before is not None:
-            before.result()
+            self.execute(so).result()
+        elif get_pp_rank() == 0:
+            handle = self.execute(so)
+            self.drain()
+            self._unfinished = handle
+        else:
+            self.drain()
+            self._unfinished = self.execute(so)
 
     def drain(self) -> None:
         """Finish the step still launched (shutdown: rank 0 finishes its last step before it stops us)."""

@@ -21,6 +21,7 @@ means per step and the idle fraction ``idle / (idle + execute)``.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -152,11 +153,13 @@ class EngineCore:
                         args.speculative_config.num_speculative_tokens,
                         "dynamic" if args.speculative_config.dynamic else "fixed")
         # a pipeline keeps several steps in flight (worker/model_runner.py: _issue_overlapped)
+        # (PAGEDLLM_PIPELINE_OVERLAP=0 drains the pipeline at every step: the benchmark's baseline)
         overlap = (args.async_scheduling and args.pipeline_parallel_size > 1
-                   and bool(getattr(model, "supports_step_overlap", False)))
+                   and bool(getattr(model, "supports_step_overlap", False))
+                   and os.environ.get("PAGEDLLM_PIPELINE_OVERLAP", "1") != "0")
         self.scheduler = Scheduler(self.kv_cache_manager, args.max_num_seqs, args.max_num_batched_tokens,
                                    max_model_len, args.enable_chunked_prefill, spec, encoder_only=encoder_only,
-                                   pipeline_overlap=overlap)
+                                   steps_in_flight=args.pipeline_parallel_size if overlap else 1)
         # decode CUDA graphs with one rank only (every rank gets these sizes: none captures with several)
         sizes = dict(num_blocks=num_blocks, block_size=args.block_size, dtype=dtype, device=device, seed=args.seed,
                      eos_token_ids=eos_token_ids, max_num_reqs=args.max_num_seqs, max_model_len=max_model_len,

@@ -85,6 +85,7 @@ class ModelRunner:
         self.model = model
         # several steps in flight across pipeline stages (``_issue_overlapped``), where the model can
         self.pipeline_overlap = pipeline_overlap and getattr(model, "supports_step_overlap", False)
+        self._open_finish = None  # queues the finish of the last overlapped step (idempotent)
         backend: AttentionBackend | None = getattr(model, "attention_backend", None)
         self.attention_backend = backend or TorchPagedBackend(device)
         self.block_size = block_size
@@ -190,7 +191,7 @@ class ModelRunner:
                                             so.state_restores, so.state_checkpoints)}
         return PreparedStep(
             pool_rows=pool_rows, pool_spans=pool_spans, model_kwargs=kwargs,
-            graph=self._graph_step(n, spec, sample, rows, pool_rows),
+            graph=self._graph_step(n, spec, sample, rows, pool_rows), has_pending=bool(pend.size),
             **inputs, sample_ids=[rids[i] for i in sample.tolist()], sampling=sampling, prompt_lp=prompt_lp,
             slot_row=slot_row, grammar=self._grammar_rows(rids, sample, sampling, so.spec_token_ids),
             drafts=None if not so.spec_token_ids else [so.spec_token_ids.get(rids[i], []) for i in sample.tolist()],
@@ -373,16 +374,30 @@ class ModelRunner:
     def _issue_overlapped(self, step: PreparedStep, prev: PreparedStep | None, timer) -> StepHandle:
         """Launch the step now (after the steps issued before it) and finish it when its result is
         asked. The core asks for step N's result after issuing N+1, so each stage runs N+1's part
-        while the later stages still run N's: several steps in flight across the pipeline. The
-        scheduler keeps a request out of the step after the one that samples its token
-        (``Scheduler(pipeline_overlap=True)``), so no launch needs the token of a step not finished.
+        while the later stages still run N's: several steps in flight across the pipeline. A step
+        whose inputs include tokens step N is still sampling (the scheduler put its requests in both:
+        ``Scheduler._requests_per_step``) has N's finish queued before its launch, on every rank alike
+        (each rank prepares the same step, so each sees the same pending inputs).
         """
+        if step.has_pending and self._open_finish is not None:
+            self._open_finish()
         if self._executor is None:  # a worker rank: launch here, in the order rank 0 does
-            launched = self._launch(step, prev, timer)
-            return StepHandle(self, step, run=lambda: self._finish(step, prev, timer, launched))
-        launching = self._executor.submit(self._launch, step, prev, timer)
-        return StepHandle(self, step, run=lambda: self._executor.submit(
-            lambda: self._finish(step, prev, timer, launching.result())).result())
+            launched, done = self._launch(step, prev, timer), []
+
+            def finish() -> ModelRunnerOutput:
+                if not done:
+                    done.append(self._finish(step, prev, timer, launched))
+                return done[0]
+            self._open_finish = finish
+            return StepHandle(self, step, run=finish)
+        launching, finishing = self._executor.submit(self._launch, step, prev, timer), []
+
+        def submit_finish():
+            if not finishing:
+                finishing.append(self._executor.submit(lambda: self._finish(step, prev, timer, launching.result())))
+            return finishing[0]
+        self._open_finish = submit_finish
+        return StepHandle(self, step, run=lambda: submit_finish().result())
 
     @torch.inference_mode()
     def _run(self, step: PreparedStep, prev: PreparedStep | None, timer) -> ModelRunnerOutput:

@@ -53,6 +53,7 @@ class PreparedStep:
         device_plan: the device path's staged step (``worker/device_inputs.py``); while set,
             ``input_ids``, ``positions`` and ``meta`` are ``None`` until the step runs.
         graph: the step's forward replays a captured decode graph (``worker/cuda_graphs.py``).
+        has_pending: some input is a token the previous step is still sampling.
     """
 
     input_ids: torch.Tensor
@@ -76,6 +77,7 @@ class PreparedStep:
     model_kwargs: dict = field(default_factory=dict)
     device_plan: DeviceStepPlan | None = None
     graph: bool = False
+    has_pending: bool = False
 
 
 class StepHandle:

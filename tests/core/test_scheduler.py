@@ -410,3 +410,40 @@ def test_kv_manager_frees_tail_first():
     ids = kv.allocate_slots(req, 16)
     kv.free(req)
     assert [b.block_id for b in kv.pool.allocate(4)] == list(reversed(ids))
+
+
+# ---------------------------------------------------------------- several steps in flight (pipeline)
+
+def _sampled(so):
+    """A runner output sampling token 100 for every request of step ``so`` that reached its end."""
+    return ModelRunnerOutput(sampled_token_ids={rid: 100 for rid in so.num_scheduled_tokens})
+
+
+def test_steps_in_flight_split_prompt_work_between_consecutive_steps():
+    """Two steps in flight, prompts to compute: step 1 takes half of the requests, step 2 (issued
+    before step 1's tokens are back) the other half; with the prompts done, step 3 does not wait for step
+    2 (decodes are not split): it decodes all four, "2" and "3" with their tokens in flight."""
+    kv = KVCacheManager(256, BS, enable_prefix_caching=False)
+    s = Scheduler(kv, 16, 2048, 1024, True, steps_in_flight=2)
+    for i in range(4):
+        s.add_request(make_req(i, 200))
+    one = s.schedule()
+    two = s.schedule()
+    assert sorted(one.num_scheduled_tokens) == ["0", "1"] and sorted(two.num_scheduled_tokens) == ["2", "3"]
+    s.update_from_output(one, _sampled(one))
+    four = s.schedule()  # "2" and "3" still in flight: their tokens are placeholders
+    assert sorted(four.num_scheduled_tokens) == ["0", "1", "2", "3"]
+    assert all(n == 1 for n in four.num_scheduled_tokens.values())
+
+
+def test_steps_in_flight_keep_decodes_together():
+    """Decode only (under ``PIPELINE_SPLIT_MIN_TOKENS`` prompt tokens): every step takes every
+    request, the tokens in flight as placeholders (the runner finishes the step before first)."""
+    kv = KVCacheManager(64, BS, enable_prefix_caching=False)
+    s = Scheduler(kv, 16, 64, 1024, True, steps_in_flight=2)
+    for i in range(4):
+        s.add_request(make_req(i, 8))
+    one = s.schedule()
+    two = s.schedule()
+    assert len(one.num_scheduled_tokens) == 4 and two.num_scheduled_tokens == {str(i): 1 for i in range(4)}
+    assert all(r.num_output_placeholders == 2 for r in s.running)

@@ -127,9 +127,12 @@ def _check(got, want, prompts, path, greedy_ref, what):
 def test_pp2_two_micro_batches_interleave_and_match_pp1(tiny_model_dir, reference, greedy_ref, monkeypatch):
     """Rank 0 (stage 0, in this process) records its events: in every step of several requests it
     starts micro-batch 1 with micro-batch 0's send still in flight, and receives both back."""
+    from pagedllm.core import scheduler
     path = tiny_model_dir("llama")
     trace: list = []
     monkeypatch.setattr(pipeline, "PIPELINE_TRACE", trace)
+    # split the requests between the steps in flight for these short prompts and their decodes too
+    monkeypatch.setattr(scheduler, "PIPELINE_SPLIT_MIN_TOKENS", 0)
     llm = LLM(str(path), pipeline_parallel_size=2, pipeline_micro_batches=2, **CHUNKED)
     try:
         batch = _generate(llm, PROMPTS)
@@ -152,7 +155,7 @@ def test_pp2_two_micro_batches_interleave_and_match_pp1(tiny_model_dir, referenc
     assert len(launched_early) >= MAX_NEW // 2, steps
     computes = [(k, flying) for ev, k, flying in batch_events if ev == "compute"]
     split = [c for c in computes if c[0] == 1]
-    # every step of the batch run has 2+ requests until the last ones finish: most steps are split
+    # each step holds half of the four requests until the last ones finish: most steps are split
     assert len(split) >= MAX_NEW - 1
     assert all(flying == 1 for _, flying in split)  # micro-batch 0 still being sent while 1 computes
     assert max(k for k, _ in computes) == 1
