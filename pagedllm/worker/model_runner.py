@@ -67,8 +67,8 @@ class ModelRunner:
         graph_capture: the capture mechanism (``None``: ``cuda_graphs.capture_for(device)``, which
             captures only on CUDA); graphs are built only for the Triton backend.
         pipeline_overlap: with a pipelined model (``supports_step_overlap``), issue each step's
-            forward and take its logits only when its result is asked (``_issue_overlapped``); the
-            scheduler must then keep in-flight requests out of the next step.
+            forward and take its logits only when its result is asked (``_issue_overlapped``); a
+            step with inputs still being sampled has the step before finished first.
     Attributes:
         attention_backend: the model's attention backend (chosen at load), or for a model
             without one (test doubles that read the metadata themselves) the torch reference.
