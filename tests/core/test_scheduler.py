@@ -419,14 +419,20 @@ def _sampled(so):
     return ModelRunnerOutput(sampled_token_ids={rid: 100 for rid in so.num_scheduled_tokens})
 
 
+def _pipelined(num_blocks: int, budget: int, prompt_len: int) -> Scheduler:
+    """A scheduler with two steps in flight holding four waiting requests of ``prompt_len`` tokens."""
+    s = Scheduler(KVCacheManager(num_blocks, BS, enable_prefix_caching=False), 16, budget, 1024, True,
+                  steps_in_flight=2)
+    for i in range(4):
+        s.add_request(make_req(i, prompt_len))
+    return s
+
+
 def test_steps_in_flight_split_prompt_work_between_consecutive_steps():
     """Two steps in flight, prompts to compute: step 1 takes half of the requests, step 2 (issued
     before step 1's tokens are back) the other half; with the prompts done, step 3 does not wait for step
     2 (decodes are not split): it decodes all four, "2" and "3" with their tokens in flight."""
-    kv = KVCacheManager(256, BS, enable_prefix_caching=False)
-    s = Scheduler(kv, 16, 2048, 1024, True, steps_in_flight=2)
-    for i in range(4):
-        s.add_request(make_req(i, 200))
+    s = _pipelined(256, 2048, 200)
     one = s.schedule()
     two = s.schedule()
     assert sorted(one.num_scheduled_tokens) == ["0", "1"] and sorted(two.num_scheduled_tokens) == ["2", "3"]
@@ -439,10 +445,7 @@ def test_steps_in_flight_split_prompt_work_between_consecutive_steps():
 def test_steps_in_flight_keep_decodes_together():
     """Decode only (under ``PIPELINE_SPLIT_MIN_TOKENS`` prompt tokens): every step takes every
     request, the tokens in flight as placeholders (the runner finishes the step before first)."""
-    kv = KVCacheManager(64, BS, enable_prefix_caching=False)
-    s = Scheduler(kv, 16, 64, 1024, True, steps_in_flight=2)
-    for i in range(4):
-        s.add_request(make_req(i, 8))
+    s = _pipelined(64, 64, 8)
     one = s.schedule()
     two = s.schedule()
     assert len(one.num_scheduled_tokens) == 4 and two.num_scheduled_tokens == {str(i): 1 for i in range(4)}
