@@ -81,15 +81,24 @@ def test_seeded_sampling_is_batch_invariant_on_cuda():
     assert int(batch[4]) == int(logits[4].argmax())
 
 
-def test_tiny_llama_triton_equals_torch_on_cuda(tmp_path):
+PROMPTS = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 40, 77)]
+
+
+def _tiny_llama(path) -> str:
+    """Save a tiny random Llama (2 layers, 4 heads, 2 KV heads) at ``path``; returns the directory."""
     from transformers import AutoModelForCausalLM, LlamaConfig
-    from pagedllm import LLM, SamplingParams
     config = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_attention_heads=4,
                          num_key_value_heads=2, num_hidden_layers=2, max_position_embeddings=512,
                          initializer_range=0.1, bos_token_id=1, eos_token_id=2, pad_token_id=2)
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(tmp_path)
-    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 40, 77)]
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
+    return str(path)
+
+
+def test_tiny_llama_triton_equals_torch_on_cuda(tmp_path):
+    from pagedllm import LLM, SamplingParams
+    _tiny_llama(tmp_path)
+    prompts = PROMPTS
     greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     got = {}
     for name in ("torch", "triton"):
@@ -98,3 +107,22 @@ def test_tiny_llama_triton_equals_torch_on_cuda(tmp_path):
         got[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
         del llm
     assert got["triton"] == got["torch"]
+
+
+def test_decode_steps_replay_cuda_graphs_and_enforce_eager_captures_none(tmp_path):
+    """Decode steps of the Triton backend replay the graphs captured at start-up (padded to a
+    bucket); ``enforce_eager`` captures none; both give the same greedy tokens."""
+    from pagedllm import LLM, SamplingParams
+    path = _tiny_llama(tmp_path)
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    got, counts = {}, {}
+    for eager in (False, True):
+        llm = LLM(path, device="cuda", dtype="bfloat16", attention_backend="triton", skip_tokenizer_init=True,
+                  num_kv_blocks=64, enforce_eager=eager)
+        runner = llm.engine.core.runner
+        assert (runner.decode_graphs is None) == eager
+        got[eager] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy, use_tqdm=False)]
+        counts[eager] = dict(runner.step_counts)
+        del llm
+    assert counts[False]["graph"] >= 10 and counts[True]["graph"] == 0
+    assert got[False] == got[True]
