@@ -30,16 +30,16 @@ from pagedllm.attention.metadata import AttentionBatch, AttentionMetadata
 from pagedllm.attention.torch_paged import TorchPagedBackend
 from pagedllm.distributed.micro_batch import step_metadata
 from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from pagedllm.structured_output.backend import apply_bitmask
 from pagedllm.structured_output.manager import GrammarMask
 from pagedllm.worker.input_batch import InputBatch, SamplingMetadata
 from pagedllm.worker.pooler import PoolingSpan, hidden_rows, pool
-from pagedllm.worker.sampler import Sampler, gather_logprobs
+from pagedllm.worker.sampler import Sampler
 from pagedllm.worker.spec_verify import verify
 from pagedllm.worker.upload import to_device
 from pagedllm.worker.state_cache import StateCache
 from pagedllm.worker.scripted import ScriptedOutput
 from pagedllm.worker.prepared_step import PreparedStep, StepHandle
+from pagedllm.worker.logits_rows import constrain, prompt_logprobs
 
 
 class ModelRunner:
@@ -439,7 +439,7 @@ class ModelRunner:
             prev_tokens = prev.sampled_list if md.pending_rows.size else None
             sample_logits = logits[:num_rows]
             if step.grammar is not None:
-                sample_logits = self._constrain(sample_logits, step.grammar, step.drafts)
+                sample_logits = constrain(sample_logits, step.grammar, step.drafts)
             if step.drafts is not None:
                 tokens = self._verify(step, sample_logits, md, prev_tokens, out)
             else:
@@ -460,7 +460,7 @@ class ModelRunner:
                 step.sampled = torch.tensor(tokens, dtype=torch.int64, device=self.device)
             out.sampled_token_ids = dict(zip(step.sample_ids, tokens))
         if step.prompt_lp:
-            self._prompt_logprobs(logits[num_rows:], step.prompt_lp, out)
+            prompt_logprobs(logits[num_rows:], step.prompt_lp, out)
         t3 = time.perf_counter()
         out.execute_s = t3 - t1
         if timer is not None:
@@ -483,32 +483,3 @@ class ModelRunner:
             elif lps is not None:
                 out.logprobs[rid] = lps[0]
         return [toks[-1] for toks in emitted]
-
-    @staticmethod
-    def _constrain(logits: torch.Tensor, grammar: GrammarMask, drafts: list[list[int]] | None = None) -> torch.Tensor:
-        """Wait for the step's token bitmask and mask the constrained rows' logits in place
-        (``[R', V]`` float32, the model's own output: nothing else reads them unmasked). With drafts
-        in the step, sampled request ``i`` owns ``1 + len(drafts[i])`` consecutive logits rows, and
-        the mask has a row for each (``GrammarMask``)."""
-        bitmask = grammar.wait()
-        if bitmask is not None:
-            rows = grammar.rows
-            if drafts is not None:
-                firsts = np.concatenate([[0], np.cumsum([1 + len(d) for d in drafts])])
-                rows = [int(firsts[r]) + j for r in rows for j in range(1 + len(drafts[r]))]
-            apply_bitmask(logits, rows, bitmask)
-        return logits
-
-    def _prompt_logprobs(self, logits: torch.Tensor, prompt_lp, out: ModelRunnerOutput) -> None:
-        """Logprobs of the prompt tokens whose predicting positions ran this step.
-
-        Args:
-            logits: ``[P, V]`` float32, rows in ``prompt_lp`` order.
-            prompt_lp: ``(request id, first prompt token index, targets, k)`` per request.
-        """
-        i = 0
-        for rid, first, targets, k in prompt_lp:
-            n = len(targets)
-            entries = gather_logprobs(logits[i:i + n].log_softmax(-1), torch.from_numpy(targets).to(logits.device), k)
-            out.prompt_logprobs[rid] = (first, entries)
-            i += n
