@@ -136,7 +136,8 @@ EmbeddingRequestOutput = PoolingRequestOutput
 @dataclass
 class ScoringOutput:
     """One pair's similarity (vLLM's ``ScoringOutput``): ``score`` is the cosine of the two texts'
-    embeddings for a bi-encoder."""
+    embeddings for a bi-encoder, the classifier's (activated) output on the joined pair for a
+    cross-encoder."""
 
     score: float
 
@@ -148,11 +149,39 @@ class ScoringRequestOutput:
     Attributes:
         request_id: the pair's id.
         outputs: its ``ScoringOutput``.
-        prompt_token_ids: the two inputs' token ids, concatenated.
+        prompt_token_ids: the two inputs' token ids, concatenated (a cross-encoder: the pair's one input).
         finished: always True.
     """
 
     request_id: str
     outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
+@dataclass
+class ClassificationOutput:
+    """A cross-encoder's outputs for one input (vLLM's ``ClassificationOutput``): ``probs``, one per
+    label, after the model's activation (softmax over several labels, sigmoid for one)."""
+
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        """How many labels."""
+        return len(self.probs)
+
+
+@dataclass
+class ClassificationRequestOutput:
+    """A classified input (vLLM's ``ClassificationRequestOutput``).
+
+    Attributes:
+        request_id: its id; outputs: its ``ClassificationOutput``; prompt_token_ids: the input's ids.
+        finished: always True.
+    """
+
+    request_id: str
+    outputs: ClassificationOutput
     prompt_token_ids: list[int]
     finished: bool = True

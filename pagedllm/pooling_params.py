@@ -33,7 +33,14 @@ class PoolingParams:
             again when ``normalize``; ``None``: all of them.
         truncate_prompt_tokens: keep only this many prompt tokens (the tokenizer's truncation side,
             right for BERT); ``-1``: the model's limit; ``None``: an over-long prompt is refused.
-        task: ``embed`` (the vector) or ``score`` (the same vector, for a similarity) — informative.
+        task: ``embed`` (the vector), ``score`` (a pair's similarity: the vector of a bi-encoder, the
+            classifier's output of a cross-encoder) or ``classify`` (a cross-encoder's outputs for one text).
+        use_activation: a cross-encoder's outputs go through its activation (sigmoid for one label,
+            softmax over several, or what its sentence-transformers config names; vLLM's
+            ``use_activation``); ``False``: the raw logits. ``None``: True.
+        activation: set by ``resolved``: ``"sigmoid"``, ``"softmax"`` or ``"none"``.
+        token_type_start: set by the processor for a cross-encoder pair: the first token of the second
+            text (token type 1 from there, as the tokenizer's ``token_type_ids``); ``None``: one text.
     Raises:
         SamplingParamError: from ``validate`` with ``param`` naming the field.
     """
@@ -43,6 +50,9 @@ class PoolingParams:
     dimensions: int | None = None
     truncate_prompt_tokens: int | None = None
     task: str = "embed"
+    use_activation: bool | None = None
+    activation: str = "none"
+    token_type_start: int | None = None
 
     def validate(self) -> "PoolingParams":
         """Check ranges; returns ``self``.
@@ -76,8 +86,24 @@ class PoolingParams:
         if self.dimensions is not None and self.dimensions > defaults.hidden_size:
             raise SamplingParamError("dimensions", f"dimensions: must be <= {defaults.hidden_size} (the model's "
                                      f"embedding size), got {self.dimensions}")
+        if defaults.num_labels:
+            return self._resolved_classifier(defaults, ptype)
         norm = defaults.normalize if self.normalize is None else self.normalize
         return replace(self, pooling_type=ptype, normalize=norm)
+
+    def _resolved_classifier(self, defaults: "PoolerConfig", ptype: str) -> "PoolingParams":
+        """``resolved`` for a cross-encoder: its outputs are the classifier's, activated or not.
+
+        Raises:
+            SamplingParamError: ``dimensions`` or ``normalize=True`` (they shape embeddings, which
+                a cross-encoder does not make).
+        """
+        for name, value in (("dimensions", self.dimensions), ("normalize", self.normalize or None)):
+            if value is not None:
+                raise SamplingParamError(name, f"{name}: this model is a cross-encoder (a classification head, "
+                                         f"{defaults.num_labels} output(s)); {name} applies to embedding models")
+        act = defaults.activation if self.use_activation is not False else "none"
+        return replace(self, pooling_type=ptype, normalize=False, activation=act)
 
 
 @dataclass(frozen=True)
@@ -89,12 +115,24 @@ class PoolerConfig:
         normalize: the default for ``normalize``.
         hidden_size: length of the pooled vector (``dimensions`` may not exceed it).
         supported: the pooling types the model can do.
+        num_labels: a cross-encoder's classifier outputs (``hidden_size`` is then this); 0: an
+            embedding model.
+        activation: a cross-encoder's default activation (``encoder_only.classifier_activation``).
+        labels: a cross-encoder's label names by index (``config.id2label``).
     """
 
     pooling_type: str
     normalize: bool
     hidden_size: int
     supported: tuple[str, ...] = POOLING_TYPES
+    num_labels: int = 0
+    activation: str = "none"
+    labels: tuple[str, ...] = ()
+
+    @property
+    def is_cross_encoder(self) -> bool:
+        """True for a classification model (scores pairs as one input)."""
+        return self.num_labels > 0
 
 
 def pair_texts(text_1, text_2) -> tuple[list, list]:

@@ -90,6 +90,20 @@ class AsyncLLM:
         """Validate and build a pooling request (``LLMEngine.make_pooling_request``); any thread."""
         return self.engine.make_pooling_request(request_id, prompt, params)
 
+    def make_pair_request(self, request_id: str, text_1: str, text_2: str, params) -> EngineCoreRequest:
+        """Validate and build a cross-encoder pair request (``LLMEngine.make_pair_request``); any thread."""
+        return self.engine.make_pair_request(request_id, text_1, text_2, params)
+
+    @property
+    def pooler_config(self):
+        """The model's ``PoolerConfig`` (``None``: a generation model)."""
+        return self.engine.pooler_config
+
+    @property
+    def is_cross_encoder(self) -> bool:
+        """True when the model scores pairs with a classification head (``LLMEngine.is_cross_encoder``)."""
+        return self.engine.is_cross_encoder
+
     def default_sampling_fields(self) -> dict:
         """The model's ``generation_config.json`` sampling defaults (``LLMEngine.default_sampling_fields``)."""
         return self.engine.default_sampling_fields()

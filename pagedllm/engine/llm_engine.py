@@ -61,12 +61,14 @@ class LLMEngine:
         # skip_tokenizer_init (vLLM's): token ids in and out, for directories without tokenizer files
         self.tokenizer = None if args.skip_tokenizer_init else _load_tokenizer(args.tokenizer or self.model_dir)
         impl = select_impl(self.hf_config, args.model_impl)  # an unservable model fails here, before any loading
-        self.encoder_only = impl == "encoder"
+        self.encoder_only = impl in ("encoder", "transformers-encoder")
         self.pooler_config = self._pooler_config(args.runner)
         self.generation_config = read_generation_config(self.model_dir)
         model_limit = getattr(self.hf_config, "max_position_embeddings", None) or args.max_model_len or 2048
         if self.encoder_only:
+            from pagedllm.models.encoder_only import max_input_len
             from pagedllm.models.pooling_config import sentence_transformers_max_len
+            model_limit = max_input_len(self.hf_config) or model_limit
             model_limit = min(model_limit, sentence_transformers_max_len(self.model_dir) or model_limit)
         self.max_model_len = min(args.max_model_len or model_limit, model_limit)
         self.eos_token_ids = self._eos_ids()
@@ -212,6 +214,21 @@ class LLMEngine:
             WrongRunnerError, SamplingParamError, PromptTooLongError: see ``Processor.process_pooling``.
         """
         return self.processor.process_pooling(request_id, prompt, params, arrival_time)
+
+    def make_pair_request(self, request_id: str, text_1: str, text_2: str, params,
+                          arrival_time: float | None = None) -> EngineCoreRequest:
+        """Tokenize and validate a cross-encoder's pair as one pooling request
+        (``Processor.process_pair``); any thread.
+
+        Raises:
+            WrongRunnerError, SamplingParamError, PromptTooLongError: see ``Processor.process_pair``.
+        """
+        return self.processor.process_pair(request_id, text_1, text_2, params, arrival_time)
+
+    @property
+    def is_cross_encoder(self) -> bool:
+        """True when the model scores pairs with a classification head (``/score`` takes pairs whole)."""
+        return self.pooler_config is not None and self.pooler_config.is_cross_encoder
 
     def add_prepared(self, request: EngineCoreRequest, prompt_text: str | None = None) -> None:
         """Queue a request built by ``make_request`` (call from the thread that steps the engine).

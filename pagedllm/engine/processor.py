@@ -7,6 +7,7 @@ Runs anywhere (no engine state is touched), so the server calls it on its tokeni
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 from pagedllm.engine.messages import EngineCoreRequest
 from pagedllm.pooling_params import PoolerConfig, PoolingParams
@@ -156,20 +157,66 @@ class Processor:
             PromptTooLongError: the input is longer than the model takes (``param`` ``input``; the
                 message names the limit and ``truncate_prompt_tokens``).
         """
+        params, keep = self._pooling_params(params)
+        cross = self.pooler_config.is_cross_encoder
+        if cross and params.task == "embed":
+            raise WrongRunnerError("model", "This model is a cross-encoder (a classification head): it answers "
+                                   "/score, /rerank and /classify, not embeddings")
+        if not cross and params.task == "classify":
+            raise WrongRunnerError("model", "This model makes embeddings; classification needs a model with a "
+                                   "sequence-classification head")
+        return self._pooling_request(request_id, self._pooling_ids(prompt, keep), params, arrival_time, cache_salt)
+
+    def process_pair(self, request_id: str, text_1: str, text_2: str, params: PoolingParams,
+                     arrival_time: float | None = None) -> EngineCoreRequest:
+        """Tokenize a cross-encoder's pair as one input (vLLM's score API for classification models):
+        the tokenizer's pair encoding (BERT: ``[CLS] a [SEP] b [SEP]``, the second text token type 1),
+        cut by ``truncate_prompt_tokens`` with the tokenizer's ``longest_first`` rule.
+
+        Raises:
+            WrongRunnerError: the model is not a cross-encoder (``param`` ``model``).
+            SamplingParamError, PromptTooLongError: as ``process_pooling`` (``param`` ``text_1``).
+        """
+        params, keep = self._pooling_params(params)
+        if not self.pooler_config.is_cross_encoder:
+            raise WrongRunnerError("model", "pairs are scored as one input by a cross-encoder only; this model "
+                                   "embeds each text (a bi-encoder)")
+        if self.tokenizer is None:
+            raise SamplingParamError("text_1", "text_1: scoring pairs needs a tokenizer (the engine was built with "
+                                     "skip_tokenizer_init=True)")
+        if not isinstance(text_1, str) or not isinstance(text_2, str) or not text_1 or not text_2:
+            raise SamplingParamError("text_1", "text_1, text_2: a cross-encoder scores non-empty texts")
+        enc = (self.tokenizer(text_1, text_2) if keep is None
+               else self.tokenizer(text_1, text_2, truncation="longest_first", max_length=keep))
+        types = list(enc.get("token_type_ids") or ())
+        first = types.index(1) if 1 in types else None
+        return self._pooling_request(request_id, list(enc["input_ids"]), replace(params, token_type_start=first),
+                                     arrival_time, None, "text_1")
+
+    def _pooling_params(self, params: PoolingParams) -> tuple[PoolingParams, int | None]:
+        """Validated, resolved params and the token count to keep (``None``: no truncation).
+
+        Raises:
+            WrongRunnerError: a generation model.
+        """
         if self.pooler_config is None:
             raise WrongRunnerError("model", "This model serves text generation; start it with --runner pooling "
                                    "(vLLM: --task embed) to serve embeddings")
         params = params.validate().resolved(self.pooler_config)
         limit = self.context_limit
         keep = params.truncate_prompt_tokens
-        keep = limit if keep == -1 else None if keep is None else min(keep, limit)
-        ids = self._pooling_ids(prompt, keep)
+        return params, limit if keep == -1 else None if keep is None else min(keep, limit)
+
+    def _pooling_request(self, request_id: str, ids: list[int], params: PoolingParams, arrival_time: float | None,
+                         cache_salt: str | None, param: str = "input") -> EngineCoreRequest:
+        """Check a pooling input's ids against the vocabulary and the limit; the ``EngineCoreRequest``."""
+        limit = self.context_limit
         if not ids:
-            raise SamplingParamError("input", "input: must contain at least one token (got an empty input)")
+            raise SamplingParamError(param, f"{param}: must contain at least one token (got an empty input)")
         if min(ids) < 0 or max(ids) >= self.vocab_size:
-            raise SamplingParamError("input", f"input: token ids must be in [0, {self.vocab_size})")
+            raise SamplingParamError(param, f"{param}: token ids must be in [0, {self.vocab_size})")
         if len(ids) > limit:
-            raise PromptTooLongError("input", f"This model's maximum input length is {limit} tokens. However, your "
+            raise PromptTooLongError(param, f"This model's maximum input length is {limit} tokens. However, your "
                                      f"input has {len(ids)} tokens. Shorten it, or set truncate_prompt_tokens "
                                      f"(-1 truncates to the limit).")
         arrival = arrival_time if arrival_time is not None else time.time()

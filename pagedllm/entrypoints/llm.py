@@ -12,7 +12,8 @@ from pagedllm.config import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.chat_utils import prepare_messages
 from pagedllm.inputs import PromptType, parse_prompt
-from pagedllm.outputs import PoolingRequestOutput, RequestOutput, ScoringOutput, ScoringRequestOutput
+from pagedllm.outputs import (ClassificationOutput, ClassificationRequestOutput, PoolingRequestOutput, RequestOutput,
+                              ScoringOutput, ScoringRequestOutput)
 from pagedllm.pooling_params import PoolingParams, cosine, pair_texts
 from pagedllm.sampling_params import SamplingParams
 
@@ -165,34 +166,74 @@ class LLM:
             prompts = [prompts]
         parsed = [parse_prompt(p, f"prompts[{i}]") for i, p in enumerate(prompts)]
         eng = self.engine
-        rids = [str(next(self._ids)) for _ in parsed]
+        return self._run_pooling([(lambda rid, p=p: eng.make_pooling_request(rid, p, params), text)
+                                  for p, text, _ in parsed], "Embedded prompts", use_tqdm)
+
+    def _run_pooling(self, makers: list, desc: str, use_tqdm: bool) -> list[PoolingRequestOutput]:
+        """Build (``maker(request_id)``), queue and run pooling requests; their outputs in order.
+
+        Args:
+            makers: ``(maker, prompt text or None)`` per request.
+        Raises:
+            what the makers raise (nothing is left queued).
+        """
+        eng = self.engine
+        rids = [str(next(self._ids)) for _ in makers]
         try:
-            for rid, (p, text, _) in zip(rids, parsed):
-                eng.add_prepared(eng.make_pooling_request(rid, p, params), text)
-            done = self._step_until_done(len(rids), "Embedded prompts", use_tqdm)
+            for rid, (make, text) in zip(rids, makers):
+                eng.add_prepared(make(rid), text)
+            done = self._step_until_done(len(rids), desc, use_tqdm)
         except BaseException:
             eng.abort_request(rids)
             raise
         return [done[r] for r in rids]
 
+    def classify(self, prompts: PromptType | Sequence[PromptType], use_tqdm: bool = True,
+                 pooling_params: PoolingParams | None = None) -> list[ClassificationRequestOutput]:
+        """Classify prompts with a cross-encoder (a sequence-classification model; vLLM's ``LLM.classify``).
+
+        Returns:
+            One ``ClassificationRequestOutput`` per prompt; ``out.outputs.probs`` per label.
+        Raises:
+            ValueError: an embedding or generation model, or what ``embed`` raises.
+        """
+        from dataclasses import replace
+        params = replace(pooling_params or PoolingParams(), task="classify")
+        outs = self.embed(prompts, params, use_tqdm=use_tqdm)
+        return [ClassificationRequestOutput(o.request_id, ClassificationOutput(o.outputs.data), o.prompt_token_ids)
+                for o in outs]
+
     def score(self, text_1: str | Sequence[str], text_2: str | Sequence[str], use_tqdm: bool = True,
-              truncate_prompt_tokens: int | None = None) -> list[ScoringRequestOutput]:
-        """Score text pairs (vLLM's ``LLM.score``) with a bi-encoder: the cosine similarity of the
-        two texts' embeddings.
+              truncate_prompt_tokens: int | None = None,
+              pooling_params: PoolingParams | None = None) -> list[ScoringRequestOutput]:
+        """Score text pairs (vLLM's ``LLM.score``): a cross-encoder runs each pair as one input
+        through its classification head; a bi-encoder gives the cosine similarity of the two texts'
+        embeddings.
 
         ``text_1`` one text and ``text_2`` one or many (1 -> N), or two lists of equal length
         (pairs, N -> N).
 
         Returns:
-            One ``ScoringRequestOutput`` per pair; ``out.outputs.score`` in [-1, 1].
+            One ``ScoringRequestOutput`` per pair; ``out.outputs.score`` in [-1, 1] (bi-encoder) or
+            the classifier's first output after its activation (cross-encoder; ``use_activation=False``
+            in ``pooling_params``: the logit).
         Raises:
             ValueError: lists of different lengths, an empty list, or what ``embed`` raises.
         """
+        from dataclasses import replace
         left, right = pair_texts(text_1, text_2)
+        params = pooling_params or PoolingParams()
+        if truncate_prompt_tokens is not None:
+            params = replace(params, truncate_prompt_tokens=truncate_prompt_tokens)
+        if self.engine.is_cross_encoder:
+            eng, params = self.engine, replace(params, task="score")
+            outs = self._run_pooling([(lambda rid, a=a, b=b: eng.make_pair_request(rid, a, b, params), None)
+                                      for a, b in zip(left, right)], "Scored pairs", use_tqdm)
+            return [ScoringRequestOutput(f"score-{i}", ScoringOutput(o.outputs.data[0]), o.prompt_token_ids)
+                    for i, o in enumerate(outs)]
         # each distinct text embedded once (1 -> N repeats text_1); repr keys any prompt shape
         unique = {repr(t): t for t in left + right}
-        embs = dict(zip(unique, self.embed(list(unique.values()), use_tqdm=use_tqdm,
-                                           truncate_prompt_tokens=truncate_prompt_tokens)))
+        embs = dict(zip(unique, self.embed(list(unique.values()), params, use_tqdm=use_tqdm)))
         a, b = [embs[repr(t)] for t in left], [embs[repr(t)] for t in right]
         return [ScoringRequestOutput(f"score-{i}", ScoringOutput(cosine(x.outputs.data, y.outputs.data)),
                                      x.prompt_token_ids + y.prompt_token_ids) for i, (x, y) in enumerate(zip(a, b))]

@@ -3,7 +3,8 @@
 A sentence-transformers directory says how its vectors are made: ``modules.json`` lists the
 modules (``Pooling``, ``Normalize``), ``1_Pooling/config.json`` the pooling mode and
 ``sentence_bert_config.json`` the longest input (``max_seq_length``). Without them an encoder
-pools ``CLS`` and a causal LM ``LAST``, both normalized (vLLM's defaults).
+pools ``CLS`` and a causal LM ``LAST``, both normalized (vLLM's defaults). A cross-encoder's
+output is its classifier's (``CLS`` only, not normalized, its activation).
 """
 
 from __future__ import annotations
@@ -39,6 +40,12 @@ def pooler_config(model_dir: str | Path, hf_config, encoder_only: bool) -> Poole
     hidden = int(getattr(hf_config, "hidden_size", 0) or 0)
     if not encoder_only:
         return PoolerConfig("LAST", True, hidden, ("LAST",))
+    from pagedllm.models.encoder_only import classifier_activation, num_labels
+    labels = num_labels(hf_config)
+    if labels:  # a cross-encoder: one output vector per input, the classifier's (its head picks the rows)
+        names = getattr(hf_config, "id2label", None) or {}
+        return PoolerConfig("CLS", False, labels, ("CLS",), labels, classifier_activation(hf_config),
+                            tuple(str(names.get(i, f"LABEL_{i}")) for i in range(labels)))
     modules = _read_json(d / "modules.json") or []
     pooling_dir = next((m.get("path") for m in modules if isinstance(m, dict)
                         and str(m.get("type", "")).endswith(".Pooling")), None)

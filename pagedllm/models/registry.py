@@ -38,21 +38,23 @@ MODEL_IMPLS = ("auto", "native", "transformers")
 
 
 def select_impl(config, model_impl: str = "auto") -> str:
-    """Which implementation serves ``config``: ``"native"``, ``"transformers"`` or ``"encoder"``.
+    """Which implementation serves ``config``: ``"native"``, ``"transformers"``, ``"encoder"`` or
+    ``"transformers-encoder"``.
 
     ``auto`` takes the native one when it exists, else the Transformers backend. An encoder-only
-    architecture (``BertModel``, for pooling) is always ``"encoder"`` (``models/bert.py``).
+    model (for pooling) is ``"encoder"`` (native BERT, ``models/bert.py``) or
+    ``"transformers-encoder"`` (any other encoder family, ``models/transformers_encoder.py``).
 
     Raises:
         ValueError: an unknown ``model_impl``, or an architecture the chosen
             implementation(s) cannot serve (the message says what is missing).
     """
-    from pagedllm.models.bert import is_encoder_only
+    from pagedllm.models.encoder_only import encoder_impl, is_encoder_only
     from pagedllm.models.transformers_backend import check_supported
     if model_impl not in MODEL_IMPLS:
         raise ValueError(f"model_impl must be one of {MODEL_IMPLS}, got {model_impl!r}")
     if is_encoder_only(config):
-        return "encoder"
+        return encoder_impl(config, model_impl)
     archs = getattr(config, "architectures", None) or []
     native = any(a in NATIVE_ARCHITECTURES for a in archs)
     if model_impl == "native" or (model_impl == "auto" and native):
@@ -149,12 +151,16 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
     backend = select_attention_backend(device, dtype, name)
     kernels_on = tp == 1 and cpu_kernels.applies(device, dtype) and backend.uses_cpu_kernels
     logger.info("attention backend: %s; CPU kernels: %s", backend.name, "on" if kernels_on else "off (torch ops)")
-    if impl == "encoder":
-        from pagedllm.models.bert import load_bert_model
-        model = load_bert_model(model_dir, dtype, device)
+    if impl in ("encoder", "transformers-encoder"):
+        if impl == "encoder":
+            from pagedllm.models.bert import load_bert_model
+            model = load_bert_model(model_dir, dtype, device)
+        else:
+            from pagedllm.models.transformers_encoder import load_transformers_encoder
+            model = load_transformers_encoder(model_dir, config, dtype, device)
         model.quantization_method = "none"
-        logger.info("loaded %s (%s, encoder for pooling) in %.1f s", model_dir, config.architectures,
-                    time.perf_counter() - t0)
+        logger.info("loaded %s (%s, %s for pooling) in %.1f s", model_dir, config.architectures,
+                    "native encoder" if impl == "encoder" else "Transformers encoder", time.perf_counter() - t0)
         return model, config
     quantization = (resolve_quantization(quantization, model_dir, impl, kernels_on) if tp == 1
                     else check_tensor_parallel(impl, quantization, tp))

@@ -3,7 +3,7 @@
 Endpoints: ``GET /health``, ``GET /v1/models``, ``POST /v1/completions``,
 ``POST /v1/chat/completions`` (``stream: true`` answers with server-sent events
 ending in ``data: [DONE]``), ``POST /v1/embeddings`` (a pooling model), following the OpenAI
-API reference; vLLM's ``POST /pooling``, ``/score`` and ``/rerank`` (``server/embeddings.py``,
+API reference; vLLM's ``POST /pooling``, ``/score``, ``/rerank`` and ``/classify`` (``server/embeddings.py``,
 ``server/score.py``); as vLLM's
 server, ``GET /metrics`` (Prometheus text format, see ``server.metrics``),
 ``GET /version``, ``POST /tokenize`` and ``POST /detokenize``; and, for
@@ -43,7 +43,8 @@ from pagedllm.server.base import ServingContext
 from pagedllm.server.chat import OpenAIServingChat
 from pagedllm.server.completions import OpenAIServingCompletion
 from pagedllm.server.embeddings import OpenAIServingEmbedding
-from pagedllm.server.protocol_pooling import EmbeddingRequest, PoolingRequest, RerankRequest, ScoreRequest
+from pagedllm.server.protocol_pooling import (ClassificationRequest, EmbeddingRequest, PoolingRequest, RerankRequest,
+                                              ScoreRequest)
 from pagedllm.server.score import ServingScores
 from pagedllm.server.protocol import ChatCompletionRequest, CompletionRequest
 from pagedllm.server.protocol_extra import DetokenizeRequest, TokenizeRequest
@@ -405,14 +406,21 @@ def build_app(llm: AsyncLLM, model_name: str, chat_template: str | None = None, 
     @app.post("/score")
     @app.post("/v1/score")
     async def score(body: ScoreRequest, request: Request):
-        """vLLM's score API: the cosine similarity of ``text_1`` and ``text_2`` pairs (bi-encoder)."""
+        """vLLM's score API: ``text_1`` and ``text_2`` pairs scored by a cross-encoder, or the cosine
+        similarity of their embeddings (bi-encoder)."""
         return await respond(request, score_serving.score(body))
 
     @app.post("/rerank")
     @app.post("/v1/rerank")
     @app.post("/v2/rerank")
     async def rerank(body: RerankRequest, request: Request):
-        """vLLM's rerank API (Jina / Cohere shapes): ``documents`` ordered by similarity to ``query``."""
+        """vLLM's rerank API (Jina / Cohere shapes): ``documents`` ordered by their score against ``query``."""
         return await respond(request, score_serving.rerank(body))
+
+    @app.post("/classify")
+    @app.post("/v1/classify")
+    async def classify(body: ClassificationRequest, request: Request):
+        """vLLM's classification API: a cross-encoder's label probabilities per input."""
+        return await respond(request, score_serving.classify(body))
 
     return app

@@ -51,31 +51,45 @@ async def embed_inputs(ctx: ServingContext, rid: str, inputs: list[str | list[in
     """
     if not inputs:
         raise APIError(400, f"{param}: must not be empty", param, code="invalid_value")
-    if len(inputs) > MAX_INPUTS:
-        raise APIError(400, f"{param}: at most {MAX_INPUTS} inputs per request, got {len(inputs)}", param,
+    for i, p in enumerate(inputs):
+        if isinstance(p, str):
+            ctx.check_prompt_chars(p, param if len(inputs) == 1 else f"{param}[{i}]")
+    return await run_pooling(ctx, [(lambda p=p, i=i: ctx.llm.make_pooling_request(f"{rid}-{i}", p, params),
+                                    p if isinstance(p, str) else None) for i, p in enumerate(inputs)], param)
+
+
+async def run_pooling(ctx: ServingContext, makers: list, param: str) -> list[PoolingRequestOutput]:
+    """Build every pooling request on the tokenizer thread (all validated before any is
+    submitted), run them together and return their outputs in order.
+
+    Args:
+        makers: ``(make, prompt text or None)`` per request; ``make()`` builds its ``EngineCoreRequest``.
+        param: the request field the inputs came from (request ``i`` of several is ``param[i]``).
+    Raises:
+        APIError: 400 naming the field for what the makers refuse; 429 when the server is full.
+    """
+    if len(makers) > MAX_INPUTS:
+        raise APIError(400, f"{param}: at most {MAX_INPUTS} inputs per request, got {len(makers)}", param,
                        code="invalid_value")
 
     def prepare() -> list:
         reqs = []
-        for i, p in enumerate(inputs):
-            where = param if len(inputs) == 1 else f"{param}[{i}]"
-            if isinstance(p, str):
-                ctx.check_prompt_chars(p, where)
+        for i, (make, _) in enumerate(makers):
+            where = param if len(makers) == 1 else f"{param}[{i}]"
             try:
-                reqs.append(ctx.llm.make_pooling_request(f"{rid}-{i}", p, params))
+                reqs.append(make())
             except PromptTooLongError as e:
                 raise APIError(400, f"{where}: {e}", where, code="context_length_exceeded") from None
             except SamplingParamError as e:
-                name = where if e.param == "input" else e.param
-                msg = str(e).replace("input:", f"{where}:", 1) if e.param == "input" else str(e)
-                raise APIError(400, msg, name, code="invalid_value") from None
+                own = e.param in ("input", param)  # the input itself, not a parameter
+                msg = str(e).replace(f"{e.param}:", f"{where}:", 1) if own else str(e)
+                raise APIError(400, msg, where if own else e.param, code="invalid_value") from None
         return reqs
 
-    with ctx.admission.admit(len(inputs)):
+    with ctx.admission.admit(len(makers)):
         reqs = await ctx.offload(prepare)
-        texts = [p if isinstance(p, str) else None for p in inputs]
         results: list[PoolingRequestOutput | None] = [None] * len(reqs)
-        async for i, out in merge_outputs([ctx.llm.generate(r, t) for r, t in zip(reqs, texts)]):
+        async for i, out in merge_outputs([ctx.llm.generate(r, t) for r, (_, t) in zip(reqs, makers)]):
             results[i] = out
     return results
 

@@ -1,5 +1,5 @@
 """Pydantic bodies of the pooling endpoints: ``/v1/embeddings`` (OpenAI's embeddings API reference),
-``/pooling``, ``/score`` and ``/rerank`` (vLLM's pooling API; ``/rerank`` also takes the Jina and
+``/pooling``, ``/score``, ``/rerank`` and ``/classify`` (vLLM's pooling API; ``/rerank`` also takes the Jina and
 Cohere bodies). Fields not listed are ignored, as OpenAI ignores unknown fields.
 """
 
@@ -23,12 +23,13 @@ class _PoolingBody(RequestBody):
     dimensions: Int | None = None
     truncate_prompt_tokens: Int | None = None
     normalize: Bool | None = None
+    use_activation: Bool | None = None
     user: str | None = None
 
     def pooling_params(self) -> PoolingParams:
         """The body's ``PoolingParams`` (validated by the processor)."""
         return PoolingParams(dimensions=self.dimensions, truncate_prompt_tokens=self.truncate_prompt_tokens,
-                             normalize=self.normalize)
+                             normalize=self.normalize, use_activation=self.use_activation)
 
 
 class EmbeddingRequest(_PoolingBody):
@@ -52,6 +53,10 @@ class EmbeddingRequest(_PoolingBody):
 class PoolingRequest(EmbeddingRequest):
     """``POST /pooling`` (vLLM): the same body as ``/v1/embeddings``; the answer names its vectors
     ``data`` of objects ``pooling``."""
+
+
+class ClassificationRequest(EmbeddingRequest):
+    """``POST /classify`` (vLLM): ``input`` as ``/v1/embeddings`` takes it, for a cross-encoder."""
 
 
 class ScoreRequest(_PoolingBody):

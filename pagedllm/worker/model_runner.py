@@ -32,7 +32,7 @@ from pagedllm.distributed.micro_batch import step_metadata
 from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.structured_output.manager import GrammarMask
 from pagedllm.worker.input_batch import InputBatch, SamplingMetadata
-from pagedllm.worker.pooler import PoolingSpan, hidden_rows, pool
+from pagedllm.worker.pooler import PoolingSpan, hidden_rows, pool, token_type_rows
 from pagedllm.worker.sampler import Sampler
 from pagedllm.worker.spec_verify import verify
 from pagedllm.worker.upload import to_device
@@ -83,6 +83,7 @@ class ModelRunner:
                  enforce_eager: bool = False, cuda_graph_sizes: list[int] | None = None, graph_capture=None,
                  pipeline_overlap: bool = False) -> None:
         self.model = model
+        self.encoder_only = bool(getattr(model, "encoder_only", False))  # pooling only; pairs carry token types
         # several steps in flight across pipeline stages (``_issue_overlapped``), where the model can
         self.pipeline_overlap = pipeline_overlap and getattr(model, "supports_step_overlap", False)
         self._open_finish = None  # queues the finish of the last overlapped step (idempotent)
@@ -189,6 +190,9 @@ class ModelRunner:
         kwargs = {} if self.state_cache is None else {
             "state": self.state_cache.batch(self.input_batch.state_slot[slots], start, qsl, rids,
                                             so.state_restores, so.state_checkpoints)}
+        if self.encoder_only and (types := token_type_rows([self.input_batch.pooling[i] for i in slots.tolist()],
+                                                           qsl)) is not None:
+            kwargs["token_type_ids"] = types.to(self.device)  # a cross-encoder's pairs
         return PreparedStep(
             pool_rows=pool_rows, pool_spans=pool_spans, model_kwargs=kwargs,
             graph=self._graph_step(n, spec, sample, rows, pool_rows), has_pending=bool(pend.size),

@@ -4,7 +4,9 @@ A pooling request whose prompt is computed this step needs its final hidden stat
 (after the model's last norm): ``CLS`` the first row, ``LAST`` the last, ``MEAN`` all of them
 (Reimers & Gurevych 2019). ``CLS`` and ``MEAN`` need the whole prompt in this step (encoder
 models get it so; a causal LM pools ``LAST`` only, see ``PoolingParams.resolved``). Then,
-as vLLM's pooler: optional Matryoshka truncation to ``dimensions``, then L2 normalization.
+as vLLM's pooler: optional Matryoshka truncation to ``dimensions``, then L2 normalization. A
+cross-encoder's rows are its classifier's logits (``EncoderModel.forward``), which take the
+model's activation instead.
 """
 
 from __future__ import annotations
@@ -62,6 +64,26 @@ def hidden_rows(req_ids: list[str], params: list[PoolingParams], q_start: np.nda
     return (np.concatenate(rows) if rows else np.zeros(0, np.int64)), spans
 
 
+def token_type_rows(params: list, qsl: np.ndarray) -> torch.Tensor | None:
+    """The step's token types for an encoder: 1 from each cross-encoder pair's second text on.
+
+    Args:
+        params: ``[R]`` the step's requests' ``PoolingParams`` (each prompt whole in the step).
+        qsl: ``[R + 1]`` int64 their cumulative row counts.
+    Returns:
+        ``[T]`` int64 token types (BERT's ``token_type_ids`` on the flattened batch), or ``None``
+        when no request is a pair (all 0).
+    """
+    starts = [(i, p.token_type_start) for i, p in enumerate(params)
+              if p is not None and p.token_type_start is not None]
+    if not starts:
+        return None
+    types = np.zeros(int(qsl[-1]), dtype=np.int64)
+    for i, first in starts:
+        types[qsl[i] + first:qsl[i + 1]] = 1
+    return torch.from_numpy(types)
+
+
 def pool(hidden: torch.Tensor, spans: list[PoolingSpan]) -> dict[str, list[float]]:
     """Each span's vector.
 
@@ -79,5 +101,9 @@ def pool(hidden: torch.Tensor, spans: list[PoolingSpan]) -> dict[str, list[float
             v = v[:s.params.dimensions]
         if s.params.normalize:
             v = F.normalize(v, p=2, dim=0)
+        if s.params.activation == "sigmoid":  # a cross-encoder's logits (vLLM's and CrossEncoder's activation)
+            v = v.sigmoid()
+        elif s.params.activation == "softmax":
+            v = v.softmax(0)
         out[s.req_id] = v.float().tolist()
     return out
