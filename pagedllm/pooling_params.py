@@ -83,11 +83,11 @@ class PoolingParams:
         if ptype not in defaults.supported:
             raise SamplingParamError("pooling_type", f"pooling_type: this model pools {', '.join(defaults.supported)}, "
                                      f"not {ptype}")
+        if defaults.num_labels:
+            return self._resolved_classifier(defaults, ptype)
         if self.dimensions is not None and self.dimensions > defaults.hidden_size:
             raise SamplingParamError("dimensions", f"dimensions: must be <= {defaults.hidden_size} (the model's "
                                      f"embedding size), got {self.dimensions}")
-        if defaults.num_labels:
-            return self._resolved_classifier(defaults, ptype)
         norm = defaults.normalize if self.normalize is None else self.normalize
         return replace(self, pooling_type=ptype, normalize=norm)
 
