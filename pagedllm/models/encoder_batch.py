@@ -54,6 +54,7 @@ class Padding:
         qsl: ``[B + 1]`` int64 cumulative sequence lengths.
         device: the tensors' device.
     Attributes:
+        qsl, lens: ``[B + 1]`` / ``[B]`` int64 numpy cumulative and plain sequence lengths.
         starts: ``[B]`` int64 first row of each sequence.
         mask: ``[B, 1, 1, L]`` bool key mask (True: a real token), or ``None`` when every
             sequence has length ``L``.
@@ -61,6 +62,7 @@ class Padding:
 
     def __init__(self, qsl: np.ndarray, device: torch.device) -> None:
         lens = np.diff(qsl)
+        self.qsl, self.lens = qsl, lens
         self.b, self.L = len(lens), int(lens.max())
         seq = np.repeat(np.arange(self.b), lens)
         pos = np.arange(int(qsl[-1])) - np.repeat(qsl[:-1], lens)

@@ -4,7 +4,8 @@ backend for pooling).
 Any built-in encoder family (RoBERTa, XLM-RoBERTa, DistilBERT, DeBERTa, ELECTRA, MPNet,
 ModernBERT, ...; ``encoder_only.ENCODER_MODEL_TYPES``) is loaded with ``AutoModel`` (an
 embedding model) or ``AutoModelForSequenceClassification`` (a cross-encoder) and run on the
-step's prompts padded to the longest one with an ``attention_mask``, so every family's own
+step's prompts, grouped by length and each group padded to its longest with an
+``attention_mask`` (``PADDING_SLACK``), so every family's own
 position rule (RoBERTa counts positions from ``pad_token_id + 1``), embeddings, attention and
 head apply unchanged. The engine still schedules each prompt whole in one step under the token
 budget; the padded rows are the cost of running a model we did not rewrite (BERT runs natively
@@ -17,12 +18,16 @@ from __future__ import annotations
 import inspect
 import logging
 
+import numpy as np
 import torch
 from torch import nn
 
 from pagedllm.models.encoder_batch import EncoderModel, Padding
 
 logger = logging.getLogger(__name__)
+
+# a group of the step's sequences is padded to at most this many times its real tokens
+PADDING_SLACK = 1.25
 
 
 class TransformersEncoderModel(EncoderModel):
@@ -53,16 +58,48 @@ class TransformersEncoderModel(EncoderModel):
             kw["token_type_ids"] = layout.pad_ids(token_type_ids, 0)
         return kw
 
+    def _by_length(self, input_ids: torch.Tensor, layout: Padding, token_type_ids: torch.Tensor | None):
+        """Yield ``(sequence indices [b] int64, row indices [t] int64, transformers output)`` per group
+        of sequences of similar length: the step's prompts come in arrival order, and one padded
+        batch of mixed lengths would cost ``B x longest`` (sentence-transformers sorts by length too)."""
+        order = np.argsort(layout.lens, kind="stable")
+        groups, cur, real = [], [], 0
+        for i in order.tolist():  # ascending: a group's longest is its last
+            n = int(layout.lens[i])
+            if cur and (len(cur) + 1) * n > PADDING_SLACK * (real + n):
+                groups.append(cur)
+                cur, real = [], 0
+            cur.append(i)
+            real += n
+        groups.append(cur)
+        for g in groups:
+            seqs = np.array(g, dtype=np.int64)
+            rows = np.concatenate([np.arange(layout.qsl[i], layout.qsl[i + 1]) for i in g])
+            sub_qsl = np.zeros(len(g) + 1, dtype=np.int64)
+            np.cumsum(layout.lens[seqs], out=sub_qsl[1:])
+            sub = Padding(sub_qsl, input_ids.device)
+            r = torch.from_numpy(rows).to(input_ids.device)
+            types = None if token_type_ids is None else token_type_ids.index_select(0, r)
+            yield seqs, r, sub, self.hf(**self._inputs(input_ids.index_select(0, r), sub, types))
+
     def encode(self, input_ids: torch.Tensor, positions: torch.Tensor, layout: Padding,
                token_type_ids: torch.Tensor | None) -> torch.Tensor:
         """``[T, hidden]`` float32 ``last_hidden_state`` rows (positions come from the model's own rule)."""
-        out = self.hf(**self._inputs(input_ids, layout, token_type_ids))
-        return layout.unpad_rows(out.last_hidden_state)
+        out = None
+        for _, rows, sub, res in self._by_length(input_ids, layout, token_type_ids):
+            h = sub.unpad_rows(res.last_hidden_state)
+            out = h.new_empty(input_ids.shape[0], h.shape[-1]) if out is None else out
+            out.index_copy_(0, rows, h)
+        return out
 
     def classify(self, input_ids: torch.Tensor, positions: torch.Tensor, layout: Padding,
                  token_type_ids: torch.Tensor | None) -> torch.Tensor:
         """``[B, num_labels]`` float32 ``logits`` of the transformers classification model."""
-        return self.hf(**self._inputs(input_ids, layout, token_type_ids)).logits
+        out = None
+        for seqs, _, _, res in self._by_length(input_ids, layout, token_type_ids):
+            out = res.logits.new_empty(layout.b, res.logits.shape[-1]) if out is None else out
+            out.index_copy_(0, torch.from_numpy(seqs).to(out.device), res.logits)
+        return out
 
 
 def load_transformers_encoder(model_dir, config, dtype: torch.dtype, device: torch.device) -> TransformersEncoderModel:
