@@ -174,13 +174,18 @@ class Processor:
         cut by ``truncate_prompt_tokens`` with the tokenizer's ``longest_first`` rule.
 
         Raises:
-            WrongRunnerError: the model is not a cross-encoder (``param`` ``model``).
+            WrongRunnerError: the model is not a cross-encoder, or its head has more than one label
+                (``param`` ``model``).
             SamplingParamError, PromptTooLongError: as ``process_pooling`` (``param`` ``text_1``).
         """
         params, keep = self._pooling_params(params)
         if not self.pooler_config.is_cross_encoder:
             raise WrongRunnerError("model", "pairs are scored as one input by a cross-encoder only; this model "
                                    "embeds each text (a bi-encoder)")
+        if self.pooler_config.num_labels != 1:  # which label would be "the" score is not ours to guess
+            raise WrongRunnerError("model", f"This cross-encoder has {self.pooler_config.num_labels} labels; a score "
+                                   "needs one (a relevance model). Use /classify (LLM.classify) for its label "
+                                   "probabilities")
         if self.tokenizer is None:
             raise SamplingParamError("text_1", "text_1: scoring pairs needs a tokenizer (the engine was built with "
                                      "skip_tokenizer_init=True)")

@@ -83,6 +83,11 @@ def test_classify_softmax_over_labels(llms, tiny_encoders):
     assert np.abs(np.array([o.outputs.probs for o in out]) - np.array(ref)).max() < 1e-6
 
 
+def test_a_score_needs_a_one_label_head(llms):
+    with pytest.raises(ValueError, match="3 labels.*classify"):
+        llms["nli"].score("a", "b", use_tqdm=False)
+
+
 def test_truncation_is_the_tokenizers_longest_first(llms, tiny_encoders):
     import transformers
     tok = transformers.AutoTokenizer.from_pretrained(tiny_encoders["bert-ce"])
