@@ -98,8 +98,10 @@ class Processor:
             WrongRunnerError: the model is served for pooling.
         """
         if self.pooler_config is not None:
-            raise WrongRunnerError("model", "This model is served for pooling (--runner pooling): it answers "
-                                   "/v1/embeddings, /pooling, /score and /rerank, not text generation")
+            answers = ("/score, /rerank and /classify (a cross-encoder)" if self.pooler_config.is_cross_encoder
+                       else "/v1/embeddings, /pooling, /score and /rerank")
+            raise WrongRunnerError("model", f"This model is served for pooling (--runner pooling): it answers "
+                                   f"{answers}, not text generation")
         ids = self.tokenize(prompt)
         vocab = self.vocab_size
         if params.truncate_prompt_tokens is not None:  # keep the end: the question, not the preamble
@@ -176,7 +178,8 @@ class Processor:
         Raises:
             WrongRunnerError: the model is not a cross-encoder, or its head has more than one label
                 (``param`` ``model``).
-            SamplingParamError, PromptTooLongError: as ``process_pooling`` (``param`` ``text_1``).
+            SamplingParamError, PromptTooLongError: as ``process_pooling`` (``param`` ``text_1`` or
+                ``text_2``: the empty one, or the longer of an over-long pair).
         """
         params, keep = self._pooling_params(params)
         if not self.pooler_config.is_cross_encoder:
@@ -189,14 +192,16 @@ class Processor:
         if self.tokenizer is None:
             raise SamplingParamError("text_1", "text_1: scoring pairs needs a tokenizer (the engine was built with "
                                      "skip_tokenizer_init=True)")
-        if not isinstance(text_1, str) or not isinstance(text_2, str) or not text_1 or not text_2:
-            raise SamplingParamError("text_1", "text_1, text_2: a cross-encoder scores non-empty texts")
+        for name, text in (("text_1", text_1), ("text_2", text_2)):
+            if not isinstance(text, str) or not text:
+                raise SamplingParamError(name, f"{name}: a cross-encoder scores non-empty texts")
         enc = (self.tokenizer(text_1, text_2) if keep is None
                else self.tokenizer(text_1, text_2, truncation="longest_first", max_length=keep))
         types = list(enc.get("token_type_ids") or ())
         first = types.index(1) if 1 in types else None
+        longer = "text_2" if len(text_2) >= len(text_1) else "text_1"  # an over-long pair: blame the longer text
         return self._pooling_request(request_id, list(enc["input_ids"]), replace(params, token_type_start=first),
-                                     arrival_time, None, "text_1")
+                                     arrival_time, None, longer)
 
     def _pooling_params(self, params: PoolingParams) -> tuple[PoolingParams, int | None]:
         """Validated, resolved params and the token count to keep (``None``: no truncation).

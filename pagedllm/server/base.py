@@ -212,9 +212,10 @@ class ServingContext:
             APIError: 400 naming the model and the endpoints it does serve.
         """
         if getattr(self.llm, "is_pooling_model", False):
+            answers = ("/score, /rerank and /classify (a cross-encoder)" if getattr(self.llm, "is_cross_encoder", False)
+                       else "/v1/embeddings, /pooling, /score and /rerank")
             raise APIError(400, f"The model `{self.model_name}` is served for pooling (--runner pooling): it "
-                           "answers /v1/embeddings, /pooling, /score and /rerank, not text generation", "model",
-                           code="model_not_supported")
+                           f"answers {answers}, not text generation", "model", code="model_not_supported")
 
 
 class OpenAIServingBase:

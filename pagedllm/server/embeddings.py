@@ -58,13 +58,16 @@ async def embed_inputs(ctx: ServingContext, rid: str, inputs: list[str | list[in
                                     p if isinstance(p, str) else None) for i, p in enumerate(inputs)], param)
 
 
-async def run_pooling(ctx: ServingContext, makers: list, param: str) -> list[PoolingRequestOutput]:
+async def run_pooling(ctx: ServingContext, makers: list, param: str,
+                      fields: dict | None = None) -> list[PoolingRequestOutput]:
     """Build every pooling request on the tokenizer thread (all validated before any is
     submitted), run them together and return their outputs in order.
 
     Args:
         makers: ``(make, prompt text or None)`` per request; ``make()`` builds its ``EngineCoreRequest``.
         param: the request field the inputs came from (request ``i`` of several is ``param[i]``).
+        fields: for pairs, the processor's ``text_1`` / ``text_2`` -> a function of ``i`` naming the
+            body's field (``/rerank``: ``query`` and ``documents[i]``).
     Raises:
         APIError: 400 naming the field for what the makers refuse; 429 when the server is full.
     """
@@ -79,9 +82,13 @@ async def run_pooling(ctx: ServingContext, makers: list, param: str) -> list[Poo
             try:
                 reqs.append(make())
             except PromptTooLongError as e:
+                if fields and e.param in fields:
+                    where = fields[e.param](i)
                 raise APIError(400, f"{where}: {e}", where, code="context_length_exceeded") from None
             except SamplingParamError as e:
-                own = e.param in ("input", param)  # the input itself, not a parameter
+                if fields and e.param in fields:
+                    where = fields[e.param](i)
+                own = e.param in ("input", param) or bool(fields and e.param in fields)  # the input, not a parameter
                 msg = str(e).replace(f"{e.param}:", f"{where}:", 1) if own else str(e)
                 raise APIError(400, msg, where if own else e.param, code="invalid_value") from None
         return reqs

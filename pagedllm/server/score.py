@@ -30,16 +30,17 @@ class ServingScores:
         outs = await embed_inputs(self.ctx, rid, unique, params, param)
         return {t: o.outputs.data for t, o in zip(unique, outs)}, usage(outs)
 
-    async def _pair_scores(self, rid: str, left: list[str], right: list[str], params,
-                           param: str) -> tuple[list[float], dict]:
-        """A cross-encoder's score of each pair, run as one input each; ``(scores, usage)``."""
+    async def _pair_scores(self, rid: str, left: list[str], right: list[str], params, param: str,
+                           fields: dict) -> tuple[list[float], dict]:
+        """A cross-encoder's score of each pair, run as one input each; ``(scores, usage)``
+        (``fields``: ``run_pooling``'s names of the two texts in the body)."""
         from dataclasses import replace
         params = replace(params, task="score")
         for t in left + right:
             self.ctx.check_prompt_chars(t, param)
         outs = await run_pooling(self.ctx, [(lambda a=a, b=b, i=i: self.ctx.llm.make_pair_request(f"{rid}-{i}", a, b,
                                                                                                  params), None)
-                                            for i, (a, b) in enumerate(zip(left, right))], param)
+                                            for i, (a, b) in enumerate(zip(left, right))], param, fields)
         return [o.outputs.data[0] for o in outs], usage(outs)
 
     async def score(self, body: ScoreRequest) -> dict:
@@ -56,7 +57,11 @@ class ServingScores:
         except ValueError as e:
             raise APIError(400, str(e), "text_2", code="invalid_value") from None
         if self.ctx.llm.is_cross_encoder:
-            scores, used = await self._pair_scores(random_id("score"), left, right, body.pooling_params(), "text_1")
+            many = len(left) > 1
+            fields = {t: (lambda i, t=t: f"{t}[{i}]" if many and not (t == "text_1" and isinstance(body.text_1, str))
+                          else t) for t in ("text_1", "text_2")}
+            scores, used = await self._pair_scores(random_id("score"), left, right, body.pooling_params(), "text_1",
+                                                   fields)
         else:
             vecs, used = await self._embed_unique(random_id("score"), left + right, body.pooling_params(), "text_1")
             scores = [cosine(vecs[a], vecs[b]) for a, b in zip(left, right)]
@@ -78,7 +83,8 @@ class ServingScores:
             raise APIError(400, "documents: must not be empty", "documents", code="invalid_value")
         if self.ctx.llm.is_cross_encoder:
             scores, u = await self._pair_scores(random_id("rerank"), [body.query] * len(docs), docs,
-                                                body.pooling_params(), "documents")
+                                                body.pooling_params(), "documents",
+                                                {"text_1": lambda i: "query", "text_2": lambda i: f"documents[{i}]"})
         else:
             vecs, u = await self._embed_unique(random_id("rerank"), [body.query, *docs], body.pooling_params(),
                                                "documents")

@@ -62,7 +62,7 @@ def test_classify(ce_url, reference):
     ("/v1/embeddings", {"input": "hi"}, "model", "cross-encoder"),
     ("/score", {"text_1": "a", "text_2": "b", "dimensions": 4}, "dimensions", "cross-encoder"),
     ("/score", {"text_1": "a", "text_2": ["b", "c"], "normalize": True}, "normalize", "cross-encoder"),
-    ("/score", {"text_1": "a", "text_2": "word " * 400}, "text_1", "maximum input length"),
+    ("/score", {"text_1": "a", "text_2": "word " * 400}, "text_2", "maximum input length"),
     ("/score", {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, "text_2", "give one text_1"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, "model", "served for pooling"),
 ])
@@ -79,3 +79,24 @@ def test_usage_with_truncation(ce_url):
                    timeout=60)
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["prompt_tokens"] == 32
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/score", {"text_1": "a", "text_2": [""]}, "text_2"),
+    ("/score", {"text_1": "a", "text_2": ["b", ""]}, "text_2[1]"),
+    ("/score", {"text_1": "a", "text_2": "word " * 400}, "text_2"),
+    ("/score", {"text_1": ["a", ""], "text_2": ["c", "d"]}, "text_1[1]"),
+    ("/rerank", {"query": "", "documents": ["a"]}, "query"),
+    ("/rerank", {"query": "q", "documents": ["a", {"text": ""}]}, "documents[1]"),
+    ("/rerank", {"query": "q", "documents": ["a", "word " * 400]}, "documents[1]"),
+])
+def test_the_400_names_the_field_at_fault(ce_url, path, body, param):
+    r = httpx.post(f"{ce_url}{path}", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["message"].startswith(f"{param}:"), err
+
+
+def test_chat_refusal_names_what_a_cross_encoder_answers(ce_url):
+    r = httpx.post(f"{ce_url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60)
+    assert r.status_code == 400 and "/classify" in r.json()["error"]["message"]
