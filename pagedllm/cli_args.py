@@ -69,6 +69,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "the CPU only under TRITON_INTERPRET=1); default: by device (triton on CUDA)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="never capture CUDA graphs for decode steps (a no-op on the CPU, where steps are eager)")
+    p.add_argument("-O", "--compilation-config", default=None,
+                   help="torch.compile of the norms, activations and rotary: a level 0-3 (0 off) or JSON "
+                        "{\"level\": n}; default: on with CUDA unless --enforce-eager, off on the CPU")
     p.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None,
                    help="decode batch sizes to capture CUDA graphs for (default: 1 2 4 8 16 ... max-num-seqs)")
     p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
@@ -106,6 +109,7 @@ def engine_args_from_cli(a: argparse.Namespace) -> EngineArgs:
                       async_scheduling=a.async_scheduling, speculative_config=a.speculative_config,
                       attention_backend=a.attention_backend, enforce_eager=a.enforce_eager,
                       cuda_graph_sizes=getattr(a, "cuda_graph_sizes", None),
+                      compilation_config=getattr(a, "compilation_config", None),
                       tensor_parallel_size=a.tensor_parallel_size, pipeline_parallel_size=a.pipeline_parallel_size,
                       pipeline_micro_batches=getattr(a, "pipeline_micro_batches", 0),
                       distributed_executor_backend=a.distributed_executor_backend,

@@ -152,6 +152,10 @@ class EngineArgs:
             and this is a no-op.
         cuda_graph_sizes: the decode batch buckets to capture (vLLM's ``--cuda-graph-sizes``);
             ``None``: 1, 2, 4, 8, then multiples of 8 up to ``max_num_seqs`` (and it).
+        compilation_config: ``torch.compile`` of the norms, activations and rotary between the
+            attention calls (vLLM's ``compilation_config`` / ``-O``): ``None`` (on for CUDA unless
+            ``enforce_eager``, off on the CPU), a level 0-3 (0 off), or ``{"level": n}``
+            (``models/layers/compiled.py``: ``resolve_compilation``).
         data_parallel_size: engine cores (replicas) behind one front end (vLLM's
             ``--data-parallel-size``), each in its own process with its own KV pool of
             ``kv_cache_memory`` (or ``num_kv_blocks``) and its own copy of the weights; a
@@ -193,6 +197,7 @@ class EngineArgs:
     attention_backend: str | None = None
     enforce_eager: bool = False
     cuda_graph_sizes: list[int] | None = None
+    compilation_config: Any = None
     data_parallel_size: int = 1
     runner: str = "auto"
     extra: dict[str, Any] = field(default_factory=dict)
@@ -234,6 +239,11 @@ class EngineArgs:
         parse_size(self.kv_cache_memory)
         parse_dtype(self.dtype)
         torch.device(self.device)
+        from pagedllm.models.layers.compiled import resolve_compilation
+        try:
+            resolve_compilation(self.compilation_config, self.device, self.enforce_eager)
+        except (TypeError, ValueError) as e:  # a bad JSON string or level: say which setting
+            raise ValueError(f"compilation_config (-O): {e}") from None
         if self.attention_backend is not None:
             from pagedllm.attention.backend import check_attention_backend
             # the dtype of --dtype auto is resolved again at load; validate with float32 then

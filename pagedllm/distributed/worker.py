@@ -35,7 +35,7 @@ class DriverModelRunner(ModelRunner):
     def _finish(self, step: PreparedStep, prev: PreparedStep | None, timer, launched: tuple) -> ModelRunnerOutput:
         """Sample as ``ModelRunner``; then send ``(sampled ids, emitted drafts)`` to every rank."""
         out = super()._finish(step, prev, timer, launched)
-        broadcast_object((step.sampled_list, step.emitted))
+        broadcast_object((step.tokens_list(), step.emitted))
         return out
 
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedllm.models.layers.compiled import resolve_compilation
 from pagedllm.config import EngineArgs, parse_size
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.scheduler import Scheduler
@@ -165,7 +166,8 @@ class EngineCore:
                      eos_token_ids=eos_token_ids, max_num_reqs=args.max_num_seqs, max_model_len=max_model_len,
                      num_state_checkpoints=0 if state_pool is None else state_pool.num_checkpoints,
                      enforce_eager=args.enforce_eager or not isinstance(self.executor, UniProcExecutor),
-                     cuda_graph_sizes=args.cuda_graph_sizes, pipeline_overlap=overlap)
+                     cuda_graph_sizes=args.cuda_graph_sizes, pipeline_overlap=overlap,
+                     compile_pieces=resolve_compilation(args.compilation_config, device, args.enforce_eager))
         self.runner = self._exec.submit(self.executor.runner_class, model, **sizes, executor=self._exec,
                                         scripted_output=scripted_output).result()
         self.executor.start(self.runner, sizes)

@@ -95,20 +95,21 @@ def device_eligible(p: SamplingParams, output_len: int) -> bool:
     return p.logprobs is None and p.allowed_token_ids is None and output_len >= p.min_tokens
 
 
-def process_on_device(logits: torch.Tensor, md, rows: list[int], prev_tokens: list[int] | None) -> torch.Tensor:
+def process_on_device(logits: torch.Tensor, md, rows: list[int], prev_tokens) -> torch.Tensor:
     """Logit bias, then repetition / frequency / presence penalties of ``rows``, batched on the device
     (the torch sampler's ``process`` order and definitions, for rows without ``min_tokens`` or
     ``allowed_token_ids``).
 
-    Each row's history (its known output ids, the previous step's token when it is still pending,
-    and the prompt for a repetition penalty) is host data of ``md``: it goes to the device as
-    ``(row, token)`` pairs in one non-blocking transfer and becomes ``[P, V]`` counts by a
-    scatter-add; nothing is read back.
+    Each row's known history (its output ids and the prompt for a repetition penalty) is host
+    data of ``md``: it goes to the device as ``(row, token)`` pairs in one non-blocking transfer
+    and becomes ``[P, V]`` counts by a scatter-add. A row whose last token the previous step is
+    still sampling takes it from ``prev_tokens`` on the device (a gather): nothing is read back.
 
     Args:
         logits: ``[len(rows), V]`` float32, row ``i`` is ``md``'s row ``rows[i]``.
         md: the step's ``SamplingMetadata``; rows: indices of its rows, in ``logits`` order.
-        prev_tokens: the previous step's sampled ids (host list) for pending rows, or ``None``.
+        prev_tokens: the previous step's ``[R']`` int64 sampled ids (a device tensor, or a host
+            list) for pending rows, or ``None``.
     Returns:
         ``[len(rows), V]`` processed logits (``logits`` itself when no row asks for either).
     """
@@ -121,12 +122,19 @@ def process_on_device(logits: torch.Tensor, md, rows: list[int], prev_tokens: li
            if r in at]
     if not bias and not pen:
         return logits
-    outs = [np.append(out, prev_tokens[pending[rows[i]]]) if rows[i] in pending else out for i, out, _ in pen]
-    flat_out = np.concatenate([k * vocab + o for k, o in enumerate(outs)] + [np.zeros(0, np.int64)])
+    flat_out = np.concatenate([k * vocab + out for k, (_, out, _) in enumerate(pen)] + [np.zeros(0, np.int64)])
     flat_prompt = np.concatenate([k * vocab + pr for k, (_, _, pr) in enumerate(pen)] + [np.zeros(0, np.int64)])
     bias_idx = np.array([i * vocab + t for i, t, _ in bias], dtype=np.int64)
     pen_rows = np.array([i for i, _, _ in pen], dtype=np.int64)
-    bias_idx, flat_out, flat_prompt, pen_rows_t = to_device([bias_idx, flat_out, flat_prompt, pen_rows], dev)
+    # (penalty row k, source row among the previous step's samples) of pending rows
+    pend = np.array([(k, pending[rows[i]]) for k, (i, _, _) in enumerate(pen) if rows[i] in pending],
+                    dtype=np.int64).reshape(-1, 2)
+    bias_idx, flat_out, flat_prompt, pen_rows_t, pend_t = to_device(
+        [bias_idx, flat_out, flat_prompt, pen_rows, pend.reshape(-1)], dev)
+    if len(pend):
+        prev = prev_tokens if isinstance(prev_tokens, torch.Tensor) else torch.tensor(prev_tokens, dtype=torch.int64)
+        pend_t = pend_t.view(-1, 2)
+        flat_out = torch.cat([flat_out, pend_t[:, 0] * vocab + prev.to(dev).index_select(0, pend_t[:, 1])])
     floats = [b for _, _, b in bias] + [getattr(params[rows[i]], name) for name in
                                           ("presence_penalty", "frequency_penalty", "repetition_penalty")
                                           for i, _, _ in pen]
@@ -162,33 +170,40 @@ class DeviceSampler:
         self.seed = seed
         self.step = 0
 
-    def __call__(self, logits: torch.Tensor, md, prev_tokens: list[int] | None = None):
+    def __call__(self, logits: torch.Tensor, md, prev_sampled: torch.Tensor | None = None, prev_list=None):
         """Sample one token per row of ``logits`` ``[R, V]`` float32.
 
+        Args:
+            md: the step's ``SamplingMetadata``.
+            prev_sampled: the previous step's ``[R']`` int64 sampled ids on the device, for rows
+                whose last token is still pending (``None``: no such row).
+            prev_list: a callable giving the same ids as a host list; called only when a pending
+                row needs the torch sampler (which reads the host).
         Returns:
-            ``(SamplerOutput, tokens)``: the torch sampler's output type (ids on the host, the one
-            device-to-host copy of the step) and the ``[R]`` int64 device tensor of the same ids.
+            ``(logprobs, tokens)``: per row the torch sampler's ``TokenLogprobs`` or ``None``, and
+            the ``[R]`` int64 device tensor of the sampled ids. Nothing is read back to the host
+            when every row is drawn on the device: the caller copies ``tokens`` without blocking
+            (``worker/host_tokens.py``).
         """
-        from pagedllm.worker.sampler import SamplerOutput
         params, lens = md.params, md.output_lens.tolist()
         rows = [i for i, p in enumerate(params) if device_eligible(p, lens[i])]
         self.step += 1
+
+        def torch_sample():
+            return self.sampler(logits, md, prev_list() if md.pending_rows.size and prev_list else None)
         if not rows:
-            out = self.sampler(logits, md, prev_tokens)
-            return out, torch.tensor(out.token_ids, dtype=torch.int64, device=logits.device)
+            out = torch_sample()
+            return out.logprobs, torch.tensor(out.token_ids, dtype=torch.int64, device=logits.device)
         if len(rows) == len(params):
             st = DeviceSamplingTensors.from_params(params, lens, logits.shape[-1], logits.device, self.seed, self.step)
-            tokens = sample(process_on_device(logits, md, rows, prev_tokens), st)
-            return SamplerOutput(tokens.tolist(), [None] * len(params)), tokens
-        out = self.sampler(logits, md, prev_tokens)  # rows that need the torch sampler
+            return [None] * len(params), sample(process_on_device(logits, md, rows, prev_sampled), st)
+        out = torch_sample()  # rows that need the torch sampler
         sel = torch.tensor(rows, device=logits.device)
         st = DeviceSamplingTensors.from_params([params[i] for i in rows], [lens[i] for i in rows], logits.shape[-1],
                                                logits.device, self.seed, self.step)
         tokens = torch.tensor(out.token_ids, dtype=torch.int64, device=logits.device)
-        mine = process_on_device(logits.index_select(0, sel), md, rows, prev_tokens)
-        tokens = tokens.index_copy(0, sel, sample(mine, st))
-        out.token_ids = tokens.tolist()
-        return out, tokens
+        mine = process_on_device(logits.index_select(0, sel), md, rows, prev_sampled)
+        return out.logprobs, tokens.index_copy(0, sel, sample(mine, st))
 
 
 def apply_logit_bias(logits: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, vals: torch.Tensor) -> torch.Tensor:

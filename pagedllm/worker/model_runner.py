@@ -31,6 +31,8 @@ from pagedllm.attention.torch_paged import TorchPagedBackend
 from pagedllm.distributed.micro_batch import step_metadata
 from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.structured_output.manager import GrammarMask
+from pagedllm.models.layers.compiled import compile_model
+from pagedllm.worker.host_tokens import HostTokens
 from pagedllm.worker.input_batch import InputBatch, SamplingMetadata
 from pagedllm.worker.pooler import PoolingSpan, hidden_rows, pool, token_type_rows
 from pagedllm.worker.sampler import Sampler
@@ -63,6 +65,8 @@ class ModelRunner:
         num_state_checkpoints: a hybrid model's prefix-cache checkpoint slots, after its
             ``max_num_reqs`` request slots in the state tensors (``core/state_pool.py``).
         enforce_eager: capture no CUDA graph (vLLM's ``--enforce-eager``).
+        compile_pieces: ``torch.compile`` the model's torch-op norms, activations and rotary
+            (``models/layers/compiled.py``) before any graph is captured.
         cuda_graph_sizes: decode batch buckets to capture (``None``: ``cuda_graphs.default_sizes``).
         graph_capture: the capture mechanism (``None``: ``cuda_graphs.capture_for(device)``, which
             captures only on CUDA); graphs are built only for the Triton backend.
@@ -80,7 +84,7 @@ class ModelRunner:
                  seed: int = 0, eos_token_ids: set[int] | None = None, max_num_reqs: int = 128,
                  max_model_len: int = 8192, executor: ThreadPoolExecutor | None = None,
                  scripted_output: ScriptedOutput | None = None, num_state_checkpoints: int = 0,
-                 enforce_eager: bool = False, cuda_graph_sizes: list[int] | None = None, graph_capture=None,
+                 enforce_eager: bool = False, compile_pieces: bool = False, cuda_graph_sizes: list[int] | None = None, graph_capture=None,
                  pipeline_overlap: bool = False) -> None:
         self.model = model
         self.encoder_only = bool(getattr(model, "encoder_only", False))  # pooling only; pairs carry token types
@@ -116,6 +120,7 @@ class ModelRunner:
         self._script = scripted_output
         self.max_model_len = max_model_len
         self.step_counts = {"graph": 0, "eager": 0}
+        self.compiled_modules = compile_model(model) if compile_pieces else 0
         self.decode_graphs = None if enforce_eager else self._capture_graphs(cuda_graph_sizes, graph_capture)
 
     def _capture_graphs(self, sizes: list[int] | None, capture):
@@ -440,29 +445,30 @@ class ModelRunner:
         num_rows = num_sampled + sum(len(d) for d in step.drafts or ())
         if num_sampled:
             md = step.sampling
-            prev_tokens = prev.sampled_list if md.pending_rows.size else None
+            pending = prev if md.pending_rows.size else None
             sample_logits = logits[:num_rows]
             if step.grammar is not None:
                 sample_logits = constrain(sample_logits, step.grammar, step.drafts)
+            tokens = None  # host ids; on the device path they follow in step.host_tokens
             if step.drafts is not None:
-                tokens = self._verify(step, sample_logits, md, prev_tokens, out)
+                tokens = self._verify(step, sample_logits, md, pending and pending.tokens_list(), out)
+            elif self._device_sampler is not None and self._script is None:
+                logprobs, step.sampled = self._device_sampler(
+                    sample_logits, md, pending and pending.sampled, pending and pending.tokens_list)
+                step.host_tokens = HostTokens(step.sampled)  # read by StepHandle.result, not here
             else:
-                on_device = None
-                if self._device_sampler is not None:
-                    sampled, on_device = self._device_sampler(sample_logits, md, prev_tokens)
-                else:
-                    sampled = self.sampler(sample_logits, md, prev_tokens)
+                sampled = self.sampler(sample_logits, md, pending and pending.tokens_list())
+                logprobs = sampled.logprobs
                 tokens = (sampled.token_ids if self._script is None
                           else self._script.tokens(md.output_lens.tolist(), self._eos))
-                if self._script is None and on_device is not None:
-                    step.sampled = on_device  # the next step gathers its pending inputs from it
-                for rid, lp in zip(step.sample_ids, sampled.logprobs):
+            if step.drafts is None:
+                for rid, lp in zip(step.sample_ids, logprobs):
                     if lp is not None:
                         out.logprobs[rid] = lp
-            step.sampled_list = tokens
-            if step.sampled is None:
+            if tokens is not None:
+                step.sampled_list = tokens
                 step.sampled = torch.tensor(tokens, dtype=torch.int64, device=self.device)
-            out.sampled_token_ids = dict(zip(step.sample_ids, tokens))
+                out.sampled_token_ids = dict(zip(step.sample_ids, tokens))
         if step.prompt_lp:
             prompt_logprobs(logits[num_rows:], step.prompt_lp, out)
         t3 = time.perf_counter()

@@ -13,6 +13,7 @@ import torch
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.core.scheduler_output import ModelRunnerOutput
 from pagedllm.structured_output.manager import GrammarMask
+from pagedllm.worker.host_tokens import HostTokens
 from pagedllm.worker.input_batch import SamplingMetadata
 from pagedllm.worker.pooler import PoolingSpan
 
@@ -42,6 +43,9 @@ class PreparedStep:
             core while the forward runs (``None``: no such row).
         sampled: ``[R]`` int64 sampled ids, set once the step has run (a request with drafts:
             its last emitted token).
+        sampled_list: the same ids on the host (``tokens_list()``: on the device path they arrive
+            through ``host_tokens``, read when the scheduling thread asks for the result).
+        host_tokens: the device path's pending copy of ``sampled`` (``worker/host_tokens.py``).
         drafts: per sampled request, its draft tokens (``None``: no request has any); a request
             with ``k`` drafts has ``k + 1`` rows in ``logits_rows``.
         emitted: per sampled request with drafts, every token the verification emitted.
@@ -69,6 +73,7 @@ class PreparedStep:
     grammar: GrammarMask | None = None
     sampled: torch.Tensor | None = None
     sampled_list: list[int] = field(default_factory=list)
+    host_tokens: HostTokens | None = None
     drafts: list[list[int]] | None = None
     emitted: dict[str, list[int]] = field(default_factory=dict)
     draft_probs: list | None = None
@@ -78,6 +83,12 @@ class PreparedStep:
     device_plan: DeviceStepPlan | None = None
     graph: bool = False
     has_pending: bool = False
+
+    def tokens_list(self) -> list[int]:
+        """The sampled ids as a host list (waits for the device path's copy the first time)."""
+        if self.host_tokens is not None and not self.sampled_list:
+            self.sampled_list = self.host_tokens.get()
+        return self.sampled_list
 
 
 class StepHandle:
@@ -101,13 +112,15 @@ class StepHandle:
             self._output, self._future = self._future.result(), None
         if self._step is not None:
             batch = self._runner.input_batch
+            if self._step.host_tokens is not None:  # the device path's ids land here, not on the execution thread
+                self._output.sampled_token_ids = dict(zip(self._step.sample_ids, self._step.tokens_list()))
             if self._step.emitted:
                 for rid, toks in self._step.emitted.items():
                     batch.extend_tokens(rid, toks)
-                rest = [(r, t) for r, t in zip(self._step.sample_ids, self._step.sampled_list)
+                rest = [(r, t) for r, t in zip(self._step.sample_ids, self._step.tokens_list())
                         if r not in self._step.emitted]
                 batch.append_tokens([r for r, _ in rest], [t for _, t in rest])
             else:
-                batch.append_tokens(self._step.sample_ids, self._step.sampled_list)
+                batch.append_tokens(self._step.sample_ids, self._step.tokens_list())
             self._step = None
         return self._output

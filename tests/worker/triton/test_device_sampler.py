@@ -126,6 +126,8 @@ def test_runner_processing_on_device_equals_the_torch_sampler():
     torch.testing.assert_close(got, want)
     sub = ds.process_on_device(logits[[0, 2, 4]], md, [0, 2, 4], prev)  # the device rows of a mixed batch
     torch.testing.assert_close(sub, want[[0, 2, 4]])
+    on_device = ds.process_on_device(logits.clone(), md, list(range(5)), torch.tensor(prev))  # pending ids gathered there
+    torch.testing.assert_close(on_device, want)
     sampler = ds.DeviceSampler(Sampler(0))
-    out, tokens = sampler(logits.clone(), md, prev)
-    assert out.token_ids == tokens.tolist() == want.argmax(-1).tolist()
+    logprobs, tokens = sampler(logits.clone(), md, torch.tensor(prev), lambda: prev)
+    assert tokens.tolist() == want.argmax(-1).tolist() and logprobs == [None] * 5

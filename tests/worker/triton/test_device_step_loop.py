@@ -1,8 +1,10 @@
 """The Triton (device) path's step loop, served end to end through Triton's interpreter.
 
-- Host syncs: while a step runs, pagedllm code calls ``.item()``, ``.tolist()``,
-  ``.cpu()``, ``.numpy()`` or converts a tensor to a Python bool/int/float only once:
-  the sampled tokens' copy to the host. (On a GPU each such call waits for the device.)
+- Host syncs: while a step runs (issued, run, and its result taken), pagedllm code calls
+  ``.item()``, ``.tolist()``, ``.cpu()``, ``.numpy()`` or converts a tensor to a Python
+  bool/int/float only once: the sampled tokens' read from their non-blocking host copy
+  (``worker/host_tokens.py``), on the scheduling thread when it takes the result, never on
+  the execution thread. (On a GPU each such call waits for the device.)
   The step's inputs are built on the device (``worker/device_inputs.py``), placeholders
   included, and logit bias and penalties are applied there (``process_on_device``): the
   count covers both.
@@ -19,7 +21,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.worker import device_inputs, model_runner
+from pagedllm.worker import device_inputs, model_runner, prepared_step
 
 SYNC_METHODS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
 
@@ -35,34 +37,47 @@ def llm(tiny_model_dir):
 def test_one_host_sync_per_step(llm, monkeypatch):
     in_step = threading.local()
     calls: Counter = Counter()
+    threads: set = set()
     steps = []
 
     def counting(name):
         original = getattr(torch.Tensor, name)
 
         def method(self, *args, **kwargs):
-            if getattr(in_step, "on", False):
+            if getattr(in_step, "on", False) or getattr(in_step, "taking", False):
                 caller = sys._getframe(1)
                 module = caller.f_globals.get("__name__", "")
                 if module.startswith("pagedllm"):  # not triton's interpreter or torch internals
                     calls[(name, module, caller.f_lineno)] += 1
+                    threads.add("execution" if getattr(in_step, "on", False) else "scheduling")
             return original(self, *args, **kwargs)
         return method
 
     for name in SYNC_METHODS:
         monkeypatch.setattr(torch.Tensor, name, counting(name))
     run = model_runner.ModelRunner._run
+    result = prepared_step.StepHandle.result
 
     def counted_run(self, *args, **kwargs):
         in_step.on = True
         try:
-            out = run(self, *args, **kwargs)
+            return run(self, *args, **kwargs)
         finally:
             in_step.on = False
-        steps.append(bool(out.sampled_token_ids))
+
+    def counted_result(self):
+        taking = getattr(in_step, "taking", False)
+        in_step.taking = True
+        try:
+            out = result(self)
+        finally:
+            in_step.taking = taking
+        if not taking and self._runner is not None:
+            steps.append(bool(out.sampled_token_ids))
         return out
 
     monkeypatch.setattr(model_runner.ModelRunner, "_run", counted_run)
+    monkeypatch.setattr(prepared_step.StepHandle, "result", counted_result)
     plans = []
     materialize = device_inputs.DeviceInputs.materialize
 
@@ -79,10 +94,11 @@ def test_one_host_sync_per_step(llm, monkeypatch):
               SamplingParams(temperature=1.0, min_p=0.05, max_tokens=4, ignore_eos=True, frequency_penalty=0.3)]
     llm.generate(prompts, params, use_tqdm=False)
     assert len(steps) >= 5 and not all(steps)  # a chunked prefill step samples nothing
-    # exactly one per sampling step, all at the same place: the sampled ids' copy
+    # exactly one per sampling step, all at the same place: the read of the sampled ids' copy,
+    # by the thread taking the result (the execution thread never waits for the device)
     assert sum(calls.values()) == sum(steps), calls
-    assert {name for name, _, _ in calls} == {"tolist"}, calls
-    assert len({where for where in calls}) == 1, calls
+    assert {(name, module) for name, module, _ in calls} == {("tolist", "pagedllm.worker.host_tokens")}, calls
+    assert len({where for where in calls}) == 1 and threads == {"scheduling"}, (calls, threads)
     # every step's inputs were built on the device, some with placeholders gathered there (async
     # scheduling), and each step sent only diffs: at most its own tokens of the token table
     assert len(plans) == len(steps) and any(p.has_pending for p in plans)
