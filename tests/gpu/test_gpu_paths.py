@@ -117,8 +117,9 @@ def test_decode_steps_replay_cuda_graphs_and_enforce_eager_captures_none(tmp_pat
     greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     got, counts = {}, {}
     for eager in (False, True):
+        # compiling off for both (enforce_eager turns it off): only the graphs differ
         llm = LLM(path, device="cuda", dtype="bfloat16", attention_backend="triton", skip_tokenizer_init=True,
-                  num_kv_blocks=64, enforce_eager=eager)
+                  num_kv_blocks=64, enforce_eager=eager, compilation_config=0)
         runner = llm.engine.core.runner
         assert (runner.decode_graphs is None) == eager
         got[eager] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy, use_tqdm=False)]
@@ -126,3 +127,26 @@ def test_decode_steps_replay_cuda_graphs_and_enforce_eager_captures_none(tmp_pat
         del llm
     assert counts[False]["graph"] >= 10 and counts[True]["graph"] == 0
     assert got[False] == got[True]
+
+
+def test_sampled_ids_reach_the_host_through_a_pinned_copy():
+    from pagedllm.worker.host_tokens import HostTokens
+    tokens = torch.randint(0, 50000, (37,), device="cuda")
+    host = HostTokens(tokens)
+    assert host._host.is_pinned() and host.get() == tokens.tolist() and host.ready()
+
+
+def test_compiled_pieces_on_cuda_give_the_eager_tokens(tmp_path):
+    """On CUDA the norms, activations and rotary are compiled by default; ``-O0`` gives the same
+    greedy tokens (float32, where the fused kernels round alike)."""
+    from pagedllm import LLM, SamplingParams
+    path = _tiny_llama(tmp_path)
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    got = {}
+    for level in (None, 0):
+        llm = LLM(path, device="cuda", dtype="float32", attention_backend="triton", skip_tokenizer_init=True,
+                  num_kv_blocks=64, compilation_config=level)
+        assert (llm.engine.core.runner.compiled_modules > 0) == (level is None)
+        got[level] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy, use_tqdm=False)]
+        del llm
+    assert got[None] == got[0]
