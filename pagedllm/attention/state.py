@@ -52,6 +52,12 @@ class StateBatch:
         keep = self.has_initial_state.view(-1, *([1] * (out.dim() - 1)))
         return torch.where(keep, out, torch.zeros((), dtype=out.dtype, device=out.device))
 
+    def initial_index(self) -> torch.Tensor:
+        """``[R]`` int64 slot each request's state is read from, -1 for a request that starts now
+        (its state starts at zero): what the C mixers take instead of ``initial``'s copy."""
+        src = self.state_slots if self.initial_slots is None else self.initial_slots
+        return torch.where(self.has_initial_state, src, torch.full_like(src, -1))
+
     def conv_index(self, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Row indices of a causal convolution with ``width`` carried inputs, over an extended buffer
         where each request's ``width`` state rows precede its tokens (built once per width and step).

@@ -35,7 +35,7 @@ from pagedllm.cache import cache_root
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).with_name("cpu_kernels.c"), Path(__file__).with_name("quant_kernels.c")]
+_SOURCES = [Path(__file__).with_name(n) for n in ("cpu_kernels.c", "quant_kernels.c", "state_kernels.c")]
 _FLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-fPIC", "-shared"]
 _P, _L, _F, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_float, ctypes.c_int
 _SIGNATURES = {
@@ -52,6 +52,8 @@ _SIGNATURES = {
     "pl_qdequant_rows": [_I, _P, _P, _P, _P, _L, _P, _L, _I],
     "pl_set_int8_activations": [_I],
     "pl_has_vnni": [],
+    "pl_causal_conv": [_P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _L, _L, _L, _I, _I],
+    "pl_ssd_decode": [_P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _L, _L, _L, _L, _L, _I],
 }
 _INT_RESULT = {"pl_decode_stack", "pl_has_vnni"}
 QGEMM_MAX_ROWS = 16  # rows up to which float32 activations multiply packed tiles (more: dequantize, oneDNN)
@@ -70,7 +72,7 @@ def _cpu_flags() -> str:
 
 
 def build(cache_dir: Path | None = None, arch: tuple[str, ...] = ("-march=native",)) -> Path:
-    """Compile ``cpu_kernels.c`` and ``quant_kernels.c`` into one library unless a matching build is cached; return the ``.so`` path.
+    """Compile ``cpu_kernels.c``, ``quant_kernels.c`` and ``state_kernels.c`` into one library unless a matching build is cached; return the ``.so`` path.
 
     ``arch`` are the target flags (tests also build ``-mavx2 -mfma`` to check the AVX2 code
     on an AVX-512 machine).

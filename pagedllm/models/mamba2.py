@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.attention.state import StateBatch
+from pagedllm.kernels import state as state_kernels
 from pagedllm.models.short_conv import causal_conv_step
 
 
@@ -45,7 +46,7 @@ def granite_mamba_forward(self, hidden_states: torch.Tensor, cache_params=None, 
     conv_cache, ssm_cache = batch.caches[self.layer_idx]
     x = hidden_states[0]
     gate, xbc, dt = self.in_proj(x).split([self.intermediate_size, self.conv_dim, self.num_heads], dim=-1)
-    xbc = F.silu(causal_conv_step(xbc, conv_cache, self.conv1d.weight[:, 0, :], self.conv1d.bias, batch))
+    xbc = causal_conv_step(xbc, conv_cache, self.conv1d.weight[:, 0, :], self.conv1d.bias, batch, silu=True)
     xs, b, c = torch.split(xbc, [self.intermediate_size, self.n_groups * self.ssm_state_size,
                                  self.n_groups * self.ssm_state_size], dim=-1)
     y = ssd_step(self, xs, b, c, dt, ssm_cache, batch)
@@ -69,9 +70,20 @@ def ssd_step(layer, xs: torch.Tensor, b: torch.Tensor, c: torch.Tensor, dt: torc
     A = -torch.exp(layer.A_log.float())
     qsl = batch.query_start_loc.tolist()
     lens = [qsl[i + 1] - qsl[i] for i in range(len(qsl) - 1)]
-    init = batch.initial(ssm_cache)
     out = torch.empty_like(xs)
     dec = [i for i, n in enumerate(lens) if n == 1]
+    native = bool(dec) and state_kernels.applies(xs, ssm_cache)
+    # the states before the step, read before any is written (the C decode reads its slots itself)
+    init = batch.initial(ssm_cache) if len(dec) < len(lens) or not native else None
+    if native:  # the C kernel: one pass over each state
+        rows = torch.tensor([qsl[i] for i in dec], device=xs.device)
+        sel = torch.tensor(dec, device=xs.device)
+        out[rows] = state_kernels.ssd_decode(ssm_cache, batch.initial_index()[sel], batch.state_slots[sel], xs[rows],
+                                             dt[rows], A, b[rows], c[rows], layer.D, layer.dt_bias)
+        for i in dec:  # a decode's only checkpoint can be after its one token
+            for _, slot in batch.checkpoints_of(i):
+                ssm_cache[slot] = ssm_cache[batch.state_slots[i]]
+        dec = []
     if dec:  # one recurrent update for every decode of the step
         rows = torch.tensor([qsl[i] for i in dec], device=xs.device)
         state = init[dec].clone()

@@ -14,10 +14,11 @@ from __future__ import annotations
 import torch
 
 from pagedllm.attention.state import StateBatch
+from pagedllm.kernels import state as state_kernels
 
 
 def causal_conv_step(x: torch.Tensor, cache: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                     batch: StateBatch) -> torch.Tensor:
+                     batch: StateBatch, silu: bool = False) -> torch.Tensor:
     """Depthwise causal convolution of every request's segment, continuing from its carried inputs.
 
     Token ``t`` of a request gets ``sum_k weight[:, k] * in[t - K + 1 + k]`` (``K = width + 1`` taps)
@@ -32,9 +33,16 @@ def causal_conv_step(x: torch.Tensor, cache: torch.Tensor, weight: torch.Tensor,
             boundary (read from the same extended buffer, so no extra pass).
         weight: ``[C, width + 1]`` taps; bias: ``[C]`` or ``None``.
         batch: the step's ``StateBatch``.
+        silu: apply SiLU to the result (Mamba-2's input convolution).
     Returns:
         ``[T, C]`` in ``x``'s dtype.
+
+    float32 CPU tensors take the C kernel (``kernels/state.py``: one pass per request and block
+    of channels, checkpoints included); other devices and dtypes the torch ops below.
     """
+    if state_kernels.applies(x, cache, weight) and cache.shape[-1] <= state_kernels.MAX_CONV_WIDTH:
+        return state_kernels.causal_conv(x, batch.query_start_loc, batch.initial_index(), batch.state_slots, cache,
+                                         weight, bias, silu, batch.checkpoints)
     width = cache.shape[-1]
     token_rows, state_rows, last_rows = batch.conv_index(width)
     ext = x.new_empty(x.shape[0] + batch.num_reqs * width, x.shape[1])
@@ -49,7 +57,7 @@ def causal_conv_step(x: torch.Tensor, cache: torch.Tensor, weight: torch.Tensor,
         rows, slots = batch.conv_checkpoint_rows(width)
         cache[slots] = ext[rows].transpose(1, 2).to(cache.dtype)
     cache[batch.state_slots] = ext[last_rows].transpose(1, 2).to(cache.dtype)
-    return out
+    return torch.nn.functional.silu(out) if silu else out
 
 
 def lfm2_short_conv_forward(self, hidden_states: torch.Tensor, past_key_values=None, attention_mask=None,
