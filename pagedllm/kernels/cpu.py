@@ -36,6 +36,7 @@ from pagedllm.cache import cache_root
 logger = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).with_name(n) for n in ("cpu_kernels.c", "quant_kernels.c", "state_kernels.c")]
+_HEADERS = [Path(__file__).with_name("vec_math.h")]  # included by the sources: part of the build's hash
 _FLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-fPIC", "-shared"]
 _P, _L, _F, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_float, ctypes.c_int
 _SIGNATURES = {
@@ -84,7 +85,7 @@ def build(cache_dir: Path | None = None, arch: tuple[str, ...] = ("-march=native
     if cc is None:
         raise RuntimeError("no C compiler found (set CC)")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    src = b"\0".join(p.read_bytes() for p in _SOURCES)
+    src = b"\0".join(p.read_bytes() for p in _SOURCES + _HEADERS)
     flags = [*_FLAGS, *arch]
     key = hashlib.sha256(b"\0".join([src, " ".join(flags).encode(), version.encode(),
                                      _cpu_flags().encode()])).hexdigest()[:16]

@@ -52,11 +52,14 @@ def causal_conv(x: torch.Tensor, qsl: torch.Tensor, init_slots: torch.Tensor, de
     out = torch.empty_like(x)
     idx = [t.to(torch.int64).contiguous() for t in (qsl, init_slots, dest_slots)]
     nreq = idx[1].numel()
-    counts = torch.bincount(torch.tensor([r for r, _, _ in checkpoints], dtype=torch.int64), minlength=nreq)
-    ck_start = torch.zeros(nreq + 1, dtype=torch.int64)
-    torch.cumsum(counts, 0, out=ck_start[1:])
-    ck_off = torch.tensor([k for _, k, _ in checkpoints] + [0], dtype=torch.int64)
-    ck_slot = torch.tensor([s for _, _, s in checkpoints] + [0], dtype=torch.int64)
+    if checkpoints:
+        counts = torch.bincount(torch.tensor([r for r, _, _ in checkpoints], dtype=torch.int64), minlength=nreq)
+        ck_start = torch.zeros(nreq + 1, dtype=torch.int64)
+        torch.cumsum(counts, 0, out=ck_start[1:])
+        ck_off = torch.tensor([k for _, k, _ in checkpoints], dtype=torch.int64)
+        ck_slot = torch.tensor([s for _, _, s in checkpoints], dtype=torch.int64)
+    else:  # every request's checkpoint range is empty: the kernel reads only ck_start
+        ck_start = ck_off = ck_slot = torch.zeros(nreq + 1, dtype=torch.int64)
     cpu._lib.pl_causal_conv(x.data_ptr(), idx[0].data_ptr(), idx[1].data_ptr(), idx[2].data_ptr(), cache.data_ptr(),
                             weight.data_ptr(), None if bias is None else bias.contiguous().data_ptr(), out.data_ptr(),
                             ck_start.data_ptr(), ck_off.data_ptr(), ck_slot.data_ptr(), nreq, x.shape[1], width,

@@ -15,9 +15,49 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "vec_math.h" /* exp_approx */
+
 #define CONV_BLOCK 64
 #define CONV_MAX_WIDTH 16
 #define STATE_PAR_MIN 32768
+
+/* x [T, C]; qsl [R + 1]; init_slots [R] (-1: start from zeros); dest_slots [R];
+ * cache [S, C, width] (oldest first), read at init_slots before dest_slots are written (a request
+ * reads and writes its own window only); weight [C, width + 1]; bias [C] or NULL;
+ * out [T, C]; silu: apply SiLU to the output (Mamba-2's input convolution);
+ * ck_start [R + 1], ck_off, ck_slot [N]: request r's prefix-cache checkpoints are entries
+ * ck_start[r] .. ck_start[r + 1] - 1, by offset: the window after ck_off tokens of its segment is
+ * also written to slot ck_slot. */
+/* One request's block of nc channels (c0 ..): inlined with a constant width for the common widths,
+ * so the tap loops unroll and the channel loop vectorizes. */
+static inline void conv_block(const float *x, long t0, long t1, long C, long c0, long nc, const float *init,
+                              float *dest, const float *weight, const float *bias, float *out,
+                              const int64_t *ck_off, const int64_t *ck_slot, long ck, long ck_end, float *cache,
+                              const long width, int silu) {
+    float win[CONV_MAX_WIDTH][CONV_BLOCK]; /* win[k][c]: the k-th oldest carried input */
+    float wt[CONV_MAX_WIDTH + 1][CONV_BLOCK]; /* the taps, channel-minor */
+    for (long c = 0; c < nc; c++) {
+        for (long k = 0; k < width; k++) win[k][c] = init ? init[(c0 + c) * width + k] : 0.0f;
+        for (long k = 0; k <= width; k++) wt[k][c] = weight[(c0 + c) * (width + 1) + k];
+    }
+    for (long t = t0; t < t1; t++) {
+        const float *xt = x + t * C + c0;
+        float *ot = out + t * C + c0;
+#pragma omp simd
+        for (long c = 0; c < nc; c++) {
+            float acc = (bias ? bias[c0 + c] : 0.0f) + wt[width][c] * xt[c];
+            for (long k = 0; k < width; k++) acc += wt[k][c] * win[k][c];
+            for (long k = 0; k + 1 < width; k++) win[k][c] = win[k + 1][c];
+            win[width - 1][c] = xt[c];
+            ot[c] = silu ? acc / (1.0f + exp_approx(-acc)) : acc;
+        }
+        for (; ck < ck_end && ck_off[ck] == t - t0 + 1; ck++)
+            for (long c = 0; c < nc; c++)
+                for (long k = 0; k < width; k++) cache[(ck_slot[ck] * C + c0 + c) * width + k] = win[k][c];
+    }
+    for (long c = 0; c < nc; c++)
+        for (long k = 0; k < width; k++) dest[(c0 + c) * width + k] = win[k][c];
+}
 
 /* x [T, C]; qsl [R + 1]; init_slots [R] (-1: start from zeros); dest_slots [R];
  * cache [S, C, width] (oldest first), read at init_slots before dest_slots are written (a request
@@ -35,31 +75,16 @@ void pl_causal_conv(const float *x, const int64_t *qsl, const int64_t *init_slot
     for (long r = 0; r < R; r++) {
         for (long b = 0; b < nblk; b++) {
             long c0 = b * CONV_BLOCK, nc = C - c0 < CONV_BLOCK ? C - c0 : CONV_BLOCK;
-            float win[CONV_MAX_WIDTH][CONV_BLOCK]; /* win[k][c]: the k-th oldest carried input */
-            for (long c = 0; c < nc; c++)
-                for (long k = 0; k < width; k++)
-                    win[k][c] = init_slots[r] < 0 ? 0.0f : cache[(init_slots[r] * C + c0 + c) * width + k];
-            long ck = ck_start[r];
-            for (long t = qsl[r]; t < qsl[r + 1]; t++) {
-                const float *xt = x + t * C + c0;
-                float *ot = out + t * C + c0;
-#pragma omp simd
-                for (long c = 0; c < nc; c++) {
-                    const float *w = weight + (c0 + c) * (width + 1);
-                    float acc = (bias ? bias[c0 + c] : 0.0f) + w[width] * xt[c];
-                    for (long k = 0; k < width; k++) acc += w[k] * win[k][c];
-                    for (long k = 0; k + 1 < width; k++) win[k][c] = win[k + 1][c];
-                    if (width > 0) win[width - 1][c] = xt[c];
-                    ot[c] = silu ? acc / (1.0f + expf(-acc)) : acc;
-                }
-                for (; ck < ck_start[r + 1] && ck_off[ck] == t - qsl[r] + 1; ck++)
-                    for (long c = 0; c < nc; c++)
-                        for (long k = 0; k < width; k++)
-                            cache[(ck_slot[ck] * C + c0 + c) * width + k] = win[k][c];
+            const float *init = init_slots[r] < 0 ? NULL : cache + init_slots[r] * C * width;
+            float *dest = cache + dest_slots[r] * C * width;
+#define CONV_ARGS x, qsl[r], qsl[r + 1], C, c0, nc, init, dest, weight, bias, out, ck_off, ck_slot, \
+                  ck_start[r], ck_start[r + 1], cache
+            switch (width) { /* constant widths: LFM2's 2, Mamba's 3 */
+            case 2: conv_block(CONV_ARGS, 2, silu); break;
+            case 3: conv_block(CONV_ARGS, 3, silu); break;
+            default: conv_block(CONV_ARGS, width, silu);
             }
-            for (long c = 0; c < nc; c++)
-                for (long k = 0; k < width; k++)
-                    cache[(dest_slots[r] * C + c0 + c) * width + k] = win[k][c];
+#undef CONV_ARGS
         }
     }
 }
