@@ -2,8 +2,9 @@
 
 1. Per mixer call, at real models' widths: LFM2-350M's gated short convolution (hidden 1024, 3
    taps) and Granite-4.0-H-Tiny's Mamba-2 (hidden 1536, 48 heads x 64, state 128, 4 taps): the
-   input convolution and the decode update for 1 and 16 decodes, and the convolution of one
-   256-token prefill chunk (Mamba-2's prefill scan is transformers' chunked scan either way).
+   input convolution and the SSM for 1 and 16 decodes and for one 256-token prefill chunk, with and
+   without prefix caching's checkpoints (one per 16-token block): the torch side is transformers'
+   recurrent update and chunked scan, the C side ``ssd_scan``, token by token.
 2. Whole models: decode tokens/s of random-weight LFM2 and Granite 4 hybrid models of those widths
    (8 layers, attention at 2 of them) through ``LLM.generate``, batch 1 and 16, with the mixers on
    the C kernels and on torch ops (``PAGEDLLM_NATIVE_MIXERS``, read per call: one engine, the two
@@ -70,7 +71,7 @@ def mixer_calls(reps: int) -> list[dict]:
     conv_dim = g["mamba_expand"] * g["hidden_size"] + 2 * ns
     cases = [("lfm2 short conv", LFM2["hidden_size"], LFM2["conv_L_cache"] - 1, False),
              ("mamba2 input conv", conv_dim, g["mamba_d_conv"] - 1, True)]
-    for batch_shape in ([1], [1] * 16, [256]):
+    for batch_shape in ([1], [1] * 16, [256], [1024]):
         n = len(batch_shape)
         qsl = torch.tensor([0] + torch.tensor(batch_shape).cumsum(0).tolist())
         t = int(qsl[-1])
@@ -87,17 +88,20 @@ def mixer_calls(reps: int) -> list[dict]:
             rows.append({"mixer": name, "step": label, "torch_us": round(res[False], 1), "c_us": round(res[True], 1),
                          "speedup": round(res[False] / res[True], 2)})
             print(json.dumps(rows[-1]), flush=True)
-        if batch_shape[0] == 1:
-            xs, dt = torch.randn(t, nh * hd), torch.randn(t, nh)
-            bm, cm = torch.randn(t, ns), torch.randn(t, ns)
-            ssm = torch.randn(n, nh, hd, ns)
+        xs, dt = torch.randn(t, nh * hd), torch.randn(t, nh)
+        bm, cm = torch.randn(t, ns), torch.randn(t, ns)
+        # a prefill chunk also with prefix caching's checkpoints (one per 16-token block)
+        for cks in ([[]] if batch_shape[0] == 1 else [[], [(0, k, 1 + k // 16) for k in range(16, t + 1, 16)]]):
+            ssm = torch.randn(n + t // 16 + 1, nh, hd, ns)
+            sbc = StateBatch(torch.arange(n), torch.ones(n, dtype=torch.bool), qsl, {}, checkpoints=cks)
             res = {}
             with torch.no_grad():
                 for on in (False, True):
                     _native(on)
-                    res[on] = _timed(lambda: ssd_step(layer, xs, bm, cm, dt, ssm, sb), reps)
-            rows.append({"mixer": "mamba2 ssm update", "step": label, "torch_us": round(res[False], 1),
-                         "c_us": round(res[True], 1), "speedup": round(res[False] / res[True], 2)})
+                    res[on] = _timed(lambda: ssd_step(layer, xs, bm, cm, dt, ssm, sbc), max(3, reps // 10))
+            rows.append({"mixer": "mamba2 ssm", "step": label + (f", {len(cks)} checkpoints" if cks else ""),
+                         "torch_us": round(res[False], 1), "c_us": round(res[True], 1),
+                         "speedup": round(res[False] / res[True], 2)})
             print(json.dumps(rows[-1]), flush=True)
     return rows
 

@@ -54,7 +54,7 @@ _SIGNATURES = {
     "pl_set_int8_activations": [_I],
     "pl_has_vnni": [],
     "pl_causal_conv": [_P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _L, _L, _L, _I, _I],
-    "pl_ssd_decode": [_P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _L, _L, _L, _L, _L, _I],
+    "pl_ssd_scan": [_P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _L, _L, _L, _L, _L, _I],
 }
 _INT_RESULT = {"pl_decode_stack", "pl_has_vnni"}
 QGEMM_MAX_ROWS = 16  # rows up to which float32 activations multiply packed tiles (more: dequantize, oneDNN)

@@ -27,6 +27,19 @@ def applies(*tensors: torch.Tensor) -> bool:
     return native_mixers() and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
 
 
+def _checkpoint_arrays(checkpoints, nreq: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(ck_start [R + 1], ck_off [N], ck_slot [N])`` int64 of ``(request, offset, slot)`` triples
+    sorted by request then offset: request ``r``'s are entries ``ck_start[r] .. ck_start[r + 1] - 1``."""
+    if not checkpoints:  # every range is empty: the kernels read only ck_start
+        zeros = torch.zeros(nreq + 1, dtype=torch.int64)
+        return zeros, zeros, zeros
+    counts = torch.bincount(torch.tensor([r for r, _, _ in checkpoints], dtype=torch.int64), minlength=nreq)
+    ck_start = torch.zeros(nreq + 1, dtype=torch.int64)
+    torch.cumsum(counts, 0, out=ck_start[1:])
+    return (ck_start, torch.tensor([k for _, k, _ in checkpoints], dtype=torch.int64),
+            torch.tensor([s for _, _, s in checkpoints], dtype=torch.int64))
+
+
 def causal_conv(x: torch.Tensor, qsl: torch.Tensor, init_slots: torch.Tensor, dest_slots: torch.Tensor,
                 cache: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu: bool,
                 checkpoints: list[tuple[int, int, int]] = ()) -> torch.Tensor:
@@ -52,14 +65,7 @@ def causal_conv(x: torch.Tensor, qsl: torch.Tensor, init_slots: torch.Tensor, de
     out = torch.empty_like(x)
     idx = [t.to(torch.int64).contiguous() for t in (qsl, init_slots, dest_slots)]
     nreq = idx[1].numel()
-    if checkpoints:
-        counts = torch.bincount(torch.tensor([r for r, _, _ in checkpoints], dtype=torch.int64), minlength=nreq)
-        ck_start = torch.zeros(nreq + 1, dtype=torch.int64)
-        torch.cumsum(counts, 0, out=ck_start[1:])
-        ck_off = torch.tensor([k for _, k, _ in checkpoints], dtype=torch.int64)
-        ck_slot = torch.tensor([s for _, _, s in checkpoints], dtype=torch.int64)
-    else:  # every request's checkpoint range is empty: the kernel reads only ck_start
-        ck_start = ck_off = ck_slot = torch.zeros(nreq + 1, dtype=torch.int64)
+    ck_start, ck_off, ck_slot = _checkpoint_arrays(checkpoints, nreq)
     cpu._lib.pl_causal_conv(x.data_ptr(), idx[0].data_ptr(), idx[1].data_ptr(), idx[2].data_ptr(), cache.data_ptr(),
                             weight.data_ptr(), None if bias is None else bias.contiguous().data_ptr(), out.data_ptr(),
                             ck_start.data_ptr(), ck_off.data_ptr(), ck_slot.data_ptr(), nreq, x.shape[1], width,
@@ -67,24 +73,35 @@ def causal_conv(x: torch.Tensor, qsl: torch.Tensor, init_slots: torch.Tensor, de
     return out
 
 
-def ssd_decode(state: torch.Tensor, init_slots: torch.Tensor, dest_slots: torch.Tensor, x: torch.Tensor,
-               dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, D: torch.Tensor,
-               dt_bias: torch.Tensor) -> torch.Tensor:
-    """Mamba-2's recurrent update of one token per request (``mamba2_selective_state_update``).
+def ssd_scan(state: torch.Tensor, qsl: torch.Tensor, init_slots: torch.Tensor, dest_slots: torch.Tensor,
+             x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, D: torch.Tensor,
+             dt_bias: torch.Tensor, dt_limits: list[tuple[float, float]] | None = None,
+             checkpoints: list[tuple[int, int, int]] = ()) -> torch.Tensor:
+    """Mamba-2's SSM over each request's segment in its recurrent form (per token, as
+    ``mamba2_selective_state_update``; the chunked scan's result up to float rounding).
 
     Args:
-        state: ``[S, nh, hd, ns]`` float32 contiguous; slots ``init_slots`` ``[B]`` int64 are read
-            (-1: zeros) and ``dest_slots`` ``[B]`` written with the new state.
-        x: ``[B, nh * hd]``; dt: ``[B, nh]`` (before ``dt_bias`` and softplus); A: ``[nh]``
-            (``-exp(A_log)``); B, C: ``[B, ng * ns]``; D, dt_bias: ``[nh]``.
+        state: ``[S, nh, hd, ns]`` float32 contiguous; slots ``init_slots`` ``[R]`` int64 are read
+            (-1: zeros) and ``dest_slots`` ``[R]`` written with each request's state after its segment.
+        qsl: ``[R + 1]`` int64 segment starts in the flattened rows.
+        x: ``[T, nh * hd]``; dt: ``[T, nh]`` (before ``dt_bias`` and softplus); A: ``[nh]``
+            (``-exp(A_log)``); B, C: ``[T, ng * ns]``; D, dt_bias: ``[nh]``.
+        dt_limits: per request, the clamp of its softplus'd ``dt`` (``None``: none; transformers
+            clamps prefill chunks to the layer's ``time_step_limit`` and not the decode update).
+        checkpoints: as in ``causal_conv``: the state after ``offset`` tokens also goes to ``slot``.
     Returns:
-        ``[B, nh * hd]`` float32 ``y = state . C + D x``.
+        ``[T, nh * hd]`` float32 ``y = state . C + D x``.
     """
-    nb, nh, hd, ns = x.shape[0], state.shape[1], state.shape[2], state.shape[3]
+    t, nh, hd, ns = x.shape[0], state.shape[1], state.shape[2], state.shape[3]
     ng = B.shape[1] // ns
-    args = [t.contiguous() for t in (x, dt, A, B, C, D, dt_bias)]
-    idx = [t.to(torch.int64).contiguous() for t in (init_slots, dest_slots)]
-    y = torch.empty(nb, nh * hd, dtype=torch.float32)
-    cpu._lib.pl_ssd_decode(state.data_ptr(), idx[0].data_ptr(), idx[1].data_ptr(), *(t.data_ptr() for t in args),
-                           y.data_ptr(), nb, nh, hd, ns, ng, torch.get_num_threads())
+    args = [a.float().contiguous() for a in (x, dt, A, B, C, D, dt_bias)]
+    idx = [i.to(torch.int64).contiguous() for i in (init_slots, dest_slots, qsl)]
+    ck_start, ck_off, ck_slot = _checkpoint_arrays(checkpoints, idx[0].numel())
+    nreq = idx[0].numel()
+    lims = torch.tensor(dt_limits if dt_limits is not None else [(0.0, float("inf"))] * nreq,
+                        dtype=torch.float32).reshape(nreq, 2).contiguous()
+    y = torch.empty(t, nh * hd, dtype=torch.float32)
+    cpu._lib.pl_ssd_scan(state.data_ptr(), idx[0].data_ptr(), idx[1].data_ptr(), idx[2].data_ptr(),
+                         *(a.data_ptr() for a in args), lims.data_ptr(), y.data_ptr(), ck_start.data_ptr(),
+                         ck_off.data_ptr(), ck_slot.data_ptr(), nreq, nh, hd, ns, ng, torch.get_num_threads())
     return y

@@ -5,10 +5,12 @@
  *   request and block of channels the window lives in a small local buffer, each token is one
  *   multiply-add per tap, and the new state is the window after the segment. Same definition as
  *   `causal_conv_step` (conv1d with width taps of padding over the whole sequence).
- * pl_ssd_decode: Mamba-2's recurrent update of one token per request (transformers'
- *   `mamba2_selective_state_update`, torch path): dt = softplus(dt + dt_bias),
- *   state = state * exp(dt * A) + dt * B x, y = state . C + D x; one pass over each
- *   [d_head, d_state] state instead of seven tensor ops with temporaries.
+ * pl_ssd_scan: Mamba-2's SSM in its recurrent form over each request's segment (decodes and
+ *   prefill chunks alike; transformers' `mamba2_selective_state_update` per token):
+ *   dt = softplus(dt + dt_bias), state = state * exp(dt * A) + dt * B x, y = state . C + D x;
+ *   one pass over each [d_head, d_state] state per token instead of seven tensor ops with
+ *   temporaries (decode), or the chunked scan's matrix products (prefill: which pays is
+ *   measured in benchmarks/hybrid_mixers.py).
  * Parallel over (request, channel block) and (request, head) with OpenMP, as cpu_kernels.c.
  */
 #include <math.h>
@@ -89,33 +91,57 @@ void pl_causal_conv(const float *x, const int64_t *qsl, const int64_t *init_slot
     }
 }
 
-/* state [S, nh, hd, ns]; init_slots [B] (-1: zeros); dest_slots [B]; x [B, nh * hd]; dt [B, nh];
- * A [nh] (already -exp(A_log)); Bm, Cm [B, ng * ns]; D, dt_bias [nh]; y [B, nh * hd]. */
-void pl_ssd_decode(float *state, const int64_t *init_slots, const int64_t *dest_slots, const float *x,
-                   const float *dt, const float *A, const float *Bm, const float *Cm, const float *D,
-                   const float *dt_bias, float *y, long B, long nh, long hd, long ns, long ng, int nt) {
-    long per_group = nh / ng;
-#pragma omp parallel for collapse(2) num_threads(nt) schedule(static) if (B * nh * hd * ns >= STATE_PAR_MIN)
-    for (long b = 0; b < B; b++) {
-        for (long h = 0; h < nh; h++) {
-            float d = dt[b * nh + h] + dt_bias[h];
-            d = d > 20.0f ? d : log1pf(expf(d)); /* torch's softplus (threshold 20) */
-            float da = expf(d * A[h]);
-            long g = h / per_group;
-            const float *bb = Bm + (b * ng + g) * ns, *cc = Cm + (b * ng + g) * ns;
-            const float *src = init_slots[b] < 0 ? NULL : state + ((init_slots[b] * nh + h) * hd) * ns;
-            float *dst = state + ((dest_slots[b] * nh + h) * hd) * ns;
-            for (long p = 0; p < hd; p++) {
-                float xv = x[(b * nh + h) * hd + p], dx = d * xv, acc = 0.0f;
-                const float *s = src ? src + p * ns : NULL;
-                float *o = dst + p * ns;
+/* Mamba-2's SSM over every request's segment, token by token (the recurrent form of SSD):
+ * state [S, nh, hd, ns], read at init_slots [R] (-1: zeros) and written at dest_slots [R];
+ * qsl [R + 1]; x [T, nh * hd]; dt [T, nh] (before dt_bias and softplus, then clamped to
+ * request r's [dt_lim[2r], dt_lim[2r + 1]]); A [nh] (already -exp(A_log)); Bm, Cm [T, ng * ns]; D, dt_bias [nh];
+ * y [T, nh * hd]; checkpoints as in pl_causal_conv (the state after ck_off tokens also goes to
+ * ck_slot). A request's head is one task: its [hd, ns] state stays in cache while its tokens run. */
+/* Tokens t0 .. t1 - 1 of one request's head h (group g) through its [hd, ns] state `st`, in place.
+ * Kept out of line so that one compiled body serves every piece (pl_ssd_scan cuts a segment at its
+ * checkpoints). */
+__attribute__((noinline)) static void ssd_tokens(float *restrict st, long t0, long t1, long h, long g, const float *x,
+                                                 const float *dt, float a, const float *Bm, const float *Cm, float dd,
+                                                 float dt_bias, float dt_lo, float dt_hi, float *y, long nh, long hd,
+                                                 long ns, long ng) {
+    for (long t = t0; t < t1; t++) {
+        float d = dt[t * nh + h] + dt_bias;
+        d = d > 20.0f ? d : log1pf(expf(d)); /* torch's softplus (threshold 20) */
+        d = d < dt_lo ? dt_lo : (d > dt_hi ? dt_hi : d);
+        float da = expf(d * a);
+        const float *restrict bb = Bm + (t * ng + g) * ns, *restrict cc = Cm + (t * ng + g) * ns;
+        for (long p = 0; p < hd; p++) {
+            float xv = x[(t * nh + h) * hd + p], dx = d * xv, acc = 0.0f;
+            float *restrict o = st + p * ns;
 #pragma omp simd reduction(+ : acc)
-                for (long n = 0; n < ns; n++) {
-                    float v = (s ? s[n] * da : 0.0f) + dx * bb[n];
-                    o[n] = v;
-                    acc += v * cc[n];
-                }
-                y[(b * nh + h) * hd + p] = acc + D[h] * xv;
+            for (long n = 0; n < ns; n++) {
+                float v = o[n] * da + dx * bb[n];
+                o[n] = v;
+                acc += v * cc[n];
+            }
+            y[(t * nh + h) * hd + p] = acc + dd * xv;
+        }
+    }
+}
+
+void pl_ssd_scan(float *state, const int64_t *init_slots, const int64_t *dest_slots, const int64_t *qsl,
+                 const float *x, const float *dt, const float *A, const float *Bm, const float *Cm, const float *D,
+                 const float *dt_bias, const float *dt_lim, float *y, const int64_t *ck_start,
+                 const int64_t *ck_off, const int64_t *ck_slot, long R, long nh, long hd, long ns, long ng, int nt) {
+    long per_group = nh / ng, hs = hd * ns;
+#pragma omp parallel for collapse(2) num_threads(nt) schedule(static) if (qsl[R] * nh * hs >= STATE_PAR_MIN)
+    for (long r = 0; r < R; r++) {
+        for (long h = 0; h < nh; h++) {
+            float *st = state + (dest_slots[r] * nh + h) * hs;
+            if (init_slots[r] < 0) memset(st, 0, hs * sizeof(float));
+            else if (init_slots[r] != dest_slots[r]) memcpy(st, state + (init_slots[r] * nh + h) * hs, hs * sizeof(float));
+            long t = qsl[r];
+            for (long ck = ck_start[r]; ck <= ck_start[r + 1]; ck++) { /* pieces ending at the checkpoints, then the rest */
+                long end = ck < ck_start[r + 1] ? qsl[r] + ck_off[ck] : qsl[r + 1];
+                ssd_tokens(st, t, end, h, h / per_group, x, dt, A[h], Bm, Cm, D[h], dt_bias[h], dt_lim[2 * r],
+                           dt_lim[2 * r + 1], y, nh, hd, ns, ng);
+                t = end;
+                if (ck < ck_start[r + 1]) memcpy(state + (ck_slot[ck] * nh + h) * hs, st, hs * sizeof(float));
             }
         }
     }

@@ -15,6 +15,13 @@ previous one returned. This is the same recurrence (as chunked prefill splits a 
 steps), needs no scan of our own and no change to the scheduler's chunking; it costs one scan
 call per checkpointed block of the segment, and only when prefix caching makes checkpoints.
 
+On float32 CPU tensors the whole step's SSM is one C kernel instead (``kernels/state.py``
+``ssd_scan``): every segment, decode or prefill chunk, in the recurrent form token by token, the
+checkpoints written as the scan passes them. transformers' chunked scan costs about 50 ms per call
+at Granite-4.0-H-Tiny's width whatever the length (so a 256-token chunk with a checkpoint every 16
+tokens cost 16 calls); the recurrent kernel is 12x faster at 16 tokens, even at 256 and 1.3x at
+1024 (``benchmarks/hybrid_mixers.py``). Other devices and dtypes take the path below.
+
 Source: transformers' ``models/granitemoehybrid/modeling_granitemoehybrid.py``
 (``GraniteMoeHybridMambaLayer.forward``, torch path: ``in_proj -> gate, xBC, dt``;
 ``silu(causal_conv1d(xBC))``; ``mamba2_chunk_scan`` / ``mamba2_selective_state_update``;
@@ -70,20 +77,13 @@ def ssd_step(layer, xs: torch.Tensor, b: torch.Tensor, c: torch.Tensor, dt: torc
     A = -torch.exp(layer.A_log.float())
     qsl = batch.query_start_loc.tolist()
     lens = [qsl[i + 1] - qsl[i] for i in range(len(qsl) - 1)]
+    if state_kernels.applies(xs, ssm_cache):  # the C kernel: every segment in the recurrent form
+        limits = [(0.0, float("inf")) if n == 1 else tuple(layer.time_step_limit) for n in lens]  # as transformers
+        return state_kernels.ssd_scan(ssm_cache, batch.query_start_loc, batch.initial_index(), batch.state_slots,
+                                      xs, dt, A, b, c, layer.D, layer.dt_bias, limits, batch.checkpoints).to(xs.dtype)
     out = torch.empty_like(xs)
     dec = [i for i, n in enumerate(lens) if n == 1]
-    native = bool(dec) and state_kernels.applies(xs, ssm_cache)
-    # the states before the step, read before any is written (the C decode reads its slots itself)
-    init = batch.initial(ssm_cache) if len(dec) < len(lens) or not native else None
-    if native:  # the C kernel: one pass over each state
-        rows = torch.tensor([qsl[i] for i in dec], device=xs.device)
-        sel = torch.tensor(dec, device=xs.device)
-        out[rows] = state_kernels.ssd_decode(ssm_cache, batch.initial_index()[sel], batch.state_slots[sel], xs[rows],
-                                             dt[rows], A, b[rows], c[rows], layer.D, layer.dt_bias)
-        for i in dec:  # a decode's only checkpoint can be after its one token
-            for _, slot in batch.checkpoints_of(i):
-                ssm_cache[slot] = ssm_cache[batch.state_slots[i]]
-        dec = []
+    init = batch.initial(ssm_cache)
     if dec:  # one recurrent update for every decode of the step
         rows = torch.tensor([qsl[i] for i in dec], device=xs.device)
         state = init[dec].clone()
