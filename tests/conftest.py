@@ -47,6 +47,12 @@ TINY_KINDS = {
         num_hidden_layers=3, attn_layer_period=3, attn_layer_offset=1, expert_layer_period=2,
         expert_layer_offset=1, num_experts=4, num_experts_per_tok=2, mamba_d_state=16, mamba_d_conv=4,
         mamba_expand=2, tie_word_embeddings=True)),
+    # hybrid: Nemotron-H blocks (one mixer each): Mamba-2, attention, MLP, Mamba-2, experts; no positions
+    "nemotron_h": ("NemotronHConfig", dict(
+        layers_block_type=["mamba", "attention", "mlp", "mamba", "moe"], head_dim=16, mamba_num_heads=4,
+        mamba_head_dim=16, ssm_state_size=16, n_groups=1, conv_kernel=4, chunk_size=16, n_routed_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=32, moe_shared_expert_intermediate_size=32,
+        layer_norm_epsilon=1e-5, tie_word_embeddings=True)),
     # hybrid: Mamba-2 as Granite 4's (the same mixer code) at layers 0 and 2, attention with half-rotary at 1
     "bamba": ("BambaConfig", dict(
         num_hidden_layers=3, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=32, mamba_d_state=16,

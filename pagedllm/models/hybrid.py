@@ -41,7 +41,9 @@ class HybridFamily:
         vouches_attention: the family's attention modules call transformers' attention interface
             with the layer's own Q/K/V and ``layer_idx`` (read in its modeling file, checked by
             ``tests/models/test_hybrid.py``) though its model class leaves
-            ``_supports_attention_backend`` False (Jamba, Bamba).
+            ``_supports_attention_backend`` False (Jamba, Bamba, Nemotron-H).
+        plain_layer_types: kinds of layers with neither attention nor state (Nemotron-H's ``mlp``
+            and ``moe`` blocks): they get no KV layer.
     """
 
     state_layer_types: frozenset[str]
@@ -50,6 +52,7 @@ class HybridFamily:
     state_shapes: Callable
     layer_types: Callable = lambda cfg: getattr(cfg, "layer_types", None) or ()
     vouches_attention: bool = False
+    plain_layer_types: frozenset[str] = frozenset()
 
 
 def _mamba2_shapes(cfg) -> list[tuple[int, ...]]:
@@ -57,6 +60,13 @@ def _mamba2_shapes(cfg) -> list[tuple[int, ...]]:
     inner = int(cfg.mamba_expand * cfg.hidden_size)
     conv_dim = inner + 2 * cfg.mamba_n_groups * cfg.mamba_d_state
     return [(conv_dim, cfg.mamba_d_conv - 1), (cfg.mamba_n_heads, cfg.mamba_d_head, cfg.mamba_d_state)]
+
+
+def _nemotron_h_shapes(cfg) -> list[tuple[int, ...]]:
+    """Nemotron-H's Mamba-2 state (its config's names): ``[conv_dim, conv_kernel - 1]``, ``[heads, d_head, d_state]``."""
+    inner = cfg.mamba_num_heads * cfg.mamba_head_dim
+    return [(inner + 2 * cfg.n_groups * cfg.ssm_state_size, cfg.conv_kernel - 1),
+            (cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.ssm_state_size)]
 
 
 def _mamba1_shapes(cfg) -> list[tuple[int, ...]]:
@@ -82,6 +92,9 @@ HYBRID_FAMILIES = {
     # Bamba's mixer is the module Granite 4's hybrid was derived from: same weights, same forward
     "bamba": HybridFamily(frozenset({"linear_attention"}), "BambaMixer", granite_mamba_forward, _mamba2_shapes,
                           vouches_attention=True),
+    # Nemotron-H: one mixer per block (Mamba-2 as Granite 4's, attention, MLP or experts)
+    "nemotron_h": HybridFamily(frozenset({"linear_attention"}), "NemotronHMamba2Mixer", granite_mamba_forward,
+                               _nemotron_h_shapes, vouches_attention=True, plain_layer_types=frozenset({"mlp", "moe"})),
     "jamba": HybridFamily(frozenset({"mamba"}), "JambaMambaMixer", jamba_mamba_forward, _mamba1_shapes,
                           layer_types=_jamba_layer_types, vouches_attention=True),
 }
@@ -104,6 +117,16 @@ def state_layer_indices(config) -> list[int]:
     if fam is None:
         return []
     return [i for i, t in enumerate(fam.layer_types(config)) if t in fam.state_layer_types]
+
+
+def attention_layer_indices(config) -> list[int]:
+    """Indices of the layers of ``config`` that get a paged KV layer: all but the state layers and
+    the family's plain (attention-free, stateless) layers."""
+    fam = hybrid_family(config)
+    if fam is None:
+        return list(range(config.num_hidden_layers))
+    kinds = list(fam.layer_types(config)) or [""] * config.num_hidden_layers
+    return [i for i, t in enumerate(kinds) if t not in fam.state_layer_types | fam.plain_layer_types]
 
 
 def state_cache_spec(config) -> dict[int, list[tuple[int, ...]]]:

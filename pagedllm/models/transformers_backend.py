@@ -31,7 +31,8 @@ from torch import nn
 from pagedllm.attention.backend import AttentionBackend
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.state import StateBatch
-from pagedllm.models.hybrid import hybrid_family, install_mixers, layer_kinds, state_cache_spec, state_layer_indices
+from pagedllm.models.hybrid import (attention_layer_indices, hybrid_family, install_mixers, layer_kinds,
+                                    state_cache_spec)
 
 logger = logging.getLogger(__name__)
 
@@ -131,7 +132,7 @@ def check_supported(config) -> type:
     if getattr(text, "is_causal", True) is False or getattr(text, "use_bidirectional_attention", False):
         raise ValueError(f"{cls.__name__} is configured for bidirectional attention; pagedllm serves causal LMs only")
     other = sorted(set(layer_kinds(text)) - _SERVABLE_LAYER_TYPES
-                   - (fam.state_layer_types if fam is not None else frozenset()))
+                   - (fam.state_layer_types | fam.plain_layer_types if fam is not None else frozenset()))
     if other:
         raise ValueError(f"{cls.__name__} has {other} layers; the Transformers backend serves full and "
                          f"sliding-window attention layers only (their state is not a paged KV cache)")
@@ -192,9 +193,8 @@ class TransformersCausalLM(nn.Module):
         self.num_layers = cfg.num_hidden_layers
         self.num_heads, self.num_kv_heads = heads or (cfg.num_attention_heads, _num_kv_heads(cfg))
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        stateful = set(state_layer_indices(cfg))
-        attn = [i for i in range(self.num_layers) if i not in stateful]
-        self.kv_index = [-1] * self.num_layers  # model layer -> paged cache layer (-1: a state layer)
+        attn = attention_layer_indices(cfg)
+        self.kv_index = [-1] * self.num_layers  # model layer -> paged cache layer (-1: a state or plain layer)
         for j, i in enumerate(attn):
             self.kv_index[i] = j
         self.num_kv_layers = len(attn)

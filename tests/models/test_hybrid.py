@@ -30,7 +30,7 @@ PROMPT_LENS = (3, 17, 40, 70)
 
 # kind -> (state layers, attention layers)
 KINDS = {"lfm2": ([0, 2, 4], 2), "lfm2_moe": ([0, 2, 3], 1), "granite_hybrid": ([0, 2], 1), "jamba": ([0, 2], 1),
-         "bamba": ([0, 2], 1)}
+         "bamba": ([0, 2], 1), "nemotron_h": ([0, 3], 1)}
 
 
 @pytest.fixture(scope="module", params=list(KINDS))
@@ -149,6 +149,9 @@ def test_check_supported_takes_lfm2_and_refuses_other_state_layers():
                                                     attn_layer_offset=1)).__name__ == "JambaForCausalLM"
     assert check_supported(transformers.BambaConfig(num_hidden_layers=2, attn_layer_indices=[1])).__name__ \
         == "BambaForCausalLM"
+    # Nemotron-H's MLP and expert blocks have neither attention nor state: no KV layer
+    assert check_supported(transformers.NemotronHConfig(layers_block_type=["mamba", "attention", "mlp"])).__name__ \
+        == "NemotronHForCausalLM"
     with pytest.raises(ValueError, match="layers"):
         check_supported(transformers.MiniMaxConfig(num_hidden_layers=2))
 
