@@ -29,7 +29,9 @@ class StateBatch:
             ``state_slots``); a request starting from a prefix-cache hit reads the hit's checkpoint.
         checkpoints: ``(request index, offset, slot)`` host ints, sorted by request then offset:
             the state after the first ``offset`` (1 ..= segment length) tokens of that request's
-            segment is also written to ``slot`` (a prefix-cache checkpoint, ``core/state_checkpoints.py``).
+            segment is also written to ``slot`` (a prefix-cache checkpoint, ``core/state_checkpoints.py``,
+            or a draft slot: ``worker/state_cache.py``).
+        req_ids: the ``R`` request ids in row order (empty when the caller does not need them).
     """
 
     state_slots: torch.Tensor
@@ -38,6 +40,7 @@ class StateBatch:
     caches: dict[int, list[torch.Tensor]]
     initial_slots: torch.Tensor | None = None
     checkpoints: list[tuple[int, int, int]] = field(default_factory=list)
+    req_ids: list[str] = field(default_factory=list)
     _conv_index: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     @property

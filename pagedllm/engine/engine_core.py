@@ -165,6 +165,7 @@ class EngineCore:
         sizes = dict(num_blocks=num_blocks, block_size=args.block_size, dtype=dtype, device=device, seed=args.seed,
                      eos_token_ids=eos_token_ids, max_num_reqs=args.max_num_seqs, max_model_len=max_model_len,
                      num_state_checkpoints=0 if state_pool is None else state_pool.num_checkpoints,
+                     draft_state_slots=0 if state_pool is None else _draft_state_slots(args),
                      enforce_eager=args.enforce_eager or not isinstance(self.executor, UniProcExecutor),
                      cuda_graph_sizes=args.cuda_graph_sizes, pipeline_overlap=overlap,
                      compile_pieces=resolve_compilation(args.compilation_config, device, args.enforce_eager))
@@ -189,22 +190,20 @@ class EngineCore:
         ``num_state_checkpoints`` checkpoint slots, ``core/state_checkpoints.py``) and the bytes its
         tensors take out of ``kv_cache_memory``; ``(None, 0)`` for an attention-only model.
 
-        Raises:
-            ValueError: speculative decoding with a hybrid model (rejected drafts would have to
-                roll the recurrent state back, which is not implemented).
+        With speculative decoding each request slot also has ``num_speculative_tokens`` draft slots
+        (the state after each draft, kept until the verification says how many were accepted:
+        ``StateCache.rollback``), counted here too.
         """
         spec = model.state_cache_spec() if hasattr(model, "state_cache_spec") else {}
         if not spec:
             return None, 0
-        if args.speculative_config is not None:
-            raise ValueError("speculative decoding is not implemented for hybrid models (recurrent state "
-                             "cannot be rolled back past rejected drafts yet)")
         num_ckpt = 0
         if args.enable_prefix_caching:
             num_ckpt = args.max_num_seqs if args.num_state_checkpoints is None else args.num_state_checkpoints
-        nbytes = (args.max_num_seqs + num_ckpt) * StateCache.bytes_per_slot(spec, dtype)
-        logger.info("recurrent state: %d layers, %d slots + %d prefix-cache checkpoints (%.2f MiB)",
-                    len(spec), args.max_num_seqs, num_ckpt, nbytes / 2**20)
+        k = _draft_state_slots(args)
+        nbytes = (args.max_num_seqs * (1 + k) + num_ckpt) * StateCache.bytes_per_slot(spec, dtype)
+        logger.info("recurrent state: %d layers, %d slots + %d prefix-cache checkpoints + %d draft slots (%.2f MiB)",
+                    len(spec), args.max_num_seqs, num_ckpt, args.max_num_seqs * k, nbytes / 2**20)
         return StatePool(args.max_num_seqs, num_ckpt), nbytes
 
     def _target_info(self, args: EngineArgs, model_dir, model, max_model_len: int) -> TargetInfo:
@@ -386,3 +385,9 @@ class EngineCore:
         return dict(spec_num_drafts=spec.num_drafts, spec_num_draft_tokens=spec.num_draft_tokens,
                     spec_num_accepted_tokens=spec.num_accepted_tokens,
                     spec_accepted_per_position=list(spec.accepted_per_position))
+
+
+def _draft_state_slots(args: EngineArgs) -> int:
+    """Draft state slots per request slot of a hybrid model: ``num_speculative_tokens`` with
+    speculative decoding, else 0."""
+    return args.speculative_config.num_speculative_tokens if args.speculative_config is not None else 0

@@ -146,6 +146,9 @@ class DraftModelProposer:
             self.max_len = min(target.max_model_len, getattr(cfg, "max_position_embeddings", None) or (1 << 30))
         else:
             self.max_len = target.max_model_len
+        if getattr(model, "state_cache_spec", None) is not None and model.state_cache_spec():
+            raise ValueError(f"speculative_config.model {str(config.model)!r} is a hybrid model (recurrent state): "
+                             "pagedllm's draft models are attention-only (the target may be hybrid)")
         self.model = model
         backend = getattr(model, "attention_backend", None)
         if backend is None:

@@ -64,6 +64,8 @@ class ModelRunner:
             (``worker/scripted.py``) instead of the sampled ones.
         num_state_checkpoints: a hybrid model's prefix-cache checkpoint slots, after its
             ``max_num_reqs`` request slots in the state tensors (``core/state_pool.py``).
+        draft_state_slots: a hybrid model's state slots per request slot for the states after
+            each draft token (``num_speculative_tokens``; 0 without speculation), after those.
         enforce_eager: capture no CUDA graph (vLLM's ``--enforce-eager``).
         compile_pieces: ``torch.compile`` the model's torch-op norms, activations and rotary
             (``models/layers/compiled.py``) before any graph is captured.
@@ -84,7 +86,8 @@ class ModelRunner:
                  seed: int = 0, eos_token_ids: set[int] | None = None, max_num_reqs: int = 128,
                  max_model_len: int = 8192, executor: ThreadPoolExecutor | None = None,
                  scripted_output: ScriptedOutput | None = None, num_state_checkpoints: int = 0,
-                 enforce_eager: bool = False, compile_pieces: bool = False, cuda_graph_sizes: list[int] | None = None, graph_capture=None,
+                 draft_state_slots: int = 0, enforce_eager: bool = False, compile_pieces: bool = False,
+                 cuda_graph_sizes: list[int] | None = None, graph_capture=None,
                  pipeline_overlap: bool = False) -> None:
         self.model = model
         self.encoder_only = bool(getattr(model, "encoder_only", False))  # pooling only; pairs carry token types
@@ -101,7 +104,8 @@ class ModelRunner:
                           for _ in range(layers)]
         self.input_batch = InputBatch(max_num_reqs, max_model_len, block_size)
         # a hybrid model's recurrent state: one slot per running request (core/state_pool.py)
-        self.state_cache = StateCache.for_model(model, max_num_reqs + num_state_checkpoints, dtype, device)
+        self.state_cache = StateCache.for_model(model, max_num_reqs + num_state_checkpoints, dtype, device,
+                                                draft_slots=(max_num_reqs, draft_state_slots))
         self.sampler = Sampler(seed, eos_token_ids)
         # the Triton (GPU) path draws on the device (worker/device_sampler.py); the CPU backends keep
         # the torch sampler, whose seeded streams the CPU suite pins down
@@ -194,7 +198,7 @@ class ModelRunner:
         pool_rows, pool_spans = self._prepare_pooling(rids, slots, start, end, qsl)
         kwargs = {} if self.state_cache is None else {
             "state": self.state_cache.batch(self.input_batch.state_slot[slots], start, qsl, rids,
-                                            so.state_restores, so.state_checkpoints)}
+                                            so.state_restores, so.state_checkpoints, so.spec_token_ids)}
         if self.encoder_only and (types := token_type_rows([self.input_batch.pooling[i] for i in slots.tolist()],
                                                            qsl)) is not None:
             kwargs["token_type_ids"] = types.to(self.device)  # a cross-encoder's pairs
@@ -484,7 +488,10 @@ class ModelRunner:
         """Judge the step's drafts (``spec_verify.verify``); returns each request's last emitted
         token (the next step's pending input, were it pending) and fills ``out``'s accepted lists."""
         emitted, logprobs = verify(self.sampler, logits, md, step.drafts, prev_tokens, step.draft_probs)
+        state = step.model_kwargs.get("state")
         for rid, d, toks, lps in zip(step.sample_ids, step.drafts, emitted, logprobs):
+            if d and state is not None and len(toks) <= len(d):  # a hybrid's state: back to the last accepted draft
+                self.state_cache.rollback(state, rid, len(toks))
             if d:
                 out.accepted_token_ids[rid] = toks
                 step.emitted[rid] = toks

@@ -23,10 +23,15 @@ class StateCache:
         num_slots: slots (the state pool's ``total_slots``: ``max_num_seqs`` request slots and
             the checkpoint slots).
         dtype, device: of the tensors (the model's).
+        draft_slots: ``(request slots, k)``: with speculative decoding, ``k`` more slots per request
+            slot after those, where a verification step leaves the state after each of up to ``k``
+            drafts (``(0, 0)``: none).
     """
 
     def __init__(self, spec: dict[int, list[tuple[int, ...]]], num_slots: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, draft_slots: tuple[int, int] = (0, 0)) -> None:
+        self.draft_base, (self.num_request_slots, self.draft_k) = num_slots, draft_slots
+        num_slots += draft_slots[0] * draft_slots[1]
         self.num_slots = num_slots
         self.device = device
         self.caches = {layer: [torch.zeros((num_slots, *shape), dtype=dtype, device=device) for shape in shapes]
@@ -39,14 +44,31 @@ class StateCache:
         return sum(int(np.prod(s)) * size for shapes in spec.values() for s in shapes)
 
     @classmethod
-    def for_model(cls, model, num_slots: int, dtype: torch.dtype, device: torch.device) -> "StateCache | None":
+    def for_model(cls, model, num_slots: int, dtype: torch.dtype, device: torch.device,
+                  draft_slots: tuple[int, int] = (0, 0)) -> "StateCache | None":
         """The state cache of ``model``, or ``None`` when it has no state layers."""
         spec = model.state_cache_spec() if hasattr(model, "state_cache_spec") else {}
-        return cls(spec, num_slots, dtype, device) if spec else None
+        return cls(spec, num_slots, dtype, device, draft_slots) if spec else None
+
+    def draft_slot(self, slot: int, j: int) -> int:
+        """Where request slot ``slot``'s state after its ``j``-th step token (1 ..= k) of a
+        verification step is left."""
+        return self.draft_base + slot * self.draft_k + j - 1
+
+    def rollback(self, batch: StateBatch, req_id: str, num_kept: int) -> None:
+        """After a verification step, set the request's state to the one after its first
+        ``num_kept`` tokens of the step (its input token and the accepted drafts), left in its
+        draft slots by the mixers (``batch`` is the step's ``StateBatch``)."""
+        slot = int(batch.state_slots[batch.req_ids.index(req_id)])
+        src = self.draft_slot(slot, num_kept)
+        for tensors in self.caches.values():
+            for t in tensors:
+                t[slot] = t[src]
 
     def batch(self, state_slots: np.ndarray, start: np.ndarray, qsl: np.ndarray, req_ids: list[str] = (),
               restores: dict[str, int] | None = None,
-              checkpoints: dict[str, list[tuple[int, int]]] | None = None) -> StateBatch:
+              checkpoints: dict[str, list[tuple[int, int]]] | None = None,
+              drafts: dict[str, list[int]] | None = None) -> StateBatch:
         """The step's ``StateBatch``.
 
         Args:
@@ -57,9 +79,12 @@ class StateCache:
             restores: request id -> checkpoint slot it starts from (``SchedulerOutput.state_restores``).
             checkpoints: request id -> ``[(boundary in tokens, slot), ...]``
                 (``SchedulerOutput.state_checkpoints``).
+            drafts: request id -> its draft tokens this step (``SchedulerOutput.spec_token_ids``):
+                the state after each of its step's first ``1 ..= len(drafts)`` tokens also goes to
+                its draft slots (``draft_slot``), for ``rollback``.
         Raises:
-            RuntimeError: a scheduled request holds no state slot (-1), or a checkpoint's boundary
-                lies outside its request's tokens of this step.
+            RuntimeError: a scheduled request holds no state slot (-1), a checkpoint's boundary
+                lies outside its request's tokens of this step, or it has more drafts than draft slots.
         """
         if state_slots.size and int(state_slots.min()) < 0:
             raise RuntimeError("a request of a hybrid model was scheduled without a state slot")
@@ -77,5 +102,10 @@ class StateCache:
                 if not 0 < off <= int(qsl[i + 1] - qsl[i]):
                     raise RuntimeError(f"state checkpoint at {boundary} tokens is outside request {rid}'s step")
                 marks.append((i, off, slot))
+            d = len((drafts or {}).get(rid, ()))
+            if d:
+                if d > self.draft_k:
+                    raise RuntimeError(f"request {rid} has {d} drafts, more than the {self.draft_k} draft state slots")
+                marks.extend((i, j, self.draft_slot(int(state_slots[i]), j)) for j in range(1, d + 1))
         return StateBatch(torch.from_numpy(state_slots.copy()).to(dev), torch.from_numpy(start > 0).to(dev),
-                          torch.from_numpy(qsl.copy()).to(dev), self.caches, initial, marks)
+                          torch.from_numpy(qsl.copy()).to(dev), self.caches, initial, sorted(marks), list(req_ids))

@@ -77,10 +77,61 @@ def test_hybrid_matches_transformers(name, hybrid, greedy_ref, assert_no_leaks):
     assert model.kv_cache_spec()[0] == num_attn and sorted(model.state_cache_spec()) == state_layers
 
 
-def test_hybrid_refuses_speculative_decoding(tiny_model_dir):
+SPEC_CONFIGS = {
+    "whole": dict(num_kv_blocks=64),
+    "chunked_preempt": dict(num_kv_blocks=14, block_size=8, max_num_batched_tokens=24),
+}
+
+
+class _FlawedOracle:
+    """Drafts transformers' own next tokens with one of them wrong now and then: each verification
+    keeps a prefix of the drafts and rejects the rest (a rollback of the state layers)."""
+
+    def __init__(self, prompts, refs) -> None:
+        self.refs = {tuple(p): ref for p, (ref, _) in zip(prompts, refs)}
+        self.rng = random.Random(3)
+
+    def propose(self, batch):
+        out = {}
+        for item in batch:
+            ref = self.refs[tuple(item.token_ids[:item.num_prompt_tokens])]
+            done = len(item.token_ids) - item.num_prompt_tokens
+            draft = list(ref[done:done + item.k])
+            if draft and self.rng.random() < 0.6:
+                j = self.rng.randrange(len(draft))
+                draft[j] = (draft[j] + 1) % 49152
+            out[item.request_id] = draft
+        return out
+
+    def finish(self, *args) -> None:
+        pass
+
+
+@pytest.mark.parametrize("name", list(SPEC_CONFIGS))
+def test_hybrid_speculative_decoding_matches_transformers(name, hybrid, greedy_ref, assert_no_leaks):
+    """Speculative decoding on a hybrid model: the mixers leave the state after each draft in the
+    request's draft slots and the verification rolls back to the last accepted one, so greedy
+    tokens stay transformers' with drafts accepted and rejected (prefix caching on)."""
+    kind, path, prompts, refs = hybrid
+    llm = LLM(model=str(path), model_impl="transformers", **SPEC_CONFIGS[name],
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3, "dynamic": False})
+    llm.llm_engine.client.core.scheduler.spec.proposer = _FlawedOracle(prompts, refs)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True))
+    for k, (out, (ref_ids, ref_logits)) in enumerate(zip(outs, refs)):
+        greedy_ref.assert_greedy_match(out.outputs[0].token_ids, ref_ids, ref_logits, f"{kind} spec {name} prompt {k}")
+    stats = llm.engine.get_stats()
+    assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens  # kept and rejected drafts
+    if name == "chunked_preempt":
+        assert stats.num_preemptions > 0
+    assert_no_leaks(llm.engine)
+
+
+def test_hybrid_refuses_a_hybrid_draft_model(tiny_model_dir):
     with pytest.raises(ValueError, match="hybrid"):
-        LLM(model=str(tiny_model_dir("lfm2")), model_impl="transformers", num_kv_blocks=16,
-            speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+        LLM(model=str(tiny_model_dir("llama")), num_kv_blocks=16,
+            speculative_config={"method": "draft_model", "model": str(tiny_model_dir("lfm2")),
+                                "num_speculative_tokens": 2})
 
 
 def test_causal_conv_step_continues_across_chunks():
