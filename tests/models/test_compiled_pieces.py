@@ -54,6 +54,9 @@ def test_resolve_compilation():
     assert c.resolve_compilation({"mode": 0}, "cuda", False) is False
     with pytest.raises(ValueError, match="cudagraph_mode"):
         c.resolve_compilation({"level": 3, "cudagraph_mode": "FULL"}, "cuda", False)
+    for bad in (True, 3.7, {"level": 3, "mode": 0}, -1):
+        with pytest.raises(ValueError, match="compilation_config"):
+            c.resolve_compilation(bad, "cpu", False)
     with pytest.raises(ValueError, match="compilation_config"):
         EngineArgs(compilation_config=7)
     with pytest.raises(ValueError, match="compilation_config"):

@@ -18,6 +18,8 @@ on the CPU, Triton on a GPU).
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -26,6 +28,7 @@ from pagedllm.models.layers.activation import SiluAndMul
 from pagedllm.models.layers.norm import RMSNorm
 from pagedllm.models.layers.rotary import RotaryEmbedding, RotaryStep, _rotate_half
 
+logger = logging.getLogger(__name__)
 _COMPILED: dict = {}
 
 
@@ -91,13 +94,19 @@ SWAPS = {RMSNorm: CompiledRMSNorm, SiluAndMul: CompiledSiluAndMul, RotaryEmbeddi
 
 def compile_model(model: nn.Module) -> int:
     """Swap every torch-op norm, activation and rotary module of ``model`` (exact classes only:
-    the C-kernel subclasses stay) for its compiled twin; returns how many were swapped."""
+    the C-kernel subclasses stay) for its compiled twin; returns how many were swapped.
+
+    Only pagedllm's native models have these modules: a Transformers-backend model (its own
+    modules) or a model on the C kernels gets none swapped, which is logged."""
     n = 0
     for m in model.modules():
         twin = SWAPS.get(type(m))
         if twin is not None:
             m.__class__ = twin
             n += 1
+    if n == 0:
+        logger.info("compilation_config: %s has no torch-op norms, activations or rotary of pagedllm's to "
+                    "compile (Transformers-backend models and the C CPU kernels run as they are)", type(model).__name__)
     return n
 
 
@@ -112,7 +121,8 @@ def resolve_compilation(config, device: str, enforce_eager: bool) -> bool:
         device: the engine's device; enforce_eager: vLLM's switch, which also turns compiling off
             when ``config`` is ``None``.
     Raises:
-        ValueError: a key other than ``level`` / ``mode``, or a level outside 0-3.
+        ValueError: a key other than ``level`` / ``mode`` (or both, differing), or a level that is
+            not an integer in 0-3 (``True`` and ``3.7`` included).
     """
     if config is None:
         return str(device).startswith("cuda") and not enforce_eager
@@ -123,7 +133,9 @@ def resolve_compilation(config, device: str, enforce_eager: bool) -> bool:
         unknown = sorted(set(config) - {"level", "mode"})
         if unknown:
             raise ValueError(f"compilation_config: unsupported keys {unknown} (pagedllm takes 'level' or 'mode')")
-        config = int(config.get("level", config.get("mode", 0)))
-    if not 0 <= int(config) <= 3:
-        raise ValueError(f"compilation_config: level {config} is not in 0-3")
-    return int(config) > 0
+        if "level" in config and "mode" in config and config["level"] != config["mode"]:
+            raise ValueError(f"compilation_config: 'level' {config['level']!r} and 'mode' {config['mode']!r} differ")
+        config = config.get("level", config.get("mode", 0))
+    if isinstance(config, bool) or not isinstance(config, int) or not 0 <= config <= 3:
+        raise ValueError(f"compilation_config: level {config!r} is not an integer in 0-3")
+    return config > 0
