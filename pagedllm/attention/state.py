@@ -42,6 +42,7 @@ class StateBatch:
     checkpoints: list[tuple[int, int, int]] = field(default_factory=list)
     req_ids: list[str] = field(default_factory=list)
     _conv_index: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    _native: dict[str, object] = field(default_factory=dict)  # the C mixers' inputs, built once per step
 
     @property
     def num_reqs(self) -> int:
@@ -57,9 +58,28 @@ class StateBatch:
 
     def initial_index(self) -> torch.Tensor:
         """``[R]`` int64 slot each request's state is read from, -1 for a request that starts now
-        (its state starts at zero): what the C mixers take instead of ``initial``'s copy."""
-        src = self.state_slots if self.initial_slots is None else self.initial_slots
-        return torch.where(self.has_initial_state, src, torch.full_like(src, -1))
+        (its state starts at zero): what the C mixers take instead of ``initial``'s copy (built
+        once per step: every state layer asks)."""
+        if "initial" not in self._native:
+            src = self.state_slots if self.initial_slots is None else self.initial_slots
+            self._native["initial"] = torch.where(self.has_initial_state, src, torch.full_like(src, -1))
+        return self._native["initial"]
+
+    def checkpoint_arrays(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``checkpoints`` as the C mixers take them: ``(ck_start [R + 1], ck_off [N], ck_slot [N])``
+        int64 CPU tensors, request ``r``'s entries ``ck_start[r] .. ck_start[r + 1] - 1`` (built
+        once per step)."""
+        if "checkpoints" not in self._native:
+            ck_start = torch.zeros(self.num_reqs + 1, dtype=torch.int64)
+            if not self.checkpoints:  # every range is empty: the kernels read only ck_start
+                self._native["checkpoints"] = (ck_start,) * 3
+            else:
+                reqs = torch.tensor([r for r, _, _ in self.checkpoints], dtype=torch.int64)
+                torch.cumsum(torch.bincount(reqs, minlength=self.num_reqs), 0, out=ck_start[1:])
+                self._native["checkpoints"] = (ck_start,
+                                               torch.tensor([k for _, k, _ in self.checkpoints], dtype=torch.int64),
+                                               torch.tensor([s for _, _, s in self.checkpoints], dtype=torch.int64))
+        return self._native["checkpoints"]
 
     def conv_index(self, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Row indices of a causal convolution with ``width`` carried inputs, over an extended buffer

@@ -27,22 +27,9 @@ def applies(*tensors: torch.Tensor) -> bool:
     return native_mixers() and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
 
 
-def _checkpoint_arrays(checkpoints, nreq: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(ck_start [R + 1], ck_off [N], ck_slot [N])`` int64 of ``(request, offset, slot)`` triples
-    sorted by request then offset: request ``r``'s are entries ``ck_start[r] .. ck_start[r + 1] - 1``."""
-    if not checkpoints:  # every range is empty: the kernels read only ck_start
-        zeros = torch.zeros(nreq + 1, dtype=torch.int64)
-        return zeros, zeros, zeros
-    counts = torch.bincount(torch.tensor([r for r, _, _ in checkpoints], dtype=torch.int64), minlength=nreq)
-    ck_start = torch.zeros(nreq + 1, dtype=torch.int64)
-    torch.cumsum(counts, 0, out=ck_start[1:])
-    return (ck_start, torch.tensor([k for _, k, _ in checkpoints], dtype=torch.int64),
-            torch.tensor([s for _, _, s in checkpoints], dtype=torch.int64))
-
-
 def causal_conv(x: torch.Tensor, qsl: torch.Tensor, init_slots: torch.Tensor, dest_slots: torch.Tensor,
                 cache: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu: bool,
-                checkpoints: list[tuple[int, int, int]] = ()) -> torch.Tensor:
+                checkpoints: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """Depthwise causal convolution of each request's segment, continuing from its carried inputs.
 
     Args:
@@ -51,8 +38,8 @@ def causal_conv(x: torch.Tensor, qsl: torch.Tensor, init_slots: torch.Tensor, de
             slot its new carried inputs (the last ``width``) are written to.
         cache: ``[S, C, width]`` float32, contiguous, oldest input first (updated in place).
         weight: ``[C, width + 1]``; bias: ``[C]`` or ``None``; silu: apply SiLU to the output.
-        checkpoints: ``(request, offset, slot)`` sorted by request then offset (``StateBatch``):
-            the carried inputs after ``offset`` tokens of the request's segment also go to ``slot``.
+        checkpoints: ``StateBatch.checkpoint_arrays()``: the carried inputs after ``offset`` tokens
+            of a request's segment also go to its checkpoint's ``slot``.
     Returns:
         ``[T, C]`` float32 (as ``short_conv.causal_conv_step``, then SiLU when asked).
     Raises:
@@ -65,7 +52,7 @@ def causal_conv(x: torch.Tensor, qsl: torch.Tensor, init_slots: torch.Tensor, de
     out = torch.empty_like(x)
     idx = [t.to(torch.int64).contiguous() for t in (qsl, init_slots, dest_slots)]
     nreq = idx[1].numel()
-    ck_start, ck_off, ck_slot = _checkpoint_arrays(checkpoints, nreq)
+    ck_start, ck_off, ck_slot = checkpoints
     cpu._lib.pl_causal_conv(x.data_ptr(), idx[0].data_ptr(), idx[1].data_ptr(), idx[2].data_ptr(), cache.data_ptr(),
                             weight.data_ptr(), None if bias is None else bias.contiguous().data_ptr(), out.data_ptr(),
                             ck_start.data_ptr(), ck_off.data_ptr(), ck_slot.data_ptr(), nreq, x.shape[1], width,
@@ -75,8 +62,8 @@ def causal_conv(x: torch.Tensor, qsl: torch.Tensor, init_slots: torch.Tensor, de
 
 def ssd_scan(state: torch.Tensor, qsl: torch.Tensor, init_slots: torch.Tensor, dest_slots: torch.Tensor,
              x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, D: torch.Tensor,
-             dt_bias: torch.Tensor, dt_limits: list[tuple[float, float]] | None = None,
-             checkpoints: list[tuple[int, int, int]] = ()) -> torch.Tensor:
+             dt_bias: torch.Tensor, dt_limits: list[tuple[float, float]],
+             checkpoints: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """Mamba-2's SSM over each request's segment in its recurrent form (per token, as
     ``mamba2_selective_state_update``; the chunked scan's result up to float rounding).
 
@@ -86,8 +73,8 @@ def ssd_scan(state: torch.Tensor, qsl: torch.Tensor, init_slots: torch.Tensor, d
         qsl: ``[R + 1]`` int64 segment starts in the flattened rows.
         x: ``[T, nh * hd]``; dt: ``[T, nh]`` (before ``dt_bias`` and softplus); A: ``[nh]``
             (``-exp(A_log)``); B, C: ``[T, ng * ns]``; D, dt_bias: ``[nh]``.
-        dt_limits: per request, the clamp of its softplus'd ``dt`` (``None``: none; transformers
-            clamps prefill chunks to the layer's ``time_step_limit`` and not the decode update).
+        dt_limits: per request, the clamp of its softplus'd ``dt`` (transformers clamps prefill
+            chunks to the layer's ``time_step_limit`` and not the decode update).
         checkpoints: as in ``causal_conv``: the state after ``offset`` tokens also goes to ``slot``.
     Returns:
         ``[T, nh * hd]`` float32 ``y = state . C + D x``.
@@ -96,10 +83,9 @@ def ssd_scan(state: torch.Tensor, qsl: torch.Tensor, init_slots: torch.Tensor, d
     ng = B.shape[1] // ns
     args = [a.float().contiguous() for a in (x, dt, A, B, C, D, dt_bias)]
     idx = [i.to(torch.int64).contiguous() for i in (init_slots, dest_slots, qsl)]
-    ck_start, ck_off, ck_slot = _checkpoint_arrays(checkpoints, idx[0].numel())
+    ck_start, ck_off, ck_slot = checkpoints
     nreq = idx[0].numel()
-    lims = torch.tensor(dt_limits if dt_limits is not None else [(0.0, float("inf"))] * nreq,
-                        dtype=torch.float32).reshape(nreq, 2).contiguous()
+    lims = torch.tensor(dt_limits, dtype=torch.float32).reshape(nreq, 2).contiguous()
     y = torch.empty(t, nh * hd, dtype=torch.float32)
     cpu._lib.pl_ssd_scan(state.data_ptr(), idx[0].data_ptr(), idx[1].data_ptr(), idx[2].data_ptr(),
                          *(a.data_ptr() for a in args), lims.data_ptr(), y.data_ptr(), ck_start.data_ptr(),

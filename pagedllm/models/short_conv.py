@@ -42,7 +42,7 @@ def causal_conv_step(x: torch.Tensor, cache: torch.Tensor, weight: torch.Tensor,
     """
     if state_kernels.applies(x, cache, weight) and cache.shape[-1] <= state_kernels.MAX_CONV_WIDTH:
         return state_kernels.causal_conv(x, batch.query_start_loc, batch.initial_index(), batch.state_slots, cache,
-                                         weight, bias, silu, batch.checkpoints)
+                                         weight, bias, silu, batch.checkpoint_arrays())
     width = cache.shape[-1]
     token_rows, state_rows, last_rows = batch.conv_index(width)
     ext = x.new_empty(x.shape[0] + batch.num_reqs * width, x.shape[1])

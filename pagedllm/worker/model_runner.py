@@ -36,7 +36,7 @@ from pagedllm.worker.host_tokens import HostTokens
 from pagedllm.worker.input_batch import InputBatch, SamplingMetadata
 from pagedllm.worker.pooler import PoolingSpan, hidden_rows, pool, token_type_rows
 from pagedllm.worker.sampler import Sampler
-from pagedllm.worker.spec_verify import verify
+from pagedllm.worker.spec_verify import verify_step
 from pagedllm.worker.upload import to_device
 from pagedllm.worker.state_cache import StateCache
 from pagedllm.worker.scripted import ScriptedOutput
@@ -455,7 +455,8 @@ class ModelRunner:
                 sample_logits = constrain(sample_logits, step.grammar, step.drafts)
             tokens = None  # host ids; on the device path they follow in step.host_tokens
             if step.drafts is not None:
-                tokens = self._verify(step, sample_logits, md, pending and pending.tokens_list(), out)
+                tokens = verify_step(self.sampler, self.state_cache, step, sample_logits, md,
+                                     pending and pending.tokens_list(), out)
             elif self._device_sampler is not None and self._script is None:
                 logprobs, step.sampled = self._device_sampler(
                     sample_logits, md, pending and pending.sampled, pending and pending.tokens_list)
@@ -482,21 +483,3 @@ class ModelRunner:
             timer.totals.execute += t2 - t1
             timer.totals.sample += t3 - t2
         return out
-
-    def _verify(self, step: PreparedStep, logits: torch.Tensor, md: SamplingMetadata, prev_tokens,
-                out: ModelRunnerOutput) -> list[int]:
-        """Judge the step's drafts (``spec_verify.verify``); returns each request's last emitted
-        token (the next step's pending input, were it pending) and fills ``out``'s accepted lists."""
-        emitted, logprobs = verify(self.sampler, logits, md, step.drafts, prev_tokens, step.draft_probs)
-        state = step.model_kwargs.get("state")
-        for rid, d, toks, lps in zip(step.sample_ids, step.drafts, emitted, logprobs):
-            if d and state is not None and len(toks) <= len(d):  # a hybrid's state: back to the last accepted draft
-                self.state_cache.rollback(state, rid, len(toks))
-            if d:
-                out.accepted_token_ids[rid] = toks
-                step.emitted[rid] = toks
-                if lps is not None:
-                    out.accepted_logprobs[rid] = lps
-            elif lps is not None:
-                out.logprobs[rid] = lps[0]
-        return [toks[-1] for toks in emitted]

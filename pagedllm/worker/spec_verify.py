@@ -147,3 +147,29 @@ def _logprobs(logits: torch.Tensor, md: SamplingMetadata, starts: np.ndarray,
         rows = logits[s:s + len(toks)].log_softmax(-1)
         out[r] = gather_logprobs(rows, torch.tensor(toks, dtype=torch.int64, device=logits.device), k)
     return out
+
+
+def verify_step(sampler: Sampler, state_cache, step, logits: torch.Tensor, md: SamplingMetadata, prev_tokens,
+                out) -> list[int]:
+    """Judge a step's drafts (``verify``) and record the verdict.
+
+    Fills ``out``'s (``ModelRunnerOutput``) accepted lists and logprobs and ``step.emitted``
+    (``PreparedStep``); a hybrid model's request with rejected drafts gets its state back to the
+    last accepted one (``StateCache.rollback``; ``state_cache`` is ``None`` for other models).
+
+    Returns:
+        Each sampled request's last emitted token (the next step's pending input, were it pending).
+    """
+    emitted, logprobs = verify(sampler, logits, md, step.drafts, prev_tokens, step.draft_probs)
+    state = step.model_kwargs.get("state")
+    for rid, d, toks, lps in zip(step.sample_ids, step.drafts, emitted, logprobs):
+        if d and state is not None and len(toks) <= len(d):  # a hybrid's state: back to the last accepted draft
+            state_cache.rollback(state, rid, len(toks))
+        if d:
+            out.accepted_token_ids[rid] = toks
+            step.emitted[rid] = toks
+            if lps is not None:
+                out.accepted_logprobs[rid] = lps
+        elif lps is not None:
+            out.logprobs[rid] = lps[0]
+    return [toks[-1] for toks in emitted]
