@@ -73,7 +73,9 @@ class IncrementalDetokenizer:
             if len(full) > len(prefix) and not full.endswith("\ufffd"):
                 self.output_text += full[len(prefix):]
                 self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
-            elif finished and tok == new_token_ids[-1] and len(full) > len(prefix):
+            elif finished and i == len(new_token_ids) - 1 and len(full) > len(prefix):
+                # the output's last token (by position: a verified draft step can hold the same id
+                # earlier, whose partial character must still be held) flushes what is left
                 self.output_text += full[len(prefix):]
             self.token_texts.append(self.output_text[before:])
             if len(self.token_texts) <= self.params.min_tokens:

@@ -75,6 +75,17 @@ def test_truncated_character_at_finish_matches_full_decode(tok):
     assert "".join(deltas).endswith(FFFD)  # flushed at the end, like the full decode
 
 
+@pytest.mark.parametrize("chunk", [1, 2, 3, 4, 5, 8])
+def test_a_cut_inside_a_repeated_character_in_one_multi_token_step(tok, chunk):
+    # a verified speculative step appends several tokens at once; when the output's last token
+    # (cut by max_tokens inside a character) has the same id as an earlier token of that step,
+    # only the last one may flush its partial bytes (issue 36: "🌱🌱🌱🌱\ufffd🌱\ufffd")
+    ids = tok.encode(" love.\n\n🌱🌱🌱🌱🌱🌱")
+    for cut in range(4, len(ids) + 1):
+        _, deltas, _ = stream(tok, ids[:cut], chunk=chunk)
+        assert "".join(deltas) == tok.decode(ids[:cut]), (cut, chunk)
+
+
 def test_special_tokens_skipped_or_kept(tok):
     hello = tok.encode("Hello there")
     ids = [1] + hello + [2, 5] + tok.encode(" again")  # <|im_start|> ... <|im_end|> <file_sep>
