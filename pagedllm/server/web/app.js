@@ -252,13 +252,22 @@ function showTimings(t) {
     .join("") + `<tr><td>steps</td><td>${t.steps}</td></tr>`;
 }
 
+// a request holds a few blocks of a pool of thousands: rounded to whole percent it read "0%"
+function kvPercent(usage) {
+  const pct = 100 * usage;
+  if (pct === 0) return "0%";
+  if (pct < 0.1) return "<0.1%";
+  return (pct < 10 ? pct.toFixed(1) : pct.toFixed(0)) + "%";
+}
+
 async function poll() {
   try {
     const s = await (await fetch("/stats")).json();
     const now = performance.now() / 1000;
     $("num-running").textContent = s.num_running;
     $("num-waiting").textContent = s.num_waiting;
-    $("kv-usage").textContent = (100 * s.kv_cache_usage).toFixed(0) + "%";
+    $("kv-usage").textContent = kvPercent(s.kv_cache_usage);
+    $("kv-usage").title = `${s.num_blocks - s.num_free_blocks} of ${s.num_blocks} KV blocks held`;
     if (state.last) {
       const rate = (s.num_generation_tokens - state.last.tokens) / Math.max(1e-3, now - state.last.t);
       state.rates.push({ t: now, rate: Math.max(0, rate) });
