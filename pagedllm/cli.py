@@ -53,7 +53,9 @@ def _serve(a: argparse.Namespace) -> int:
         p = Path(a.chat_template)
         template = p.read_text() if p.exists() else a.chat_template
     llm = AsyncLLM(engine)
-    app = build_app(llm, engine.served_model_name, template, api_key=a.api_key or None,
+    # an empty PAGEDLLM_API_KEY counts as unset, so `PAGEDLLM_API_KEY= pagedllm serve` stays open
+    env_key = os.environ.get("PAGEDLLM_API_KEY")
+    app = build_app(llm, engine.served_model_name, template, api_key=a.api_key or ([env_key] if env_key else None),
                     allowed_origins=a.allowed_origins, allowed_methods=a.allowed_methods,
                     allowed_headers=a.allowed_headers, allow_credentials=a.allow_credentials,
                     reasoning_parser=a.reasoning_parser, tool_call_parser=a.tool_call_parser,
@@ -100,10 +102,11 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--served-model-name", default=None, help="model name the API reports and accepts")
     s.add_argument("--chat-template", default=None, help="Jinja chat template (file path or inline text)")
-    # an empty PAGEDLLM_API_KEY counts as unset, so `PAGEDLLM_API_KEY= pagedllm serve` stays open
-    s.add_argument("--api-key", default=os.environ.get("PAGEDLLM_API_KEY") or None,
+    # repeatable rather than nargs="+", which would swallow a model named after it
+    s.add_argument("--api-key", action="append", default=None,
                    help="require 'Authorization: Bearer KEY' on every path but /health, /version, /metrics, /stats "
-                        "and the OpenAPI pages (default: $PAGEDLLM_API_KEY, else none)")
+                        "and the OpenAPI pages; repeat it for several keys, each of which sees only the stored "
+                        "responses made with it (default: $PAGEDLLM_API_KEY, else none)")
     s.add_argument("--allowed-origins", type=_json_str_list, default=["*"],
                    help='CORS allowed origins, a JSON list (default: ["*"])')
     s.add_argument("--allowed-methods", type=_json_str_list, default=["*"],

@@ -336,3 +336,19 @@ def tiny_encoders(tmp_path_factory, minilm_dir):
         "distilbert": _tiny_encoder(root, "distilbert", "DistilBertConfig", "DistilBertModel", minilm_dir,
                                     pair_types=False, dim=64, n_layers=2, n_heads=4, hidden_dim=128),
     }
+
+
+@pytest.fixture(scope="session")
+def accepts(smollm2_tokenizer):
+    """``accepts(schema, text)``: whether llguidance compiles ``schema`` (as the engine does) and
+    takes the whole of ``text`` to an accepting state."""
+    import llguidance
+    import llguidance.hf
+    ll_tok = llguidance.hf.from_tokenizer(smollm2_tokenizer)
+
+    def run(params, text: str) -> bool:
+        m = llguidance.LLMatcher(ll_tok, params.grammar_spec(), log_level=0)
+        assert not m.is_error(), m.get_error()
+        ok = m.consume_tokens(smollm2_tokenizer.encode(text, add_special_tokens=False))
+        return bool(ok) and not m.is_error() and m.is_accepting()
+    return run

@@ -207,6 +207,16 @@ class AsyncLLM:
             self.engine.output_processor.abort(rid)
 
     # ---- asyncio side ---------------------------------------------------------------
+    def check_structured_outputs(self, params) -> None:
+        """Check a request's structured-output constraint before ``make_request`` (the processor's
+        check: bounds, then a compile in the validator's child process, with a timeout); blocking,
+        call it from a thread of its own. ``make_request`` then finds the grammar checked.
+
+        Raises:
+            SamplingParamError: a constraint that is too large or deep, or does not compile.
+        """
+        self.engine.processor.check_structured_outputs(params)
+
     def make_request(self, request_id: str, prompt, params, cache_salt: str | None = None) -> EngineCoreRequest:
         """Validate and build a request (raises ``SamplingParamError`` / ``PromptTooLongError``); any thread."""
         return self.engine.make_request(request_id, prompt, params, cache_salt=cache_salt)

@@ -6,8 +6,9 @@ processor, HTTP) is one. ``DPClient`` (synchronous, for ``LLMEngine``) and ``Asy
 (asyncio, for ``AsyncLLM``) implement the ``EngineCoreClient`` meaning over the replicas:
 
 * ``add_request`` asks the ``PrefixRouter`` (``engine/router.py``) for a replica: the one that
-  was sent the longest prefix of the prompt's KV blocks, else the least loaded; the request id
-  is then mapped to it, so aborts and stop-string finishes go to the right core.
+  was sent the longest prefix of the prompt's KV blocks beyond the prefix most recent prompts
+  share (a chat template, a common system prompt), else the least loaded; the request id is
+  then mapped to it, so aborts and stop-string finishes go to the right core.
 * ``get_output`` merges the replicas' step outputs as they come.
 * A replica that dies is skipped from then on; its requests in flight are handed back by
   ``pop_failed_requests`` with one clear message (the front end fails just those), and the

@@ -113,7 +113,9 @@ class LLMEngine:
         return self.client.is_alive()
 
     def shutdown(self) -> None:
-        """Stop the core (its process, or its execution thread in process); safe to call twice."""
+        """Stop the core (its process, or its execution thread in process) and the grammar
+        validator's child process; safe to call twice."""
+        self.processor.close()
         self._finalizer()  # the client's shutdown, once
 
     def reset_prefix_cache(self) -> int:

@@ -1,18 +1,27 @@
 """The front end's request processor: tokenize, validate and resolve defaults into one
 ``EngineCoreRequest`` (vLLM's ``Processor``), the only way requests are made.
 
-Runs anywhere (no engine state is touched), so the server calls it on its tokenizer thread.
+Runs anywhere (no engine state is touched), so the server calls it on its tokenizer thread (and
+``check_structured_outputs`` on its grammar thread first).
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
+from collections import OrderedDict
 from dataclasses import replace
 
 from pagedllm.engine.messages import EngineCoreRequest
 from pagedllm.pooling_params import PoolerConfig, PoolingParams
 from pagedllm.sampling_params import SamplingParamError, SamplingParams
 from pagedllm.structured_output.params import StructuredOutputError
+
+
+logger = logging.getLogger(__name__)
+
+REFUSED_KEPT = 1024  # refused grammars remembered (hash -> reason), so a resent one costs no compile
 
 
 class PromptTooLongError(SamplingParamError):
@@ -42,12 +51,21 @@ class Processor:
                  pooler_config: PoolerConfig | None = None) -> None:
         self.tokenizer, self.vocab_size, self.context_limit = tokenizer, vocab_size, context_limit
         self.pooler_config = pooler_config
-        self._grammar = None  # the grammar backend, built with the first constrained request
+        self._validator = None  # the grammar validator (a child process), built with the first constrained request
+        self._fallback = None  # an in-process backend, only where the child cannot start
+        self._validator_lock = threading.Lock()
+        self._memo_lock = threading.Lock()  # the front end's threads share what was checked
         self._valid_grammars: set[str] = set()
+        self._refused: OrderedDict[str, str] = OrderedDict()  # grammar hash -> why (the last REFUSED_KEPT)
 
     def check_structured_outputs(self, params: SamplingParams) -> None:
-        """Compile-check a request's structured-output constraint, so that nothing the core
-        cannot compile reaches it (a grammar seen before is not checked again).
+        """Check a request's structured-output constraint, so that nothing the core cannot compile
+        reaches it: the cheap bounds of ``structured_output.limits`` (size, nesting, ``$ref`` and rule
+        chains) while its spec is built, then a compile and first token mask exactly as the core's, in
+        the validator's child process (``structured_output.validator``: a timeout or a crash there is a
+        refusal, and nothing else is hurt). Grammars seen before are answered from memory (by hash).
+        Thread-safe: the server calls it on its own grammar thread before ``process``, which then finds
+        the grammar checked.
 
         Raises:
             SamplingParamError: ``param`` names the constraint (``structured_outputs.json``, ...).
@@ -58,24 +76,52 @@ class Processor:
         if self.tokenizer is None:
             raise SamplingParamError(so.param, f"{so.param}: structured outputs need a tokenizer (the engine was "
                                      "built with skip_tokenizer_init=True)")
-        from pagedllm.structured_output.backend import GuidanceBackend
         try:
             key = so.grammar_key()
         except StructuredOutputError as e:
             raise SamplingParamError(e.param, str(e)) from None
         if key in self._valid_grammars:
             return
-        if self._grammar is None:
-            try:
-                self._grammar = GuidanceBackend(self.tokenizer, self.vocab_size, set())
-            except ValueError as e:
-                raise SamplingParamError(so.param, f"{so.param}: {e}") from None
-        err = self._grammar.validate(so.grammar_spec())
+        with self._memo_lock:
+            err = self._refused.get(key)
+        if err is None:
+            err = self._validate(so.grammar_spec())
+        with self._memo_lock:
+            if err:
+                self._refused[key] = err
+                while len(self._refused) > REFUSED_KEPT:
+                    self._refused.popitem(last=False)
+            else:
+                if len(self._valid_grammars) > 4096:
+                    self._valid_grammars.clear()
+                self._valid_grammars.add(key)
         if err:
-            raise SamplingParamError(so.param, f"{so.param}: {err.strip()}")
-        if len(self._valid_grammars) > 4096:
-            self._valid_grammars.clear()
-        self._valid_grammars.add(key)
+            raise SamplingParamError(so.param, f"{so.param}: {err}")
+
+    def _validate(self, spec: str) -> str | None:
+        """Why ``spec`` does not compile, or ``None`` (the validator child; in process, after the
+        limits, only where no child process can be started)."""
+        from pagedllm.structured_output.validator import GrammarValidator, ValidatorUnavailable
+        with self._validator_lock:
+            if self._validator is None:
+                try:
+                    self._validator = GrammarValidator(self.tokenizer, self.vocab_size)
+                except ValueError as e:  # a slow tokenizer
+                    return str(e)
+        try:
+            return self._validator.check(spec)
+        except ValidatorUnavailable as e:
+            from pagedllm.structured_output.backend import GuidanceBackend
+            logger.warning("%s; checking this grammar in process", e)
+            with self._validator_lock:
+                if self._fallback is None:
+                    self._fallback = GuidanceBackend(self.tokenizer, self.vocab_size, set())
+            return self._fallback.validate(spec)
+
+    def close(self) -> None:
+        """Stop the grammar validator's child process, if one runs (the next check starts another)."""
+        if self._validator is not None:
+            self._validator.close()
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         """Token ids of a text prompt (special tokens as the tokenizer adds them), or the ids as given."""

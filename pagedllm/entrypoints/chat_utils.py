@@ -15,7 +15,7 @@ def prepare_messages(messages: list[dict]) -> list[dict]:
     and would otherwise encode the JSON twice (vLLM converts them the same way).
 
     Raises:
-        ValueError: tool call arguments that are not JSON text.
+        ValueError: tool call arguments that are not JSON text, or nested past the recursion limit.
     """
     out = []
     for m in messages:
@@ -29,5 +29,7 @@ def prepare_messages(messages: list[dict]) -> list[dict]:
                     fn["arguments"] = json.loads(fn["arguments"])
                 except json.JSONDecodeError:
                     raise ValueError("tool call arguments must be JSON text") from None
+                except RecursionError:  # nested past Python's recursion limit: the caller's input
+                    raise ValueError("tool call arguments are nested too deeply") from None
         out.append(d)
     return out

@@ -1,9 +1,11 @@
-"""The parser of a chat answer whose ``tool_choice`` named one function (structured outputs make
-the whole answer that function's arguments)."""
+"""The parsers of a chat answer whose ``tool_choice`` forces calls, so that structured outputs make
+the whole answer the calls: one named function's arguments, or (``"required"``) a JSON array of
+``{"name", "parameters"}`` objects."""
 
 from __future__ import annotations
 
-from pagedllm.parsers.tools import CallState, ToolParser, ToolSplit
+from pagedllm.parsers.json_scan import skip_ws
+from pagedllm.parsers.tools import CallState, ToolParser, ToolSplit, _json_calls_from
 
 
 class ForcedFunctionParser(ToolParser):
@@ -27,3 +29,26 @@ class ForcedFunctionParser(ToolParser):
     def parse(self, text: str, final: bool) -> ToolSplit:
         """The one call, with the arguments so far; see ``ToolParser.parse``."""
         return ToolSplit("", [CallState(self.function_name, text.strip())])
+
+
+class ForcedCallsParser(ToolParser):
+    """The answer of a request with ``tool_choice: "required"`` (or Anthropic's ``any``): a JSON
+    array of ``{"name": ..., "parameters": {...}}`` objects, which structured outputs guarantee
+    (``server/structured.py``, vLLM's form).
+
+    None of it is ever content, even cut short by ``max_tokens``: a call whose name is complete is
+    returned with the arguments written so far (an incomplete call, as OpenAI returns one cut off,
+    with ``finish_reason: "length"``); before any name is complete there is no call yet. Not a
+    ``--tool-call-parser`` format: the chat server picks it for ``required``.
+    """
+
+    def parse(self, text: str, final: bool) -> ToolSplit:
+        """The calls so far, never content; see ``ToolParser.parse``."""
+        i = skip_ws(text, 0)
+        if i == len(text) or text[i] != "[":
+            return ToolSplit()
+        j = skip_ws(text, i + 1)
+        if j == len(text) or text[j] != "{":
+            return ToolSplit()
+        calls, _ = _json_calls_from(text, j, [], ",", "]", final)
+        return ToolSplit("", calls)

@@ -22,7 +22,7 @@ from typing import Callable
 
 from pagedllm.parsers.delta import DeltaMessage, DeltaToolCall, ParsedMessage, ToolCall
 from pagedllm.parsers.reasoning import REASONING_PARSERS, ReasoningParser
-from pagedllm.parsers.forced import ForcedFunctionParser
+from pagedllm.parsers.forced import ForcedCallsParser, ForcedFunctionParser
 from pagedllm.parsers.tools import TOOL_PARSERS, CallState, ToolParser
 
 logger = logging.getLogger(__name__)
@@ -135,7 +135,8 @@ def _grow(sent: str, now: str, what: str) -> str:
 
 def make_parser(reasoning_parser: str | None = None, tool_parser: str | None = None, *,
                 thinking: bool = True, starts_in_reasoning: bool = False,
-                tools: list[dict] | None = None, forced_function: str | None = None) -> StreamingParser:
+                tools: list[dict] | None = None, forced_function: str | None = None,
+                forced_calls: bool = False) -> StreamingParser:
     """Build a ``StreamingParser`` from registry names.
 
     Args:
@@ -147,6 +148,8 @@ def make_parser(reasoning_parser: str | None = None, tool_parser: str | None = N
         tools: the request's tools.
         forced_function: the function a named ``tool_choice`` forces: the answer is its
             arguments (``ForcedFunctionParser``; ``tool_parser`` is then not used).
+        forced_calls: ``tool_choice: "required"``: the answer is a JSON array of calls
+            (``ForcedCallsParser``; ``tool_parser`` is then not used).
     Raises:
         ValueError: an unknown parser name (the message lists the known ones).
     """
@@ -158,6 +161,8 @@ def make_parser(reasoning_parser: str | None = None, tool_parser: str | None = N
     t = TOOL_PARSERS[tool_parser](tools) if tool_parser else None
     if forced_function is not None:
         t = ForcedFunctionParser(forced_function)
+    elif forced_calls:
+        t = ForcedCallsParser(tools)
     return StreamingParser(r, t)
 
 

@@ -8,111 +8,55 @@ chunk stream translated back: content blocks (``text``, ``tool_use`` with parsed
 ``stop_reason`` (``end_turn``, ``max_tokens``, ``stop_sequence``, ``tool_use``), ``usage``, and the
 streaming events ``message_start``, ``content_block_start``, ``content_block_delta``
 (``text_delta``, ``input_json_delta``), ``content_block_stop``, ``message_delta``,
-``message_stop``. Errors use Anthropic's shape: ``{"type": "error", "error": {"type", "message"}}``.
+``message_stop``. Errors use Anthropic's shape: ``{"type": "error", "error": {"type", "message"}}``
+(``errors.APIError.response_for``: the app answers every error under ``/v1/messages`` so).
 
-Follows Anthropic's Messages API reference (the fields listed here; ``image`` and ``document``
-blocks, ``thinking`` and server tools are refused with a 400).
+``output_config.format`` (structured outputs; the beta's ``output_format`` too) becomes the chat
+``response_format``, so the text block follows the schema, streamed or not; a final assistant
+message is continued (prefill). Follows Anthropic's Messages API reference; the request body, and
+which of its fields are served, harmless or refused (a 400 naming them), is
+``protocol_anthropic``'s.
 """
 
 from __future__ import annotations
 
 import json
 import uuid
-from typing import Any, AsyncIterator, Literal
+from typing import Any, AsyncIterator
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ValidationError
 
 from pagedllm.server.errors import APIError, validation_error
-from pagedllm.server.guards import MAX_MESSAGES, MAX_STOP_STRINGS, MAX_TOOLS
-from pagedllm.server.protocol import Bool, ChatCompletionRequest, Float, Int, RequestBody
+from pagedllm.server.protocol import ChatCompletionRequest
+from pagedllm.server.protocol_anthropic import (CountTokensRequest, MessagesRequest, OutputFormat, TextBlock,
+                                                ToolResultBlock, ToolUseBlock)
+from pagedllm.server.structured import name_fields
 
-_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
+__all__ = ["CountTokensRequest", "MessagesRequest", "message_of", "parse", "stream_of", "to_chat"]
+
 _STOP = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "abort": "end_turn"}
-
-
-class TextBlock(BaseModel):
-    type: Literal["text"]
-    text: str
-
-
-class ToolUseBlock(BaseModel):
-    type: Literal["tool_use"]
-    id: str
-    name: str
-    input: dict[str, Any]
-
-
-class ToolResultBlock(BaseModel):
-    type: Literal["tool_result"]
-    tool_use_id: str
-    content: str | list[TextBlock] = ""
-    is_error: Bool = False
-
-
-Block = TextBlock | ToolUseBlock | ToolResultBlock
-
-
-class AnthropicMessage(BaseModel):
-    role: Literal["user", "assistant"]
-    content: str | list[Block]
-
-
-class AnthropicTool(BaseModel):
-    name: str = Field(min_length=1)
-    description: str | None = None
-    input_schema: dict[str, Any]
-
-
-class AnthropicToolChoice(BaseModel):
-    type: Literal["auto", "any", "tool", "none"]
-    name: str | None = None
-    disable_parallel_tool_use: Bool = False
-
-
-class MessagesRequest(RequestBody):
-    """``POST /v1/messages`` body (Anthropic's names)."""
-
-    model_config = ConfigDict(allow_inf_nan=False)
-    model: str | None = None
-    messages: list[AnthropicMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
-    system: str | list[TextBlock] | None = None
-    max_tokens: Int = Field(ge=1)
-    stop_sequences: list[str] | None = Field(default=None, max_length=MAX_STOP_STRINGS)
-    temperature: Float | None = Field(default=None, ge=0, le=1)
-    top_p: Float | None = None
-    top_k: Int | None = None
-    stream: Bool = False
-    tools: list[AnthropicTool] | None = Field(default=None, max_length=MAX_TOOLS)
-    tool_choice: AnthropicToolChoice | None = None
-    metadata: dict[str, Any] | None = None  # user_id: changes nothing
-    thinking: dict[str, Any] | None = None
-
-
-class CountTokensRequest(MessagesRequest):
-    """``POST /v1/messages/count_tokens`` body: a Messages request without ``max_tokens``."""
-
-    max_tokens: Int = 1
-
-
-def error_body(status: int, message: str) -> dict:
-    """Anthropic's error shape for an HTTP status."""
-    return {"type": "error", "error": {"type": _ERROR_TYPES.get(status, "api_error"), "message": message}}
+_EFFORTS = ("low", "medium", "high")  # Anthropic's efforts that chat's reasoning_effort has
 
 
 def parse(raw: Any, cls=MessagesRequest) -> MessagesRequest:
     """Validate a raw JSON body.
 
     Raises:
-        APIError: 400 naming the field (answered in Anthropic's shape by the route).
+        APIError: 400 naming the field (answered in Anthropic's shape by the route): an invalid
+            value, an unknown field, a refused one (``protocol_anthropic``), ``thinking`` other
+            than ``disabled``, ``output_config.effort`` beyond ``high``.
     """
     try:
         req = cls.model_validate(raw)
     except ValidationError as e:
         raise validation_error(e) from None
-    if req.thinking is not None and req.thinking.get("type") not in (None, "disabled"):
+    if req.thinking is not None and req.thinking.type != "disabled":
         raise APIError(400, "thinking: extended thinking is not supported; start the server with "
                        "--reasoning-parser for models that reason", "thinking")
+    effort = req.output_config.effort if req.output_config else None
+    if effort is not None and effort not in _EFFORTS:
+        raise APIError(400, f"output_config.effort: {effort!r} is not supported by pagedllm (chat's "
+                       f"reasoning_effort goes up to 'high')", "output_config.effort")
     return req
 
 
@@ -120,48 +64,138 @@ def _text(content: str | list[TextBlock]) -> str:
     return content if isinstance(content, str) else "".join(b.text for b in content)
 
 
-def to_chat(req: MessagesRequest) -> ChatCompletionRequest:
-    """The equivalent ``ChatCompletionRequest`` (messages, tools, tool_choice, sampling).
+def _chat_messages(req: MessagesRequest) -> list[dict]:
+    """The conversation in chat messages: a ``tool_result`` is a ``tool`` message, ``tool_use``
+    blocks are ``tool_calls``, and consecutive turns of one role are one turn (Anthropic combines
+    them), their texts joined as one turn's blocks are."""
+    msgs: list[dict] = [{"role": "system", "content": _text(req.system)}] if req.system else []
+    for m in req.messages:
+        blocks = [TextBlock(type="text", text=m.content)] if isinstance(m.content, str) else m.content
+        text = "".join(b.text for b in blocks if isinstance(b, TextBlock))
+        calls = [{"id": b.id, "type": "function", "function": {"name": b.name, "arguments": json.dumps(b.input)}}
+                 for b in blocks if isinstance(b, ToolUseBlock)]
+        for b in blocks:
+            if isinstance(b, ToolResultBlock):  # each result is a tool message, in order
+                # the model is told the call failed: Anthropic's is_error has no chat field of its own
+                content = ("Error: " if b.is_error else "") + _text(b.content)
+                msgs.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": content})
+        if not (text or calls or m.role == "assistant"):
+            continue
+        last = msgs[-1] if msgs else None
+        if last is not None and last["role"] == m.role and not last.get("tool_calls"):
+            last["content"] += text
+            if calls:
+                last["tool_calls"] = calls
+            continue
+        msg: dict = {"role": m.role, "content": text}
+        if calls:
+            msg["tool_calls"] = calls
+        msgs.append(msg)
+    return msgs
+
+
+def _tool_fields(req: MessagesRequest, body: dict) -> None:
+    """Set ``tools``, ``tool_choice`` and ``parallel_tool_calls`` of the chat ``body``.
 
     Raises:
-        APIError: 400 for a ``tool_choice`` of type ``tool`` without a name.
+        APIError: 400 for a ``tool_choice`` of type ``tool`` without a name or naming no tool of
+            ``tools``, of type ``any`` without tools; for ``strict`` tools or
+            ``disable_parallel_tool_use`` where calls are not constrained (``auto``).
     """
-    msgs: list[dict] = []
-    if req.system:
-        msgs.append({"role": "system", "content": _text(req.system)})
-    for m in req.messages:
-        if isinstance(m.content, str):
-            msgs.append({"role": m.role, "content": m.content})
-            continue
-        text = "".join(b.text for b in m.content if isinstance(b, TextBlock))
-        calls = [{"id": b.id, "type": "function", "function": {"name": b.name, "arguments": json.dumps(b.input)}}
-                 for b in m.content if isinstance(b, ToolUseBlock)]
-        for b in m.content:
-            if isinstance(b, ToolResultBlock):  # each result is a tool message, in order
-                msgs.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": _text(b.content)})
-        if text or calls or m.role == "assistant":
-            msg: dict = {"role": m.role, "content": text}
-            if calls:
-                msg["tool_calls"] = calls
-            msgs.append(msg)
-    body: dict = {"model": req.model, "messages": msgs, "max_tokens": req.max_tokens, "stream": req.stream,
-                  "stop": req.stop_sequences, "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k}
-    if req.stream:
-        body["stream_options"] = {"include_usage": True}
     if req.tools:
         body["tools"] = [{"type": "function", "function": {"name": t.name, "description": t.description,
                                                            "parameters": t.input_schema}} for t in req.tools]
     tc = req.tool_choice
-    if tc is not None:
-        if tc.type == "tool" and not tc.name:
-            raise APIError(400, "tool_choice.name: required when type is 'tool'", "tool_choice.name")
-        body["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}.get(
-            tc.type, {"type": "function", "function": {"name": tc.name}})
-        body["parallel_tool_calls"] = not tc.disable_parallel_tool_use
+    kind = tc.type if tc is not None else ("auto" if req.tools else "none")
+    if kind == "auto" and req.tools:
+        # a forced call follows its schema (a grammar); a call the model makes freely is only parsed
+        strict = next((i for i, t in enumerate(req.tools) if t.strict), None)
+        if strict is not None:
+            raise APIError(400, f"tools[{strict}].strict: not served with tool_choice 'auto' (calls are parsed, "
+                           "not constrained); use tool_choice 'any' or 'tool'", f"tools[{strict}].strict")
+        if tc is not None and tc.disable_parallel_tool_use:
+            raise APIError(400, "tool_choice.disable_parallel_tool_use: not served with type 'auto' (every call "
+                           "the model writes is returned)", "tool_choice.disable_parallel_tool_use")
+    if tc is None:
+        return
+    if tc.type == "tool" and not tc.name:
+        raise APIError(400, "tool_choice.name: required when type is 'tool'", "tool_choice.name")
+    # checked here, not only by the chat handler, so that count_tokens refuses what /v1/messages refuses
+    if tc.type == "tool" and tc.name not in {t.name for t in req.tools or []}:
+        raise APIError(400, f"tool_choice.name: tool {tc.name!r} is not among the request's tools",
+                       "tool_choice.name")
+    if tc.type == "any" and not req.tools:
+        raise APIError(400, "tool_choice: type 'any' needs at least one tool in tools", "tool_choice")
+    body["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}.get(
+        tc.type, {"type": "function", "function": {"name": tc.name}})
+    body["parallel_tool_calls"] = not tc.disable_parallel_tool_use
+
+
+def _output_format(req: MessagesRequest, prefill: bool) -> tuple[OutputFormat, str] | None:
+    """The requested text format and the field it came from (``output_config.format``, or the
+    beta's ``output_format``), or ``None``.
+
+    Raises:
+        APIError: 400 for both fields at once; for a format with tools the model may call (the
+            grammar covers the whole answer, so no call could be made) or with a prefill (the
+            prefill is not part of what the grammar constrains).
+    """
+    fmt = req.output_config.format if req.output_config else None
+    field = "output_config.format"
+    if req.output_format is not None:
+        if fmt is not None:
+            raise APIError(400, "output_format: give output_config.format or the beta's output_format, not both",
+                           "output_format")
+        fmt, field = req.output_format, "output_format"
+    if fmt is None:
+        return None
+    if req.tools and (req.tool_choice is None or req.tool_choice.type != "none"):
+        raise APIError(400, f"{field}: not served together with tools the model may call (the format constrains "
+                       "the whole answer, so no tool could be called); send tool_choice {\"type\": \"none\"}",
+                       field)
+    if prefill:
+        raise APIError(400, f"{field}: not served with a final assistant message (prefill)", field)
+    return fmt, field
+
+
+def to_chat(req: MessagesRequest) -> ChatCompletionRequest:
+    """The equivalent ``ChatCompletionRequest`` (messages, tools, tool_choice, sampling, the text
+    format as ``response_format``, ``effort`` as ``reasoning_effort``); a final assistant message is
+    continued (Anthropic's prefill: ``continue_final_message``).
+
+    Raises:
+        APIError: 400 for the ``tool_choice``, ``strict`` and format conflicts above, and a final
+            assistant message holding ``tool_use`` blocks (there is nothing to continue).
+    """
+    msgs = _chat_messages(req)
+    prefill = req.messages[-1].role == "assistant"
+    if prefill and msgs[-1].get("tool_calls"):
+        raise APIError(400, f"messages[{len(req.messages) - 1}]: a final assistant message with tool_use blocks "
+                       "needs a user message with their tool_result blocks after it",
+                       f"messages[{len(req.messages) - 1}]")
+    body: dict = {"model": req.model, "messages": msgs, "max_tokens": req.max_tokens, "stream": req.stream,
+                  "stop": req.stop_sequences, "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k}
+    if prefill:
+        body.update(continue_final_message=True, add_generation_prompt=False)
+    if req.stream:
+        body["stream_options"] = {"include_usage": True}
+    _tool_fields(req, body)
+    fmt = _output_format(req, prefill)
+    if fmt is not None:
+        body["response_format"] = {"type": "json_schema",
+                                   "json_schema": {"name": "output", "schema": fmt[0].json_schema}}
+    if req.output_config and req.output_config.effort:
+        body["reasoning_effort"] = req.output_config.effort
     try:
-        return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
+        chat = ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
     except ValidationError as e:
         raise validation_error(e) from None
+    # a constraint's errors name this request's fields, not the chat ones they were mapped to
+    names = {f"tools[{i}].function.parameters": f"tools[{i}].input_schema" for i in range(len(req.tools or []))}
+    if fmt is not None:
+        names.update({"response_format.json_schema.schema": f"{fmt[1]}.schema", "response_format": fmt[1]})
+    name_fields(chat, names)
+    return chat
 
 
 def _stop_reason(finish: str | None, stop_reason, called: bool) -> tuple[str, str | None]:

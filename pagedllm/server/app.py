@@ -26,19 +26,20 @@ import uuid
 from typing import Sequence
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.datastructures import Headers
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagedllm
-from pagedllm.engine.async_llm import AsyncLLM, EngineDeadError, ServerShuttingDownError
+from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.server import anthropic, defaults, responses
-from pagedllm.server.errors import APIError, validation_error
+from pagedllm.server.errors import APIError
 from pagedllm.server.guards import (AdmissionControl, BodySizeLimitMiddleware, CatchAllMiddleware,
                                     RejectionCounter)
+from pagedllm.server.handlers import install_error_handlers
+from pagedllm.server.json_depth import JSONDepthMiddleware, check_json_texts
 from pagedllm.server.metrics import ServerMetrics
+from pagedllm.server.openapi import install_openapi
 from pagedllm.server.base import ServingContext
 from pagedllm.server.chat import OpenAIServingChat
 from pagedllm.server.completions import OpenAIServingCompletion
@@ -123,23 +124,25 @@ class _RequestIdMiddleware:
 class _APIKeyMiddleware:
     """ASGI middleware: every path but ``OPEN_PATHS`` needs ``Authorization: Bearer <api_key>``.
 
-    Anything else answers 401 with an OpenAI error body (code ``invalid_api_key``
-    for a wrong key, as OpenAI does). ``OPEN_PATHS`` and ``OPTIONS`` requests
-    (CORS preflights carry no credentials) pass untouched. vLLM guards only
-    ``/v1``; pagedllm guards by default, so that no open route can be made to
-    tokenize or render arbitrary input.
+    Anything else answers 401 with the error body of the path's API (OpenAI's, code
+    ``invalid_api_key`` for a wrong key, as OpenAI does; Anthropic's under ``/v1/messages``).
+    ``OPEN_PATHS`` and ``OPTIONS`` requests (CORS preflights carry no credentials) pass
+    untouched. vLLM guards only ``/v1``; pagedllm guards by default, so that no open route
+    can be made to tokenize or render arbitrary input.
     Pure ASGI rather than ``BaseHTTPMiddleware``, which would get between
     the handlers and ``request.is_disconnected()``.
 
     Args:
         app: the wrapped ASGI app.
-        api_key: the one accepted key (non-empty).
+        api_key: the accepted key, or several (each non-empty). A request let through carries its key's
+            sha256 (hex) as ``request.state.api_key_owner``: the owner of the Responses it stores.
     """
 
-    def __init__(self, app, api_key: str) -> None:
+    def __init__(self, app, api_key: str | Sequence[str]) -> None:
         self.app = app
         # compare digests in constant time: the key's length and prefix do not leak through timing
-        self._digest = hashlib.sha256(api_key.encode()).digest()
+        self._digests = [hashlib.sha256(k.encode()).digest() for k in ([api_key] if isinstance(api_key, str)
+                                                                         else api_key)]
 
     @staticmethod
     def _guarded(scope) -> bool:
@@ -160,19 +163,22 @@ class _APIKeyMiddleware:
             scheme, key = "bearer", headers["x-api-key"]
         if scheme.lower() != "bearer" or not key.strip():
             err = APIError(401, "You didn't provide an API key. You need to provide your API key in an "
-                           "Authorization header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY).")
-        elif not secrets.compare_digest(hashlib.sha256(key.strip().encode()).digest(), self._digest):
+                           "Authorization header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY)"
+                           " or in an x-api-key header.")
+        elif not any([secrets.compare_digest(hashlib.sha256(key.strip().encode()).digest(), d)
+                      for d in self._digests]):  # a list: every key is compared, whichever matches
             err = APIError(401, "Incorrect API key provided.", code="invalid_api_key")
         else:
+            scope.setdefault("state", {})["api_key_owner"] = hashlib.sha256(key.strip().encode()).hexdigest()
             await self.app(scope, receive, send)
             return
-        resp = err.response()
+        resp = err.response_for(scope)
         resp.headers["WWW-Authenticate"] = "Bearer"  # RFC 6750: a 401 names the scheme it wants
         await resp(scope, receive, send)
 
 
 def build_app(llm: AsyncLLM, model_name: str, chat_template: str | None = None, *,
-              api_key: str | None = None, allowed_origins: Sequence[str] = ("*",),
+              api_key: str | Sequence[str] | None = None, allowed_origins: Sequence[str] = ("*",),
               allowed_methods: Sequence[str] = ("*",), allowed_headers: Sequence[str] = ("*",),
               allow_credentials: bool = False, reasoning_parser: str | None = None,
               tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False,
@@ -186,8 +192,9 @@ def build_app(llm: AsyncLLM, model_name: str, chat_template: str | None = None, 
         chat_template: optional Jinja chat template overriding the tokenizer's.
         api_key: when set (non-empty), every path except ``OPEN_PATHS`` (``/health``,
             ``/version``, ``/metrics``, ``/stats``, the OpenAPI schema and its pages)
-            requires ``Authorization: Bearer <api_key>`` and answers 401 with an
-            OpenAI error body otherwise.
+            requires ``Authorization: Bearer <api_key>`` and answers 401 otherwise (OpenAI's
+            error body; Anthropic's under ``/v1/messages``). Several keys: any of them; stored
+            Responses are then scoped to the key that made them.
         allowed_origins, allowed_methods, allowed_headers, allow_credentials:
             the CORS policy (``CORSMiddleware`` options, vLLM's ``--allowed-*`` flags).
         reasoning_parser, tool_call_parser, enable_auto_tool_choice: how chat outputs are
@@ -214,6 +221,7 @@ def build_app(llm: AsyncLLM, model_name: str, chat_template: str | None = None, 
     # innermost first: the catch-all sees what the routes raise; the body limit runs before any
     # handler reads a byte; the key check before that, so that an unknown client costs nothing
     app.add_middleware(CatchAllMiddleware)
+    app.add_middleware(JSONDepthMiddleware)  # inside the size limit, which bounds what it reads
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_body_bytes, rejections=rejections)
     if api_key:
         app.add_middleware(_APIKeyMiddleware, api_key=api_key)
@@ -223,34 +231,19 @@ def build_app(llm: AsyncLLM, model_name: str, chat_template: str | None = None, 
                        allow_headers=list(allowed_headers), allow_credentials=allow_credentials)
     app.add_middleware(_RequestIdMiddleware)  # outermost: every answer carries the id, 401s and 413s too
 
-    @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return exc.response()
+    install_error_handlers(app)  # every error in its path's API shape (OpenAI's, or Anthropic's)
+    install_openapi(app)
 
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return validation_error(exc).response()
-
-    @app.exception_handler(EngineDeadError)
-    async def _dead(_: Request, exc: EngineDeadError) -> JSONResponse:
-        return APIError(503, str(exc), type="service_unavailable", code="engine_dead").response()
-
-    @app.exception_handler(ServerShuttingDownError)
-    async def _shutting_down(_: Request, exc: ServerShuttingDownError) -> JSONResponse:
-        return APIError(503, str(exc), type="service_unavailable", code="shutting_down").response()
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        # unknown paths (404) and wrong methods (405) get OpenAI's error body too
-        return APIError(exc.status_code, str(exc.detail), type="invalid_request_error").response()
-
-    @app.api_route("/health", methods=["GET", "HEAD"])
+    # one route per method: each operation has its own OpenAPI operation id
+    @app.get("/health")
+    @app.head("/health")
     async def health() -> Response:
         """200 while the engine loop runs, 503 once it has died (with data parallelism: 200 while
         any replica lives; ``/stats``'s ``replicas`` tells which are dead)."""
         return Response(status_code=200 if llm.is_healthy else 503)
 
-    @app.api_route("/ping", methods=["GET", "POST"])
+    @app.get("/ping")
+    @app.post("/ping")
     async def ping() -> Response:
         """``/health`` under the name load balancers and SageMaker probe (vLLM serves both)."""
         return Response(status_code=200 if llm.is_healthy else 503)
@@ -293,6 +286,7 @@ def build_app(llm: AsyncLLM, model_name: str, chat_template: str | None = None, 
     async def tokenize(body: TokenizeRequest) -> dict:
         """Token ids of a prompt, or of a conversation rendered as ``/v1/chat/completions`` renders it
         (vLLM's shape; see ``OpenAIServingTokenization.tokenize``)."""
+        check_json_texts(body)
         return await tokenization.tokenize(body)
 
     @app.post("/detokenize")
@@ -312,20 +306,17 @@ def build_app(llm: AsyncLLM, model_name: str, chat_template: str | None = None, 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
         """OpenAI Chat Completions; SSE when ``stream`` is true. 400/404/503 as OpenAI error bodies."""
+        check_json_texts(body)
         return await respond(request, chat_serving.chat(body))
 
     async def anthropic_call(request: Request, run):
-        """Run an Anthropic-shaped endpoint: its errors in Anthropic's shape, never OpenAI's."""
+        """Run an Anthropic endpoint on its JSON body (read here, so that its errors, answered in
+        Anthropic's shape by the handlers, are its own: no FastAPI 422)."""
         try:
-            try:
-                raw = await request.json()
-            except ValueError:
-                raise APIError(400, "the request body must be a JSON object") from None
-            return await run(raw)
-        except APIError as e:
-            return JSONResponse(anthropic.error_body(e.status, e.message), status_code=e.status, headers=e.headers)
-        except (EngineDeadError, ServerShuttingDownError) as e:
-            return JSONResponse(anthropic.error_body(503, str(e)), status_code=503)
+            raw = await request.json()
+        except ValueError:
+            raise APIError(400, "the request body must be a JSON object") from None
+        return await run(raw)
 
     @app.post("/v1/messages")
     async def messages(request: Request):
@@ -356,9 +347,11 @@ def build_app(llm: AsyncLLM, model_name: str, chat_template: str | None = None, 
     @app.post("/v1/responses")
     async def create_response(body: responses.ResponsesRequest, request: Request):
         """OpenAI's Responses API over the chat handler (``server/responses.py``); SSE with ``stream``."""
+        check_json_texts(body)
         history: list[dict] = []
+        owner = getattr(request.state, "api_key_owner", None)  # None without --api-key: one shared store
         if body.previous_response_id is not None:
-            found = response_store.get(body.previous_response_id)
+            found = response_store.get(body.previous_response_id, owner)
             if found is None:
                 raise APIError(404, f"Previous response with id '{body.previous_response_id}' not found.",
                                "previous_response_id", code="not_found")
@@ -368,29 +361,30 @@ def build_app(llm: AsyncLLM, model_name: str, chat_template: str | None = None, 
         if isinstance(result, Response):
             return result
         if isinstance(result, dict):
-            return JSONResponse(responses.respond(body, result, conversation, model_name, response_store))
-        return _SSEResponse(responses.stream(body, result, conversation, model_name, response_store),
+            return JSONResponse(responses.respond(body, result, conversation, model_name, response_store, owner))
+        return _SSEResponse(responses.stream(body, result, conversation, model_name, response_store, owner),
                             media_type="text/event-stream", headers={"Cache-Control": "no-cache",
                                                                      "X-Accel-Buffering": "no"})
 
     @app.get("/v1/responses/{response_id}")
-    async def get_response(response_id: str) -> dict:
-        """A stored response (``store`` was true); 404 otherwise."""
-        found = response_store.get(response_id)
+    async def get_response(response_id: str, request: Request) -> dict:
+        """A stored response (``store`` was true) of the caller's key; 404 otherwise."""
+        found = response_store.get(response_id, getattr(request.state, "api_key_owner", None))
         if found is None:
             raise APIError(404, f"No response with id '{response_id}' found.", "response_id", code="not_found")
         return found[0]
 
     @app.delete("/v1/responses/{response_id}")
-    async def delete_response(response_id: str) -> dict:
-        """Drop a stored response; 404 when there is none."""
-        if not response_store.delete(response_id):
+    async def delete_response(response_id: str, request: Request) -> dict:
+        """Drop a stored response of the caller's key; 404 when there is none."""
+        if not response_store.delete(response_id, getattr(request.state, "api_key_owner", None)):
             raise APIError(404, f"No response with id '{response_id}' found.", "response_id", code="not_found")
         return {"id": response_id, "object": "response", "deleted": True}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         """OpenAI (legacy) Completions; SSE when ``stream`` is true. 400/404/503 as OpenAI error bodies."""
+        check_json_texts(body)
         return await respond(request, completion_serving.completion(body))
 
     @app.post("/v1/embeddings")

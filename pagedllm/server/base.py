@@ -99,11 +99,14 @@ class HeldStream:
     """An SSE line iterator that holds its request's admission slots until it is closed.
 
     The response always closes its body iterator, even one that never started (whose
-    ``finally`` would never run), so the slots cannot leak.
+    ``finally`` would never run), so the slots cannot leak. ``source``, the outputs ``gen`` reads
+    when they were already started (a constrained stream awaits its first output before its 200),
+    is closed too, so that its engine requests are aborted even if ``gen`` never started.
     """
 
-    def __init__(self, gen: AsyncIterator[str], admission) -> None:
+    def __init__(self, gen: AsyncIterator[str], admission, source=None) -> None:
         self._gen, self._admission = gen, admission
+        self._source = source  # the outputs ``gen`` reads, when already started (closed here too)
 
     def __aiter__(self) -> "HeldStream":
         return self
@@ -115,8 +118,35 @@ class HeldStream:
         """Close the stream (aborting its engine requests) and release the slots."""
         try:
             await self._gen.aclose()
+            if self._source is not None:
+                await self._source.aclose()
         finally:
             self._admission.release()
+
+
+class Peeked:
+    """An async iterator over ``first`` and then the rest of ``rest``; closing it closes ``rest``
+    (also before it is iterated)."""
+
+    def __init__(self, first, rest) -> None:
+        self._first, self._rest = [first], rest
+
+    def __aiter__(self) -> "Peeked":
+        return self
+
+    async def __anext__(self):
+        if self._first:
+            return self._first.pop()
+        return await self._rest.__anext__()
+
+    async def aclose(self) -> None:
+        """Close ``rest``."""
+        self._first = []
+        await self._rest.aclose()
+
+
+def _same(param, message):
+    return param, message
 
 
 @dataclass
@@ -138,7 +168,9 @@ class ServingContext:
 
     Tokenizing, chat-template rendering and detokenizing client input run on that thread
     (``offload``), never on the event loop, so a large prompt delays no other connection; a
-    prompt text longer than ``max_prompt_chars`` is refused before tokenizing.
+    prompt text longer than ``max_prompt_chars`` is refused before tokenizing. Structured-output
+    constraints are checked on a thread of their own (``check_constraint``), which only requests
+    with a constraint wait for.
 
     Args:
         llm: the async engine.
@@ -152,6 +184,9 @@ class ServingContext:
         self.admission = admission or AdmissionControl(None, RejectionCounter())
         # one thread: a fast tokenizer is not safe to use from several threads at once
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="pagedllm-tokenize")
+        # grammar checks wait on the validator's child process (up to its timeout): never on the
+        # tokenizer thread, which every request waits for
+        self._grammar_pool = ThreadPoolExecutor(1, thread_name_prefix="pagedllm-grammar-check")
         self.tokenizer = llm.tokenizer
         self.defaults = llm.default_sampling_fields()
         self.context_limit = llm.context_limit
@@ -165,6 +200,27 @@ class ServingContext:
     async def offload(self, fn, *args, **kwargs):
         """Run ``fn(*args, **kwargs)`` on the tokenizer thread and await its result (or exception)."""
         return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
+
+    async def check_constraint(self, params: SamplingParams, rename=_same) -> None:
+        """Check ``params``' structured-output constraint on the grammar-check thread: its bounds,
+        then a compile and first mask in the validator's child process, with a timeout
+        (``AsyncLLM.check_structured_outputs``). Requests without a constraint never wait for it.
+
+        Args:
+            params: sampling parameters with ``structured_outputs`` set.
+            rename: ``(param, message)`` -> the same in the request's names (``response_format...``).
+        Raises:
+            APIError: 400 naming the field the request used, for a constraint too large, too deep
+                or too complex, or one that does not compile.
+        """
+        check = getattr(self.llm, "check_structured_outputs", None)
+        if check is None:
+            return
+        try:
+            await asyncio.get_running_loop().run_in_executor(self._grammar_pool, check, params)
+        except SamplingParamError as e:
+            param, message = rename(e.param, str(e))
+            raise APIError(400, message, param, code="invalid_value") from None
 
     def check_prompt_chars(self, text: str, param: str) -> None:
         """Refuse, before tokenizing, a text too long to fit the context whatever its tokens.
@@ -268,20 +324,32 @@ class OpenAIServingBase:
 
     async def run(self, num_choices: int, stream: bool, prepare: Callable[[], Prepared],
                   stream_of: Callable[[Prepared, AsyncIterator], AsyncIterator[str]],
-                  respond: Callable[[Prepared, list[Choice]], dict]):
+                  respond: Callable[[Prepared, list[Choice]], dict], constraint: SamplingParams | None = None,
+                  rename=_same):
         """Admit ``num_choices`` engine requests, ``prepare`` them on the tokenizer thread, run them.
+
+        With ``constraint`` (the parameters, when they carry structured outputs) its grammar is
+        checked first, off the tokenizer thread (``ServingContext.check_constraint``), and a stream
+        waits for its first output before its 200 goes out, so that a grammar that still fails in
+        the core is a 400 too. ``rename`` puts errors in the request's names.
 
         Returns:
             A ``HeldStream`` of SSE lines (``stream``) or the ``respond``-built body.
         Raises:
-            APIError: 429 past the queue limit, or what ``prepare`` raises.
+            APIError: 429 past the queue limit, 400 for a constraint refused or failed in the core
+                (naming the request's field), or what ``prepare`` raises.
         """
         admission = self.ctx.admission.admit(num_choices)
         try:
+            if constraint is not None:
+                await self.ctx.check_constraint(constraint, rename)
             prepared = await self.ctx.offload(prepare)
             merged = merge_outputs([self.llm.generate(r) for r in prepared.requests])
             if stream:
-                return HeldStream(stream_of(prepared, merged), admission)
+                if constraint is None:
+                    return HeldStream(stream_of(prepared, merged), admission)
+                merged = await self._first_output(merged, constraint, rename)
+                return HeldStream(stream_of(prepared, merged), admission, merged)
             choices = [Choice() for _ in prepared.requests]
             async for i, out in merged:
                 choices[i].add(out)
@@ -291,5 +359,28 @@ class OpenAIServingBase:
         admission.release()
         failed = next((c for c in choices if c.finish == "error"), None)
         if failed is not None:  # the request's grammar failed in the core: its fault, only its own
-            raise APIError(400, f"structured_outputs: {failed.stop_reason}", "structured_outputs", code="invalid_value")
+            raise _grammar_failure(constraint, failed.stop_reason, rename)
         return respond(prepared, choices)
+
+    async def _first_output(self, merged, constraint: SamplingParams, rename) -> Peeked:
+        """``merged`` once its first output is in; raises the 400 of a grammar that failed in the core."""
+        try:
+            first = await merged.__anext__()
+        except StopAsyncIteration:
+            return merged
+        except BaseException:
+            await merged.aclose()
+            raise
+        c = first[1].outputs[0]
+        if c.finish_reason == "error":
+            await merged.aclose()
+            raise _grammar_failure(constraint, c.stop_reason, rename)
+        return Peeked(first, merged)
+
+
+def _grammar_failure(constraint: SamplingParams | None, reason, rename) -> APIError:
+    """The 400 of a request whose grammar failed in the core, naming the field the request used."""
+    so = constraint.structured_outputs if constraint is not None else None
+    param = so.param if so is not None else "structured_outputs"
+    param, message = rename(param, f"{param}: {reason}")
+    return APIError(400, message, param, code="invalid_value")

@@ -158,14 +158,13 @@ class OpenAIServingChat(OpenAIServingBase):
         kwargs = body.chat_template_kwargs or {}
         forced = structured.forced_tool if structured is not None else None
         tool_parser = self.tool_call_parser if use_tools else None
-        if forced == "required":
-            tool_parser = "json"  # the constrained answer is a JSON array of {"name", "parameters"}
         # thinking is what the request asked for; "starts in reasoning" is what the prompt says
         return dict(reasoning_parser=self.reasoning_parser, tool_parser=tool_parser,
                     thinking=bool(kwargs.get("enable_thinking", True)),
                     starts_in_reasoning=text.rstrip().endswith("<think>"),
                     tools=[t.model_dump() for t in body.tools or []],
-                    forced_function=None if forced in (None, "required") else forced)
+                    forced_function=None if forced in (None, "required") else forced,
+                    forced_calls=forced == "required")  # a JSON array of {"name", "parameters"}
 
     async def chat(self, body: ChatCompletionRequest):
         """Run a chat completion; returns the response dict, or an async iterator of SSE lines.
@@ -205,7 +204,8 @@ class OpenAIServingChat(OpenAIServingBase):
         def respond(prep: Prepared, choices: list[Choice]) -> dict:
             return self._response(rid, prep, choices, params.logprobs).model_dump()
 
-        return await self.run(params.n, body.stream, prepare, stream_of, respond)
+        return await self.run(params.n, body.stream, prepare, stream_of, respond,
+                              params if structured is not None else None, rename)
 
     def _response(self, rid: str, prep: Prepared, choices: list[Choice], top: int | None) -> ChatCompletionResponse:
         out = []

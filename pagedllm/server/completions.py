@@ -71,7 +71,8 @@ class OpenAIServingCompletion(OpenAIServingBase):
             return CompletionResponse(id=rid, created=now(), model=self.model_name, choices=out,
                                       usage=UsageInfo.of(n_prompt(prep), n_tokens)).model_dump()
 
-        return await self.run(len(prompts) * n, body.stream, prepare, stream_of, respond)
+        return await self.run(len(prompts) * n, body.stream, prepare, stream_of, respond,
+                              params if structured is not None else None, rename)
 
     def _first_token_text(self, prep: Prepared, i: int) -> str:
         return token_texts(self.tokenizer, prep.requests[i].prompt_token_ids[:1])[0]

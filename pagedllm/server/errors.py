@@ -1,6 +1,10 @@
-"""OpenAI-style error responses.
+"""Error responses, in the shape of the API a path belongs to.
 
-Body shape follows the OpenAI API: ``{"error": {"message", "type", "param", "code"}}``.
+OpenAI's paths answer OpenAI's error body, ``{"error": {"message", "type", "param", "code"}}``
+(OpenAI API reference, "Error codes"); Anthropic's Messages paths (``/v1/messages`` and below)
+answer Anthropic's, ``{"type": "error", "error": {"type", "message"}}``, with the error type of
+the HTTP status (Anthropic API reference, "Errors"). ``APIError.response_for`` picks by path, so
+every place that answers an error (routes, exception handlers, middlewares) agrees.
 """
 
 from __future__ import annotations
@@ -9,6 +13,14 @@ import json
 from typing import Any
 
 from fastapi.responses import JSONResponse
+
+# Anthropic's documented error types by status; any other 4xx is ``invalid_request_error`` (Anthropic
+# "may also use this error type for other 4XX status codes"), any other 5xx ``api_error``. A 503 (the
+# engine is down or stopping) is the nearest of Anthropic's own, 529 ``overloaded_error``.
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                    500: "api_error", 503: "overloaded_error", 529: "overloaded_error"}
+ANTHROPIC_PATH = "/v1/messages"  # this path and every path below it answer Anthropic's error shape
 
 
 class ErrorJSONResponse(JSONResponse):
@@ -43,9 +55,42 @@ class APIError(Exception):
         """The JSON body."""
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
-    def response(self) -> JSONResponse:
-        """As a FastAPI response."""
-        return ErrorJSONResponse(self.body(), status_code=self.status, headers=self.headers)
+    def anthropic_body(self) -> dict:
+        """The JSON body in Anthropic's shape (no ``param`` or ``code``: Anthropic's errors have none)."""
+        return anthropic_error_body(self.status, self.message)
+
+    def response(self, anthropic: bool = False) -> JSONResponse:
+        """As a FastAPI response, in OpenAI's shape or (``anthropic``) Anthropic's."""
+        body = self.anthropic_body() if anthropic else self.body()
+        return ErrorJSONResponse(body, status_code=self.status, headers=self.headers)
+
+    def response_for(self, scope) -> JSONResponse:
+        """As a response in the shape of the API the request's path belongs to (``uses_anthropic_shape``)."""
+        return self.response(anthropic=uses_anthropic_shape(scope))
+
+
+def anthropic_error_type(status: int) -> str:
+    """Anthropic's error ``type`` for an HTTP status (``invalid_request_error``, ``not_found_error``, ...)."""
+    return _ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+
+
+def anthropic_error_body(status: int, message: str) -> dict:
+    """Anthropic's error body: ``{"type": "error", "error": {"type", "message"}}``."""
+    return {"type": "error", "error": {"type": anthropic_error_type(status), "message": message}}
+
+
+def uses_anthropic_shape(scope) -> bool:
+    """True for a request to ``/v1/messages`` or a path below it (relative to the ASGI ``root_path``,
+    as a server mounted under a prefix sees its own paths)."""
+    path, root = scope.get("path", ""), scope.get("root_path", "")
+    if root and path.startswith(root):
+        path = path[len(root):]
+    return is_anthropic_path(path)
+
+
+def is_anthropic_path(path: str) -> bool:
+    """True for ``/v1/messages`` and the paths below it (``/v1/messages/count_tokens``)."""
+    return path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/")
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "bytes"}

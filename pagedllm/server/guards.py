@@ -2,9 +2,11 @@
 
 * ``BodySizeLimitMiddleware``: a request body over ``--max-request-body-bytes`` is answered 413
   before it is read (by its ``Content-Length``) or as soon as the bytes read pass the limit;
-* ``CatchAllMiddleware``: an unexpected exception becomes one log line and a 500 with an OpenAI
-  error body, and the keep-alive connection stays usable (Starlette's own last-resort handler
-  re-raises, so uvicorn logs the whole traceback and closes the connection);
+* ``CatchAllMiddleware``: an unexpected exception becomes one log line and a 500 with an error
+  body (OpenAI's shape, Anthropic's under ``/v1/messages``), and the keep-alive connection stays
+  usable (Starlette's own last-resort handler re-raises, so uvicorn logs the whole traceback and
+  closes the connection);
+* ``server.json_depth``: JSON nested past ``MAX_JSON_DEPTH`` levels is a 400 before any parser sees it;
 * ``find_lone_surrogate``: JSON may carry ``"\\ud800"``, which no tokenizer or UTF-8 encoder takes;
   the request schemas refuse such strings with a 400 naming the field;
 * ``AdmissionControl``: a bound on the engine requests in flight (running plus waiting), past
@@ -57,14 +59,16 @@ class RejectionCounter:
             return dict(self._counts)
 
 
-async def _send_error(send, err: APIError) -> None:
-    resp = err.response()
+async def send_error(scope, send, err: APIError) -> None:
+    """Answer ``err`` from an ASGI middleware, in the error shape of the request's path
+    (``APIError.response_for``: Anthropic's under ``/v1/messages``, OpenAI's elsewhere)."""
+    resp = err.response_for(scope)
     await send({"type": "http.response.start", "status": resp.status_code, "headers": resp.raw_headers})
     await send({"type": "http.response.body", "body": resp.body})
 
 
 class BodySizeLimitMiddleware:
-    """ASGI middleware: answer 413 (OpenAI error body, code ``request_too_large``) to bodies over ``max_bytes``.
+    """ASGI middleware: answer 413 (code ``request_too_large``) to bodies over ``max_bytes``.
 
     A ``Content-Length`` over the limit is refused before any byte of the body is read;
     a body without one (chunked) is read up to the limit and refused when it goes past.
@@ -96,26 +100,26 @@ class BodySizeLimitMiddleware:
         except ValueError:
             declared = None
         if declared is not None and declared > self.max_bytes:
-            await _send_error(send, self._too_large())
+            await send_error(scope, send, self._too_large())
             return
         chunks, size = [], 0
         while True:
             msg = await receive()
             if msg["type"] != "http.request":  # the client left before sending the body
-                await self.app(scope, _replay([msg], receive), send)
+                await self.app(scope, replay([msg], receive), send)
                 return
             size += len(msg.get("body", b""))
             if size > self.max_bytes:
-                await _send_error(send, self._too_large())
+                await send_error(scope, send, self._too_large())
                 return
             chunks.append(msg.get("body", b""))
             if not msg.get("more_body", False):
                 break
         body = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
-        await self.app(scope, _replay([body], receive), send)
+        await self.app(scope, replay([body], receive), send)
 
 
-def _replay(messages: list[dict], receive):
+def replay(messages: list[dict], receive):
     """A ``receive`` that returns ``messages`` first, then defers to the real one (disconnects)."""
     pending = list(messages)
 
@@ -131,7 +135,7 @@ class CatchAllMiddleware:
     """ASGI middleware: the last stop for exceptions no handler took.
 
     Logs one line (path and the exception's repr, no traceback) and, when no response
-    has started, answers 500 with an OpenAI error body. The exception is not
+    has started, answers 500 with an error body in the path's API shape. The exception is not
     re-raised, so the server keeps the connection open and does not log a traceback.
     A response already under way (a stream) just ends.
 
@@ -160,7 +164,7 @@ class CatchAllMiddleware:
         except Exception as exc:
             logger.error("unhandled error on %s %s: %r", scope.get("method"), scope.get("path"), exc)
             if not started:
-                await _send_error(send, APIError(500, f"internal error: {type(exc).__name__}",
+                await send_error(scope, send, APIError(500, f"internal error: {type(exc).__name__}",
                                                  type="internal_error", code="internal_error"))
 
 

@@ -74,11 +74,12 @@ class RerankDocument(RequestBody):
 
 class RerankRequest(_PoolingBody):
     """``POST /rerank`` (vLLM, Jina and Cohere's body): ``query``, ``documents`` (strings or
-    ``{"text": ...}`` objects), ``top_n`` (0 or absent: all), ``return_documents``."""
+    ``{"text": ...}`` objects), ``top_n`` (0 to 2**31 - 1; 0 or absent: all), ``return_documents``."""
 
     query: str
     documents: list[Union[str, RerankDocument]]
-    top_n: Int | None = Field(default=None, ge=0)
+    # above the documents' count means all of them; bounded so that no integer past int32 passes as a count
+    top_n: Int | None = Field(default=None, ge=0, le=2**31 - 1)
     return_documents: Bool = True
 
     def texts(self) -> list[str]:

@@ -11,9 +11,11 @@ items (``reasoning`` when a reasoning parser split it, ``message`` with ``output
 ``response.output_item.added``, ``response.output_text.delta``,
 ``response.function_call_arguments.delta``, ``..._done``, ``response.completed``).
 
-With ``store`` (the default, as OpenAI's), a response and its conversation are kept in a bounded
-in-memory store (``ResponseStore``, least recently used out first), so that ``previous_response_id``
-continues it and ``GET`` / ``DELETE`` find it. Follows OpenAI's Responses API reference.
+With ``store`` (the default, as OpenAI's), a response and its conversation are kept in an in-memory
+store bounded in entries and bytes (``server/response_store.py``, least recently used out first), so
+that ``previous_response_id`` continues it and ``GET`` / ``DELETE`` find it; each stored response
+belongs to the caller's owner (per API key with keys) and is found by that owner only. The body and
+its checks are in ``server/protocol_responses.py``. Follows OpenAI's Responses API reference.
 """
 
 from __future__ import annotations
@@ -21,94 +23,20 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections import OrderedDict
-from typing import Any, AsyncIterator, Literal
+from typing import Any, AsyncIterator
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ValidationError
 
 from pagedllm.server.errors import APIError, validation_error
-from pagedllm.server.guards import MAX_MESSAGES, MAX_TOOLS
-from pagedllm.server.protocol import Bool, ChatCompletionRequest, Float, Int, RequestBody
-
-STORE_SIZE = 1024  # stored responses kept (each holds its conversation's text)
+from pagedllm.server.protocol import ChatCompletionRequest
+# the body and the store, re-exported: the routes name them as ``responses.ResponsesRequest`` and so on
+from pagedllm.server.protocol_responses import ResponsesRequest  # noqa: F401
+from pagedllm.server.response_store import STORE_BYTES, STORE_SIZE, Owner, ResponseStore  # noqa: F401
+from pagedllm.server.structured import name_fields
 
 
 def _id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
-
-
-class FunctionTool(BaseModel):
-    type: Literal["function"]
-    name: str = Field(min_length=1)
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: Bool | None = None
-
-
-class NamedFunction(BaseModel):
-    type: Literal["function"]
-    name: str
-
-
-class TextFormat(BaseModel):
-    model_config = ConfigDict(populate_by_name=True)
-    type: Literal["text", "json_object", "json_schema"]
-    name: str | None = None
-    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
-    strict: Bool | None = None
-
-
-class TextConfig(BaseModel):
-    format: TextFormat | None = None
-
-
-class ResponsesRequest(RequestBody):
-    """``POST /v1/responses`` body (OpenAI's names)."""
-
-    model_config = ConfigDict(allow_inf_nan=False)
-    model: str | None = None
-    input: str | list[dict[str, Any]] = Field(max_length=MAX_MESSAGES)
-    instructions: str | None = None
-    tools: list[FunctionTool] | None = Field(default=None, max_length=MAX_TOOLS)
-    tool_choice: Literal["auto", "none", "required"] | NamedFunction | None = None
-    parallel_tool_calls: Bool = True
-    max_output_tokens: Int | None = Field(default=None, ge=1)
-    temperature: Float | None = None
-    top_p: Float | None = None
-    text: TextConfig | None = None
-    store: Bool = True
-    previous_response_id: str | None = None
-    stream: Bool = False
-    metadata: dict[str, Any] | None = None
-    user: str | None = None
-    reasoning: dict[str, Any] | None = None  # effort: handed to the template as reasoning_effort
-    truncation: Literal["disabled"] | None = None
-
-
-class ResponseStore:
-    """Stored responses and their conversations (chat messages), least recently used out first."""
-
-    def __init__(self, size: int = STORE_SIZE) -> None:
-        self.size = size
-        self._items: OrderedDict[str, tuple[dict, list[dict]]] = OrderedDict()
-
-    def put(self, response: dict, conversation: list[dict]) -> None:
-        """Keep a response and the full conversation that led to and includes it."""
-        self._items[response["id"]] = (response, conversation)
-        self._items.move_to_end(response["id"])
-        while len(self._items) > self.size:
-            self._items.popitem(last=False)
-
-    def get(self, rid: str) -> tuple[dict, list[dict]] | None:
-        """``(response, conversation)`` or ``None``."""
-        item = self._items.get(rid)
-        if item is not None:
-            self._items.move_to_end(rid)
-        return item
-
-    def delete(self, rid: str) -> bool:
-        """Drop a response; False when it was not stored."""
-        return self._items.pop(rid, None) is not None
 
 
 def parse(raw: Any) -> ResponsesRequest:
@@ -198,6 +126,10 @@ def to_chat(req: ResponsesRequest, history: list[dict]) -> tuple[ChatCompletionR
         chat = ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
     except ValidationError as e:
         raise validation_error(e) from None
+    # a constraint's errors name this request's fields, not the chat ones they were mapped to
+    name_fields(chat, {"response_format.json_schema.schema": "text.format.schema", "response_format": "text.format",
+                       **{f"tools[{i}].function.parameters": f"tools[{i}].parameters"
+                          for i in range(len(req.tools or []))}})
     return chat, conversation
 
 
@@ -263,12 +195,13 @@ def output_of(chat: dict) -> tuple[list[dict], str | None]:
     return out, choice["finish_reason"]
 
 
-def respond(req: ResponsesRequest, chat: dict, conversation: list[dict], model: str, store: ResponseStore) -> dict:
-    """The non-streamed answer (stored when ``store``)."""
+def respond(req: ResponsesRequest, chat: dict, conversation: list[dict], model: str, store: ResponseStore,
+            owner: Owner = None) -> dict:
+    """The non-streamed answer (stored for ``owner`` when ``store``)."""
     output, finish = output_of(chat)
     resp = response_object(req, _id("resp"), model, output, chat["usage"], finish)
     if req.store:
-        store.put(resp, conversation + _assistant_turn(output))
+        store.put(resp, conversation + _assistant_turn(output), owner)
     return resp
 
 
@@ -285,18 +218,19 @@ class _Events:
 
 
 async def stream(req: ResponsesRequest, chunks, conversation: list[dict], model: str,
-                 store: ResponseStore) -> AsyncIterator[str]:
-    """The Responses events from the chat handler's SSE lines (one choice). Closing this closes
-    ``chunks`` (a ``HeldStream``: its engine request is aborted, its admission released)."""
+                 store: ResponseStore, owner: Owner = None) -> AsyncIterator[str]:
+    """The Responses events from the chat handler's SSE lines (one choice); the completed response is
+    stored for ``owner`` when ``store``. Closing this closes ``chunks`` (a ``HeldStream``: its engine
+    request is aborted, its admission released)."""
     try:
-        async for event in _events(req, chunks, conversation, model, store):
+        async for event in _events(req, chunks, conversation, model, store, owner):
             yield event
     finally:
         await chunks.aclose()
 
 
 async def _events(req: ResponsesRequest, chunks: AsyncIterator[str], conversation: list[dict], model: str,
-                  store: ResponseStore) -> AsyncIterator[str]:
+                  store: ResponseStore, owner: Owner) -> AsyncIterator[str]:
     ev = _Events()
     rid = _id("resp")
     yield ev("response.created", response=response_object(req, rid, model, [], None, None, "in_progress"))
@@ -385,5 +319,5 @@ async def _events(req: ResponsesRequest, chunks: AsyncIterator[str], conversatio
             yield e
     resp = response_object(req, rid, model, output, usage, finish)
     if req.store:
-        store.put(resp, conversation + _assistant_turn(output))
+        store.put(resp, conversation + _assistant_turn(output), owner)
     yield ev("response.completed" if resp["status"] == "completed" else "response.incomplete", response=resp)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from pagedllm.server.errors import APIError
 from pagedllm.server.protocol import NamedToolChoice
+from pagedllm.server.tool_schema import place_tool_schemas
 from pagedllm.structured_output.params import StructuredOutputError, StructuredOutputsParams
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
@@ -51,6 +52,19 @@ class StructuredRequest:
 
 
 _KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")  # what a constraint is
+_NAMES = "_structured_names"  # on a chat body translated from another API: chat field -> that API's
+
+
+def name_fields(body, names: dict[str, str]) -> None:
+    """Have a chat body translated from another API name its constraint's errors in that API's terms.
+
+    Args:
+        body: the ``ChatCompletionRequest`` built from a Responses or Anthropic request.
+        names: chat fields a constraint may come from (``response_format.json_schema.schema``,
+            ``tools[0].function.parameters``) -> the request's own (``text.format.schema``,
+            ``tools[0].input_schema``).
+    """
+    setattr(body, _NAMES, dict(names))  # a private attribute: pydantic neither validates nor dumps it
 
 
 def _sources(body) -> list[tuple[str, dict]]:
@@ -83,14 +97,32 @@ def _sources(body) -> list[tuple[str, dict]]:
 
 
 def _tool_schema(tool, i: int) -> tuple[dict, str]:
-    params = tool.function.parameters
-    return (params if params is not None else {"type": "object", "properties": {}},
-            f"tools[{i}].function.parameters")
+    """A tool's parameter schema as the constraint of its arguments, and the field it came from.
+
+    A function's arguments are a JSON object whatever its schema leaves out (OpenAI's rule), so
+    a schema without ``type`` (``{}`` allows any JSON value) gets ``"type": "object"``.
+
+    Raises:
+        APIError: 400 naming the field when the schema's ``type`` cannot be an object.
+    """
+    params, source = tool.function.parameters, f"tools[{i}].function.parameters"
+    if params is None:
+        return {"type": "object", "properties": {}}, source
+    kind = params.get("type") if isinstance(params, dict) else None
+    if not isinstance(params, dict) or (kind is not None and kind != "object"
+                                        and not (isinstance(kind, list) and "object" in kind)):
+        raise APIError(400, f"{source}: a function's parameters must be a JSON schema of type 'object', got "
+                       f"type {kind!r}", source, code="invalid_value")
+    return ({**params, "type": "object"} if kind != "object" else params), source
 
 
 def forced_tool_fields(body) -> tuple[str, dict, str] | None:
     """The constraint of a forced tool call: ``(source, fields, forced)``, or ``None`` when
     ``tool_choice`` forces none.
+
+    Under ``required`` the tools' schemas share one document: each with local ``$ref``s sits in its
+    root's ``$defs`` (``__tool<i>``) with its pointers rewritten (``tool_schema.place_tool_schemas``),
+    so its own ``$defs`` and recursive references resolve; the request's schemas are not mutated.
 
     Raises:
         APIError: 400 when the named function is not among ``tools``, or ``tools`` is empty.
@@ -109,13 +141,16 @@ def forced_tool_fields(body) -> tuple[str, dict, str] | None:
     if not body.tools:
         raise APIError(400, "tool_choice: 'required' needs at least one tool in tools", "tool_choice",
                        code="invalid_value")
-    options = []
-    for i, t in enumerate(body.tools):
-        schema, _ = _tool_schema(t, i)
-        options.append({"type": "object", "properties": {"name": {"const": t.function.name}, "parameters": schema},
-                        "required": ["name", "parameters"], "additionalProperties": False})
+    # a tool schema with local $refs ("#/$defs/Loc", pydantic's nested models) moves under the
+    # combined root's $defs, its pointers rewritten, so they still resolve (server/tool_schema.py)
+    placed, defs = place_tool_schemas([_tool_schema(t, i)[0] for i, t in enumerate(body.tools)])
+    options = [{"type": "object", "properties": {"name": {"const": t.function.name}, "parameters": params},
+                "required": ["name", "parameters"], "additionalProperties": False}
+               for t, params in zip(body.tools, placed)]
     items = options[0] if len(options) == 1 else {"anyOf": options}
     schema = {"type": "array", "minItems": 1, "items": items}
+    if defs:
+        schema["$defs"] = defs
     if not body.parallel_tool_calls:
         schema["maxItems"] = 1
     return "tools", {"json": schema}, "required"
@@ -133,7 +168,13 @@ def structured_request(body, reasoning_end_tag: str | None = None, tools: bool =
         APIError: 400 for two constraints in one request, or one of the wrong shape.
     """
     found = [(s, f, None) for s, f in _sources(body)]
-    forced = forced_tool_fields(body) if tools else None
+    names = getattr(body, _NAMES, None) or {}
+    try:
+        forced = forced_tool_fields(body) if tools else None
+    except APIError as e:  # a tool's schema at fault: in the names of the API the request came in
+        if e.param not in names:
+            raise
+        raise APIError(400, e.message.replace(e.param, names[e.param], 1), names[e.param], code=e.code) from None
     if forced is not None:
         found.append(forced)
     if not found:
@@ -147,6 +188,7 @@ def structured_request(body, reasoning_end_tag: str | None = None, tools: bool =
         raise APIError(400, f"{found[1][0]}: only one structured-output constraint per request (also got "
                        f"{found[0][0]})", found[1][0].split(".")[0], code="invalid_value")
     source, fields, forced_tool = found[0]
+    source = names.get(source, source)
     try:
         params = StructuredOutputsParams(**fields, reasoning_end_tag=reasoning_end_tag)
     except StructuredOutputError as e:

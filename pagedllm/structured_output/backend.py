@@ -19,7 +19,21 @@ from collections import OrderedDict
 
 import torch
 
+from pagedllm.memory import return_freed_memory
+
 CACHE_SIZE = 256  # compiled grammars kept (LRU); a matcher template is small next to a KV block
+# ... and their estimated bytes: a template that has built its first mask holds lexer states of
+# 100-400 bytes per byte of its spec (measured with llguidance 1.9.1: a 250 KB ``const`` 78 MB, 20,000
+# Lark alternatives 23 MB for 229 KB, a 145-byte schema nothing measurable), so 512 per spec byte
+# overestimates; a template over the budget alone is not kept at all
+CACHE_BYTES = 64 << 20
+BYTES_PER_SPEC_BYTE = 512
+ENTRY_OVERHEAD_BYTES = 64 << 10
+
+
+def estimate_bytes(spec: str) -> int:
+    """Estimated heap bytes of a compiled (and warmed: first mask built) matcher of ``spec``."""
+    return ENTRY_OVERHEAD_BYTES + BYTES_PER_SPEC_BYTE * len(spec)
 
 
 def bitmask_words(vocab_size: int) -> int:
@@ -65,11 +79,12 @@ class GuidanceBackend:
         tokenizer: the model's fast ``transformers`` tokenizer.
         vocab_size: the model's vocabulary (logits width); masks cover this many tokens.
         eos_token_ids: tokens that end the output; a grammar in an accepting state allows them.
+        trim: gives freed heap back to the system (default ``pagedllm.memory.return_freed_memory``).
     Raises:
         ValueError: a slow (Python-only) tokenizer, which llguidance cannot read.
     """
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: set[int]) -> None:
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: set[int], trim=None) -> None:
         import llguidance.hf
         if not getattr(tokenizer, "is_fast", False):
             raise ValueError("structured outputs need a fast (tokenizers) tokenizer")
@@ -78,12 +93,16 @@ class GuidanceBackend:
         self.ll_tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=n_vocab, eos_token=eos)
         self.eos_token_ids = frozenset(eos)  # what ends every grammar
         self.vocab_size = n_vocab
-        self._cache: OrderedDict[str, object] = OrderedDict()
+        self._cache: OrderedDict[str, tuple[object, int]] = OrderedDict()  # key -> (template, estimated bytes)
+        self.cache_bytes = 0  # estimated bytes of the cached templates
         self._lock = threading.Lock()  # the cache is shared by the compile thread and the front end
+        self._trim = trim or return_freed_memory
         self.num_compiled = 0
 
     def validate(self, spec: str) -> str | None:
-        """Check a grammar spec against the tokenizer; returns the error text, or ``None`` when it compiles."""
+        """Check a grammar spec against the tokenizer (llguidance's ``validate_grammar``: it does not
+        build the matcher, so a few grammars pass it and fail in ``compile``; the server checks with
+        ``validator.GrammarValidator`` instead); returns the error text, or ``None``."""
         from llguidance import LLMatcher
         err = LLMatcher.validate_grammar(spec, self.ll_tokenizer)
         return err or None
@@ -91,21 +110,55 @@ class GuidanceBackend:
     def compile(self, key: str, spec: str):
         """A fresh matcher of ``spec`` (at its start state); compiled once per ``key``, then copied.
 
+        The template's first token mask is built here (on the compile thread) so that a grammar that
+        fails there fails as a compile error, before the request runs, and the step that first fills
+        its mask does not pay for its lexer states. Templates are kept least recently used first out,
+        at most ``CACHE_SIZE`` of them and ``CACHE_BYTES`` estimated bytes; freed heap goes back to
+        the system after an eviction or a failure.
+
         Raises:
             ValueError: the grammar does not compile (the message is llguidance's).
         """
         from llguidance import LLMatcher
         with self._lock:
-            template = self._cache.get(key)
-            if template is not None:
+            entry = self._cache.get(key)
+            if entry is not None:
                 self._cache.move_to_end(key)
-                return template.deep_copy()
+                return entry[0].deep_copy()
         template = LLMatcher(self.ll_tokenizer, spec, log_level=0)
+        if not template.is_error():
+            mask = torch.empty(bitmask_words(self.vocab_size), dtype=torch.int32)
+            template.unsafe_compute_mask_ptr(mask.data_ptr(), mask.numel() * mask.element_size())
         if template.is_error():
-            raise ValueError(template.get_error())
+            error = template.get_error() or "the grammar compiler reported an error"
+            del template
+            self._trim()  # a failed compile's lexer states can run to hundreds of MB
+            raise ValueError(error)
+        size = estimate_bytes(spec)
+        evicted = False
         with self._lock:
             self.num_compiled += 1
-            self._cache[key] = template
-            while len(self._cache) > CACHE_SIZE:
-                self._cache.popitem(last=False)
+            if size > CACHE_BYTES:
+                return template  # too large to keep: this request's own, freed when it ends
+            old = self._cache.pop(key, None)
+            self.cache_bytes += size - (old[1] if old else 0)
+            self._cache[key] = (template, size)
+            while len(self._cache) > CACHE_SIZE or self.cache_bytes > CACHE_BYTES:
+                _, (_, dropped) = self._cache.popitem(last=False)
+                self.cache_bytes -= dropped
+                evicted = True
+        if evicted:
+            self._trim()
         return template.deep_copy()
+
+    def clear(self) -> None:
+        """Drop every cached template and give the freed heap back to the system."""
+        with self._lock:
+            self._cache.clear()
+            self.cache_bytes = 0
+        self._trim()
+
+    @property
+    def num_cached(self) -> int:
+        """Templates in the cache."""
+        return len(self._cache)

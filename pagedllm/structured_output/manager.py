@@ -29,15 +29,15 @@ import torch
 
 from pagedllm.structured_output.backend import GuidanceBackend, bitmask_words
 from pagedllm.structured_output.params import StructuredOutputsParams
+from pagedllm.structured_output.validator import short_error  # noqa: F401  (re-exported)
 
 logger = logging.getLogger(__name__)
 
 
-def short_error(text: str) -> str:
-    """llguidance's error line out of its (multi-line, state-dumping) error text."""
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    found = next((ln for ln in lines if ln.startswith("Error:")), lines[0] if lines else text)
-    return found[:500]
+# the grammar thread's stack: llguidance's compilers recurse along $ref and rule chains, and the
+# front end's checks (limits.py, validator.py with an 8 MiB stack) keep far below what this holds;
+# only touched pages are committed
+COMPILE_STACK_BYTES = 256 << 20
 
 
 class GrammarState:
@@ -164,7 +164,8 @@ class GrammarMask:
 
 
 class StructuredOutputManager:
-    """Compiles grammars on one worker thread (cached by grammar hash) and fills step masks.
+    """Compiles grammars on one worker thread (cached by grammar hash; a ``COMPILE_STACK_BYTES``
+    stack) and fills step masks.
 
     The tokenizer is loaded, and llguidance's view of it built (about 0.4 s), on that thread
     when the first constrained request arrives, so an engine that never sees one pays nothing.
@@ -178,6 +179,13 @@ class StructuredOutputManager:
     def __init__(self, tokenizer_path, vocab_size: int, eos_token_ids: set[int]) -> None:
         self._path, self._vocab, self._eos = tokenizer_path, vocab_size, set(eos_token_ids)
         self._executor = ThreadPoolExecutor(1, "pagedllm-grammar")
+        # the pool starts its one thread on the first submit: start it now, with the large stack
+        # (``threading.stack_size`` applies to threads started while it is set)
+        previous = threading.stack_size(COMPILE_STACK_BYTES)
+        try:
+            self._executor.submit(int).result()
+        finally:
+            threading.stack_size(previous)
         self._backend: GuidanceBackend | None = None
         self._pending: set[Future] = set()
 

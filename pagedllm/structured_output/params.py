@@ -45,8 +45,10 @@ class StructuredOutputsParams:
             ``begin`` (opened when one of ``triggers`` appears) is followed by JSON matching
             its ``schema`` and then ``end``.
         disable_any_whitespace: JSON without whitespace between tokens (compact form).
-        disable_additional_properties: objects of ``json`` take no properties beyond their
-            ``properties`` unless the schema says otherwise.
+        disable_additional_properties: every object of ``json`` takes no properties beyond its
+            ``properties`` unless the schema says otherwise, ``{"type": "object"}`` included
+            (without it, only objects that declare ``properties`` are closed: see
+            ``structured_output.json_schema``).
         whitespace_pattern: a regex for the whitespace allowed in JSON (overrides the default).
         reasoning_end_tag: set by the server when a reasoning parser is on and thinking is:
             the constraint starts after the token that completes this text in the output
@@ -119,52 +121,63 @@ def _json_options(p: StructuredOutputsParams) -> dict:
     return opts
 
 
-def _close_objects(schema: Any) -> Any:
-    """``additionalProperties: false`` on every object schema that does not say (vLLM's
-    ``disable_additional_properties``)."""
-    if isinstance(schema, list):
-        return [_close_objects(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {k: _close_objects(v) for k, v in schema.items()}
-    if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out:
-        out["additionalProperties"] = False
-    return out
-
-
 def _build_spec(p: StructuredOutputsParams) -> str:
+    """The llguidance grammar text of ``p``, after the cheap bounds of ``limits`` (size, depth,
+    ``$ref`` and rule chains), so that nothing past them reaches a compiler."""
     from llguidance import LLMatcher, StructTag
-    from llguidance.gbnf_to_lark import any_to_lark
-    kind = p.kind
+    from llguidance.gbnf_to_lark import any_to_lark, is_lark_syntax
+
+    from pagedllm.structured_output import limits
+    from pagedllm.structured_output.json_schema import close_objects
+    kind, param = p.kind, p.param
     if kind in ("json", "json_object"):
         schema = {"type": "object"} if kind == "json_object" else p.json
         if isinstance(schema, str):
+            limits.check_size(schema, param, "schema")
             try:
                 schema = json.loads(schema)
+            except RecursionError:
+                raise StructuredOutputError(param, f"{param}: the schema nests more than {limits.MAX_JSON_DEPTH} "
+                                            f"levels deep; at most {limits.MAX_JSON_DEPTH} are accepted") from None
             except ValueError as e:
-                raise StructuredOutputError(p.param, f"{p.param}: not valid JSON ({e})") from None
+                raise StructuredOutputError(param, f"{param}: not valid JSON ({e})") from None
         if not isinstance(schema, (dict, bool)):
-            raise StructuredOutputError(p.param, f"{p.param}: a JSON schema must be an object")
-        if p.disable_additional_properties:
-            schema = _close_objects(schema)
+            raise StructuredOutputError(param, f"{param}: a JSON schema must be an object")
+        limits.check_depth(schema, param)  # before anything here recurses over it
+        # objects declaring properties are closed unless they say otherwise (vLLM's xgrammar and
+        # llama.cpp agree); disable_additional_properties closes every object
+        schema = close_objects(schema, every_object=p.disable_additional_properties)
+        text = json.dumps(schema, ensure_ascii=False)
+        limits.check_size(text, param, "schema")
+        limits.check_refs(schema, param, text)
         try:
-            return LLMatcher.grammar_from_json_schema(schema, defaults=_json_options(p))
+            return LLMatcher.grammar_from_json_schema(text, defaults=_json_options(p))
         except ValueError as e:
-            raise StructuredOutputError(p.param, f"{p.param}: {e}") from None
+            raise StructuredOutputError(param, f"{param}: {e}") from None
     if kind == "regex":
+        limits.check_size(p.regex, param, "regex")
         return LLMatcher.grammar_from_regex(p.regex)
     if kind == "choice":
         # Lark string literals (JSON-quoted), so no choice needs regex escaping
-        return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in p.choice))
+        lark = "start: " + " | ".join(json.dumps(c) for c in p.choice)
+        limits.check_size(lark, param, "choice list")
+        return LLMatcher.grammar_from_lark(lark)
     if kind == "grammar":
+        limits.check_size(p.grammar, param, "grammar")
+        if not is_lark_syntax(p.grammar):
+            limits.check_gbnf_rules(p.grammar, param)
         try:
-            return LLMatcher.grammar_from_lark(any_to_lark(p.grammar))
+            lark = any_to_lark(p.grammar)
         except Exception as e:  # the GBNF converter raises plain exceptions on syntax errors
-            raise StructuredOutputError(p.param, f"{p.param}: cannot read the grammar as Lark or GBNF ({e})") from None
+            raise StructuredOutputError(param, f"{param}: cannot read the grammar as Lark or GBNF ({e})") from None
+        limits.check_grammar(lark, param)
+        return LLMatcher.grammar_from_lark(lark)
+    limits.check_size(p.structural_tag, param, "structural tag")
     return _structural_tag_spec(p, StructTag, LLMatcher)
 
 
 def _structural_tag_spec(p: StructuredOutputsParams, StructTag, LLMatcher) -> str:
+    from pagedllm.structured_output.limits import check_schema
     param = p.param
     try:
         tag = json.loads(p.structural_tag)
@@ -174,8 +187,11 @@ def _structural_tag_spec(p: StructuredOutputsParams, StructTag, LLMatcher) -> st
             trigger = next((t for t in triggers if s["begin"].startswith(t)), None)
             if trigger is None:
                 raise ValueError(f"no trigger is a prefix of begin {s['begin']!r}")
+            check_schema(s.get("schema", {}), param)
             tags.append(StructTag(trigger=trigger, begin=s["begin"], grammar=s.get("schema", {}), end=s["end"]))
         return LLMatcher.grammar_from_lark(StructTag.to_grammar(tags))
-    except (ValueError, KeyError, TypeError, AssertionError) as e:
+    except StructuredOutputError:
+        raise
+    except (ValueError, KeyError, TypeError, AssertionError, RecursionError) as e:
         raise StructuredOutputError(param, f"{param}: expected {{\"structures\": [{{\"begin\", \"schema\", "
                                     f"\"end\"}}], \"triggers\": [...]}} ({e})") from None

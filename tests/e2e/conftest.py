@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -23,6 +24,7 @@ from typing import Sequence
 
 import httpx
 import pytest
+import uvicorn
 
 MODEL_NAME = "smollm2"
 MAX_MODEL_LEN = 2048
@@ -144,3 +146,38 @@ def start_server_process():
     """``start_server_process(log_dir, extra_args, extra_env)`` yields ``(base URL, Popen)``, for tests that
     signal the server or read its exit status."""
     return _serve_process
+
+
+class ThreadServer:
+    """uvicorn serving ``app`` in a daemon thread on a socket bound here (no port race)."""
+
+    def __init__(self, app) -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                       name="uvicorn-test", daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                pytest.fail("test uvicorn server did not become healthy")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=15)
+        self.sock.close()
+
+
+@pytest.fixture(scope="session")
+def thread_server():
+    """``ThreadServer``: ``thread_server(app)`` serves an app built by the test in process."""
+    return ThreadServer

@@ -15,15 +15,12 @@ time (the script is shared), non-streamed and streamed.
 from __future__ import annotations
 
 import json
-import socket
-import threading
 import time
 from types import SimpleNamespace
 
 import httpx
 import openai
 import pytest
-import uvicorn
 
 MODEL = "smollm2"
 NUM_KV_BLOCKS = 256
@@ -149,37 +146,8 @@ ALL_SCRIPTS = sorted({c[2] for c in ONE_CALL + TWO_CALLS} | {c[3] for c in REASO
 # ---------------------------------------------------------------- fixtures
 
 
-class _ThreadServer:
-    """uvicorn serving ``app`` in a daemon thread on a socket bound here (no port race)."""
-
-    def __init__(self, app) -> None:
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
-                                       name="uvicorn-test", daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if not self.thread.is_alive() or time.monotonic() > deadline:
-                pytest.fail("test uvicorn server did not become healthy")
-            time.sleep(0.05)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=15)
-        self.sock.close()
-
-
 @pytest.fixture(scope="module")
-def stack(smollm2_tokenizer):
+def stack(smollm2_tokenizer, thread_server):
     """One scripted engine and ``AsyncLLM`` for the module; ``url(reasoning, tools, auto)`` serves an app
     of that parser configuration (started on first use); ``script(text)`` sets the next outputs."""
     from pagedllm.config import EngineArgs
@@ -189,7 +157,7 @@ def stack(smollm2_tokenizer):
     from pagedllm.worker.scripted import ScriptedOutput
 
     scripted = ScriptedOutput()
-    servers: dict[tuple, _ThreadServer] = {}
+    servers: dict[tuple, object] = {}
     llm = None
     try:
         llm = AsyncLLM(LLMEngine(EngineArgs(num_kv_blocks=NUM_KV_BLOCKS), scripted_output=scripted))
@@ -200,7 +168,7 @@ def stack(smollm2_tokenizer):
             if key not in servers:
                 app = build_app(llm, MODEL, template, reasoning_parser=reasoning, tool_call_parser=tools,
                                 enable_auto_tool_choice=auto)
-                servers[key] = _ThreadServer(app)
+                servers[key] = thread_server(app)
             return servers[key].url
 
         def script(text: str) -> list[int]:
@@ -472,7 +440,7 @@ def test_reasoning(stack, case):
 def test_structured_output_starts_after_the_reasoning(stack):
     """With a reasoning parser, a JSON constraint applies after </think>: free reasoning, then JSON
     (streamed as non-streamed); with thinking off it applies from the first token, and the same
-    scripted reasoning text breaks it (the engine ends the request: a 400 naming structured_outputs)."""
+    scripted reasoning text breaks it (the engine ends the request: a 400 naming the field used, guided_json)."""
     schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
               "additionalProperties": False}
     # a real model's "\n\n" after </think> would be masked away (JSON starts with "{"); a script cannot be
@@ -486,7 +454,7 @@ def test_structured_output_starts_after_the_reasoning(stack):
     with pytest.raises(openai.BadRequestError) as e:
         c.chat.completions.create(model=MODEL, messages=ASK_CAPITAL, max_tokens=100, extra_body={
             "guided_json": schema, "chat_template_kwargs": {"enable_thinking": False}})
-    assert error_of(e.value)["param"] == "structured_outputs"
+    assert error_of(e.value)["param"] == "guided_json"  # the request's field (issue 35), not structured_outputs
 
 
 @pytest.mark.parametrize("rp", ["qwen3", "deepseek_r1"])

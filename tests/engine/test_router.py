@@ -1,5 +1,5 @@
-"""The data-parallel router (``engine/router.py``): longest remembered prefix, else least loaded,
-never a dead replica; and the summed counters of ``engine/dp_stats.py``."""
+"""The data-parallel router (``engine/router.py``): longest remembered prefix beyond the shared one,
+else least loaded, never a dead replica; and the summed counters of ``engine/dp_stats.py``."""
 
 from __future__ import annotations
 
@@ -80,6 +80,72 @@ def test_memory_is_bounded_least_recently_sent_first():
     assert r.matched_blocks(0, H("a", "b")) == 1
 
 
+def chain(*names: str) -> list[bytes]:
+    """Stand-in block hashes chained as the prefix cache's are: block i names blocks 0..i."""
+    return ["|".join(names[:i + 1]).encode() for i in range(len(names))]
+
+
+def chat(user: int, shared: int = 1, extra: int = 2) -> list[bytes]:
+    """A chat prompt: ``shared`` blocks every chat has (template, system prompt), then its own."""
+    return chain(*[f"sys{j}" for j in range(shared)], *[f"u{user}.{j}" for j in range(extra)])
+
+
+@pytest.mark.parametrize("shared", [1, 4])
+def test_chats_sharing_their_first_blocks_are_balanced(shared):
+    """Issue 35: 32 concurrent chats with one template (and system prompt) split within 60/40
+    (the old rule sent all 32 to replica 0: each matched its shared blocks there)."""
+    r = PrefixRouter(2, capacity_blocks=10_000)
+    got = [r.route(chat(u, shared)) for u in range(32)]
+    assert 0.4 <= got.count(0) / 32 <= 0.6, got
+    assert r.shared_blocks(chat(99, shared)) == shared
+    # and again as chats finish and start, in waves
+    for u in range(32, 96):
+        r.finished(got[u - 32])
+        got.append(r.route(chat(u, shared)))
+    assert 0.4 <= got[32:].count(0) / 64 <= 0.6
+
+
+def test_a_conversations_next_turn_follows_its_history():
+    """8 conversations x 4 turns, each turn's prompt extending the last: every turn of a
+    conversation goes where its first did, and the conversations split evenly."""
+    r = PrefixRouter(2, capacity_blocks=10_000)
+    home: dict[int, int] = {}
+    for turn in range(4):
+        sent = {}
+        for c in range(8):  # a turn of every conversation in flight at once
+            sent[c] = r.route(chat(c, shared=2, extra=2 + 3 * turn))
+            assert home.setdefault(c, sent[c]) == sent[c], (c, turn)
+        for rep in sent.values():
+            r.finished(rep)
+    assert sorted(home.values()) == [0] * 4 + [1] * 4
+
+
+def test_a_lone_conversation_follows_its_history():
+    """A conversation alone: one earlier prompt shares nothing yet, and with its own turns as the
+    recent prompts, each turn still reaches past the previous one's blocks."""
+    r = PrefixRouter(2, capacity_blocks=100)
+    turns = [chat(1, extra=1 + 2 * t) for t in range(4)]
+    assert [r.route(t) for t in turns] == [0, 0, 0, 0]  # all kept in flight: 0 is busier, and wins
+    assert r.shared_blocks(chat(1, extra=20)) == 4  # turns 2 to 4, three of four, start with 4 blocks
+    assert r.route(chat(2, extra=1)) == 1  # another chat: by load
+
+
+def test_shared_blocks_is_a_majority_of_recent_distinct_prompts():
+    r = PrefixRouter(2, capacity_blocks=100, window=4)
+    assert r.shared_blocks(chat(0, shared=3)) == 0  # nothing seen
+    r.route(chat(0, shared=3))
+    r.route(chat(0, shared=3))  # the same prompt again: still one distinct prompt
+    assert r.shared_blocks(chat(1, shared=3)) == 0
+    r.route(chat(1, shared=3))
+    assert r.shared_blocks(chat(2, shared=3)) == 3
+    r.route(H("odd"))  # one odd prompt of three: the other two are still a majority
+    assert r.shared_blocks(chat(2, shared=3)) == 3
+    r.route(H("odd2"))  # window 4: chat 0, chat 1, odd, odd2: two of four is no majority
+    assert r.shared_blocks(chat(2, shared=3)) == 0
+    r.route([])  # no full block: not remembered as a prompt
+    assert len(r._recent) == 4
+
+
 def test_finished_never_goes_below_zero():
     r = PrefixRouter(1, capacity_blocks=1)
     r.finished(0)
@@ -87,7 +153,8 @@ def test_finished_never_goes_below_zero():
 
 
 @pytest.mark.parametrize("bad", [dict(num_replicas=0, capacity_blocks=1), dict(num_replicas=1, capacity_blocks=0),
-                                 dict(num_replicas=1, capacity_blocks=1, balance_abs_threshold=-1)])
+                                 dict(num_replicas=1, capacity_blocks=1, balance_abs_threshold=-1),
+                                 dict(num_replicas=1, capacity_blocks=1, window=1)])
 def test_bad_sizes_are_refused(bad):
     with pytest.raises(ValueError):
         PrefixRouter(**bad)

@@ -185,3 +185,26 @@ def test_tool_call_tag_in_prose_stays_content():
     for text in ("Write <tool_call> then the JSON of the call.", "Use <tool_call>name</tool_call> to call."):
         assert whole("hermes", None, {}, text) == (None, text, [])
         assert run_chunks("hermes", None, {}, list(text)) == (None, text, [])
+
+
+REQUIRED = '[\n\n{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "get_time", "parameters": {"tz": "CET"}}]'
+
+
+@pytest.mark.parametrize("cut", range(len(REQUIRED) + 1))
+def test_forced_calls_never_become_content(cut):
+    """``tool_choice: "required"``: every prefix of the constrained array (a cut by max_tokens)
+    gives no content, only the calls whose names are complete, each the start of the whole call
+    (issue 36: "[\\n\\n{" came back as content); chunked the same as whole."""
+    text = REQUIRED[:cut]
+    msg = parse_whole(text, forced_calls=True)
+    assert not msg.content
+    whole = parse_whole(REQUIRED, forced_calls=True).tool_calls
+    assert [c.name for c in whole] == ["get_weather", "get_time"]
+    for got, want in zip(msg.tool_calls, whole):
+        assert got.name == want.name and want.arguments.startswith(got.arguments)
+    p = make_parser(forced_calls=True)
+    for i in range(0, len(text), 3):
+        p.feed(text[i:i + 3])
+    p.finish()
+    assert [(c.name, c.arguments) for c in p.message.tool_calls] == [(c.name, c.arguments) for c in msg.tool_calls]
+    assert not p.message.content
