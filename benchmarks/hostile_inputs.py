@@ -100,10 +100,10 @@ def cases() -> list[tuple[str, str, str, dict | bytes, set[int]]]:
             "messages": [{"role": "user", "content": "hi"}], "tools": [{"name": "f", "input_schema": {}}],
             "tool_choice": {"type": "tool", "name": "nope"}}, BAD),
         ("rerank top_n 2**64", "POST", "/v1/rerank", {"query": "q", "documents": ["a"], "top_n": 2**64}, BAD),
-        ("defs under required", "POST", CHAT, _chat(max_tokens=48, tools=[
+        ("defs under required", "POST", CHAT, _chat(max_tokens=24, tools=[
             _defs_tool("where", "city"), _defs_tool("when", "day")], tool_choice="required"), {200}),
         ("defs under anthropic any", "POST", MESSAGES, {
-            "max_tokens": 48, "messages": [{"role": "user", "content": "hi"}], "tool_choice": {"type": "any"},
+            "max_tokens": 24, "messages": [{"role": "user", "content": "hi"}], "tool_choice": {"type": "any"},
             "tools": [{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]}
                       for t in (_defs_tool("where", "city"), _defs_tool("when", "day"))]}, {200}),
         ("405", "PUT", CHAT, _chat(), {405}),

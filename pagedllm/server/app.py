@@ -34,7 +34,7 @@ import pagedllm
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.server import anthropic, defaults, responses
 from pagedllm.server.errors import APIError
-from pagedllm.server.guards import (AdmissionControl, BodySizeLimitMiddleware, CatchAllMiddleware,
+from pagedllm.server.guards import (AdmissionControl, BodySizeLimitMiddleware, CatchAllMiddleware, IdleTrimMiddleware,
                                     RejectionCounter)
 from pagedllm.server.handlers import install_error_handlers
 from pagedllm.server.json_depth import JSONDepthMiddleware, check_json_texts
@@ -223,6 +223,7 @@ def build_app(llm: AsyncLLM, model_name: str, chat_template: str | None = None, 
     app.add_middleware(CatchAllMiddleware)
     app.add_middleware(JSONDepthMiddleware)  # inside the size limit, which bounds what it reads
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_body_bytes, rejections=rejections)
+    app.add_middleware(IdleTrimMiddleware)  # idle again after a burst: give the freed heap back
     if api_key:
         app.add_middleware(_APIKeyMiddleware, api_key=api_key)
     # added last, so outermost: 401 answers carry CORS headers too (a browser client

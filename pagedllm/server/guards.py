@@ -20,6 +20,7 @@ All rejections are counted by reason for ``pagedllm:num_requests_rejected_total`
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import re
@@ -27,6 +28,7 @@ import threading
 from collections import Counter
 from typing import Any
 
+from pagedllm.memory import return_freed_memory
 from pagedllm.server.errors import APIError
 
 logger = logging.getLogger(__name__)
@@ -281,3 +283,53 @@ def check_choices(num_prompts: int, n: int) -> None:
         raise APIError(400, f"{'n' if n > 1 else 'prompt'}: a request may ask for at most "
                        f"{MAX_CHOICES_PER_REQUEST} choices (prompts x n), got {num_prompts} x {n} = "
                        f"{num_prompts * n}", "n" if n > 1 else "prompt", code="too_many_choices")
+
+
+class IdleTrimMiddleware:
+    """ASGI middleware: when the last HTTP request in flight ends and none starts for
+    ``delay_s``, give the heap's free pages back to the system (``memory.return_freed_memory``, on
+    a worker thread), at most once per ``min_interval_s``.
+
+    Why: parsing a few megabytes of hostile JSON, or a burst of hundreds of requests, leaves glibc
+    holding the freed pages, and the front end's resident memory stayed at that high-water mark
+    when idle (issue 35). The engine core trims itself the same way when it goes idle.
+
+    Args:
+        app: the wrapped ASGI app.
+        delay_s: idle seconds before trimming.
+        min_interval_s: least seconds between two trims.
+        trim: the trim function (tests pass a counter).
+    """
+
+    def __init__(self, app, delay_s: float = 1.0, min_interval_s: float = 5.0, trim=None) -> None:
+        self.app, self.delay_s, self.min_interval_s = app, delay_s, min_interval_s
+        self._trim = trim or return_freed_memory
+        self.in_flight = 0
+        self._last = float("-inf")
+        self._timer = None
+
+    async def __call__(self, scope, receive, send) -> None:
+        """Count the request while the app answers it; schedule a trim when none is left."""
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        self.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.in_flight -= 1
+            if self.in_flight == 0:
+                self._schedule()
+
+    def _schedule(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = loop.call_later(self.delay_s, self._maybe_trim, loop)
+
+    def _maybe_trim(self, loop) -> None:
+        self._timer = None
+        if self.in_flight or loop.time() - self._last < self.min_interval_s:
+            return
+        self._last = loop.time()
+        loop.run_in_executor(None, self._trim)

@@ -220,3 +220,33 @@ def test_admission_release_when_a_stream_never_starts():
         return control.in_flight
 
     assert asyncio.run(run()) == 0
+
+
+def test_the_front_end_trims_its_heap_once_idle():
+    """The last request ending (and none starting for ``delay_s``) trims once; a request still in
+    flight, or a trim less than ``min_interval_s`` ago, holds it back (issue 35: the front end's
+    RSS stayed at its high-water mark after hostile bodies)."""
+    from pagedllm.server.guards import IdleTrimMiddleware
+    trims = []
+
+    async def app(scope, receive, send):
+        await asyncio.sleep(0.01)
+
+    async def run():
+        mw = IdleTrimMiddleware(app, delay_s=0.05, min_interval_s=0.3, trim=lambda: trims.append(1))
+        http = {"type": "http"}
+        await asyncio.gather(*[mw(http, None, None) for _ in range(5)])  # one burst: one trim
+        await asyncio.sleep(0.15)
+        assert len(trims) == 1 and mw.in_flight == 0
+        await mw(http, None, None)  # within min_interval_s of the last trim: none
+        await asyncio.sleep(0.1)
+        assert len(trims) == 1
+        await asyncio.sleep(0.3)
+        await mw(http, None, None)
+        slow = asyncio.ensure_future(mw(http, None, None))
+        await asyncio.sleep(0.001)
+        assert mw.in_flight == 1
+        await slow
+        await asyncio.sleep(0.15)
+        assert len(trims) == 2
+    asyncio.run(run())
