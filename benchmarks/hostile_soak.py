@@ -26,8 +26,8 @@ What it does
 
     Afterwards the engine must be idle with every KV block free within 10 s, and the resident
     memory of the front end and of the core process back within 10% of what they held idle
-    after a warm-up of normal streams and a normal burst (read 5 s after the hostile phase, and again
-    at the end).
+    after a warm-up of the same normal load (the streams with a burst beside them, and a few ordinary
+    constrained requests), read 5 s after the hostile phase and again at the end.
 
 Reported per phase: answers by status, unexpected answers (a status the phase does not
 expect, a transport error, any 5xx), ``/health`` latency p50 / p99 / max and failures, canary
@@ -256,6 +256,22 @@ async def hostile(url: str, phase: Phase, window_s: float) -> None:
                 return
 
 
+async def normal_constraints(url: str) -> None:
+    """A few ordinary constrained requests (a schema, a regex, a forced tool call), so the idle
+    reading includes what structured outputs cost once (the core's tokenizer view for llguidance,
+    the validator child)."""
+    ask = [{"role": "user", "content": "Name a city."}]
+    bodies = [{"response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": {
+                  "type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"]}}}},
+              {"guided_regex": "[A-Z][a-z]{2,10}"},
+              {"tool_choice": "required", "tools": [{"type": "function", "function": {"name": "f", "parameters": {
+                  "type": "object", "properties": {"q": {"type": "string", "maxLength": 10}}, "required": ["q"]}}}]}]
+    async with httpx.AsyncClient(base_url=url, timeout=600, headers=AUTH) as http:
+        for body in bodies:
+            r = await http.post("/v1/chat/completions", json={"messages": ask, "max_tokens": 24, **body})
+            r.raise_for_status()
+
+
 async def with_streams(url: str, args, body) -> dict:
     """Run ``body()`` while ``args.streams`` normal chat streams run; their summary."""
     load = StreamLoad(url, args.streams, AUTH)
@@ -298,10 +314,11 @@ async def pool_check(url: str, timeout_s: float = 10.0) -> dict:
 
 async def soak(url: str, args, pid: int) -> dict:
     phases, streams = [], {}
-    # warm-up: normal traffic's own high-water mark (streams, then a burst) before the idle reading,
-    # so the growth measured after is what the hostile inputs left
-    await with_streams(url, args, lambda: asyncio.sleep(10))
-    await burst(url, Phase("warm-up"), args.burst)
+    # warm-up: normal traffic's own high-water mark (the streams with the burst beside them, the
+    # load of the last phase) before the idle reading, so the growth measured after is what the
+    # hostile inputs left
+    await with_streams(url, args, lambda: burst(url, Phase("warm-up"), args.burst))
+    await normal_constraints(url)  # the core builds its grammar backend once, on first use
     rss = {"idle": await idle_rss(url, pid)}
 
     async def baseline_phase(p: Phase) -> None:
