@@ -1,12 +1,15 @@
-"""Fused float32 CPU kernels (``cpu_kernels.c``), built at first use and called through ctypes.
+"""Fused float32 CPU kernels (``cpu_kernels.c``) and the packed-weight kernels (``quant_*.c``), built
+at first use and called through ctypes.
 
-The C source is compiled once per machine with the system C compiler
-(``$CC``, else ``cc``) and ``-O3 -march=native -fopenmp`` into
-``<cache>/kernels/cpu_kernels-<hash>.so``; the hash covers the source, the
-flags, the compiler's version and the CPU's feature flags, so a shared home
-directory never loads a library built for another CPU. The library's OpenMP
-calls resolve to the ``libgomp.so.1`` torch has already loaded, so kernels and
-torch ops share one thread team.
+The C sources are compiled with the system C compiler (``$CC``, else ``cc``) once per instruction
+set (``ISA_FLAGS``: ``generic``, ``avx2``, ``avxvnni``, ``avx512vnni``; issue 37), each with its
+own explicit target flags rather than ``-march=native``, into
+``<cache>/kernels/cpu_kernels-<isa>-<hash>.so``; the hash covers the sources, the flags and the
+compiler's version. Which build a process loads is decided at run time
+(``cpu_features.select_isa``: the CPU's cpuid and the OS's XSAVE state, lowered by
+``PAGEDLLM_CPU_ISA``), so a cache directory shared between machines never hands one a build its
+CPU cannot run. The library's OpenMP calls resolve to the ``libgomp.so.1`` torch has already
+loaded, so kernels and torch ops share one thread team.
 
 Without a compiler, or with ``PAGEDLLM_CPU_KERNELS=0``, ``available()`` is False
 and callers keep their torch code paths. Every op here requires float32 CPU
@@ -24,6 +27,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -35,9 +39,24 @@ from pagedllm.cache import cache_root
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).with_name(n) for n in ("cpu_kernels.c", "quant_kernels.c", "state_kernels.c")]
-_HEADERS = [Path(__file__).with_name("vec_math.h")]  # included by the sources: part of the build's hash
+_SOURCES = [Path(__file__).with_name(n) for n in ("cpu_kernels.c", "quant_kernels.c", "quant_avx512.c", "quant_avx2.c",
+                                                  "state_kernels.c")]
+# included by the sources: part of the build's hash
+_HEADERS = [Path(__file__).with_name(n) for n in ("vec_math.h", "quant_common.h", "quant_i8_driver.h")]
 _FLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-fPIC", "-shared"]
+_AVX2 = ("-mavx2", "-mfma", "-mf16c")
+# one build per instruction set, lowest first (the index is quant_common.h's QI8_ISA, pl_isa()):
+# generic is the compiler's baseline target (x86-64: SSE2), the float32 kernels only
+ISA_FLAGS: dict[str, tuple[str, ...]] = {
+    "generic": (),
+    "avx2": _AVX2,
+    "avxvnni": (*_AVX2, "-mavxvnni"),
+    "avx512vnni": (*_AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512cd", "-mavx512vnni"),
+}
+ISAS = tuple(ISA_FLAGS)
+# the byte dot product each build's int8-activation kernels use (for the logs and /stats)
+ISA_DOT = {"avx2": "vpmaddubsw + vpmaddwd, ymm", "avxvnni": "AVX-VNNI vpdpbusd, ymm",
+           "avx512vnni": "AVX-512 VNNI vpdpbusd, zmm"}
 _P, _L, _F, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_float, ctypes.c_int
 _SIGNATURES = {
     "pl_rms_norm": [_P, _P, _P, _P, _L, _L, _F, _I],
@@ -52,13 +71,13 @@ _SIGNATURES = {
     "pl_qdequant": [_I, _P, _P, _P, _P, _L, _L, _I],
     "pl_qdequant_rows": [_I, _P, _P, _P, _P, _L, _P, _L, _I],
     "pl_set_int8_activations": [_I],
-    "pl_has_vnni": [],
+    "pl_isa": [],
     "pl_causal_conv": [_P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _L, _L, _L, _I, _I],
     "pl_ssd_scan": [_P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _L, _L, _L, _L, _L, _I],
 }
-_INT_RESULT = {"pl_decode_stack", "pl_has_vnni"}
+_INT_RESULT = {"pl_decode_stack", "pl_isa"}
 QGEMM_MAX_ROWS = 16  # rows up to which float32 activations multiply packed tiles (more: dequantize, oneDNN)
-QUANT_LAYOUTS = {"U4M": 0, "S8": 1, "S8H": 3, "S8M": 4}  # pl_qgemm's tile layout codes (models/gguf_blocks.py)
+QUANT_LAYOUTS = {"U4M": 0, "S8": 1, "S6": 2, "S8H": 3, "S8M": 4}  # pl_qgemm's tile layout codes (models/gguf_blocks.py)
 QUANT_TILE = 16  # output rows per tile (quant_kernels.c QT)
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -72,11 +91,13 @@ def _cpu_flags() -> str:
         return ""
 
 
-def build(cache_dir: Path | None = None, arch: tuple[str, ...] = ("-march=native",)) -> Path:
-    """Compile ``cpu_kernels.c``, ``quant_kernels.c`` and ``state_kernels.c`` into one library unless a matching build is cached; return the ``.so`` path.
+def compile_library(sources: list[Path], flags: list[str], name: str, cache_dir: Path | None = None,
+                    headers: list[Path] = ()) -> Path:
+    """Compile ``sources`` into ``<cache>/kernels/<name>-<hash>.so`` unless that file exists; return its path.
 
-    ``arch`` are the target flags (tests also build ``-mavx2 -mfma`` to check the AVX2 code
-    on an AVX-512 machine).
+    The hash covers the sources, ``headers``, the flags and the compiler's version (never the CPU:
+    the flags alone say what the code may execute). On non-x86 machines, where the builds use
+    ``-march=native``, the CPU's flags join the hash.
 
     Raises:
         RuntimeError: no C compiler, or compilation failed (the message holds its output).
@@ -85,28 +106,52 @@ def build(cache_dir: Path | None = None, arch: tuple[str, ...] = ("-march=native
     if cc is None:
         raise RuntimeError("no C compiler found (set CC)")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    src = b"\0".join(p.read_bytes() for p in _SOURCES + _HEADERS)
-    flags = [*_FLAGS, *arch]
-    key = hashlib.sha256(b"\0".join([src, " ".join(flags).encode(), version.encode(),
-                                     _cpu_flags().encode()])).hexdigest()[:16]
+    src = b"\0".join(p.read_bytes() for p in [*sources, *headers])
+    parts = [src, " ".join(flags).encode(), version.encode()]
+    if "-march=native" in flags:
+        parts.append(_cpu_flags().encode())
+    key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
     out_dir = (cache_dir or cache_root()) / "kernels"
-    out = out_dir / f"cpu_kernels-{key}.so"
+    out = out_dir / f"{name}-{key}.so"
     if out.exists():
         return out
     out_dir.mkdir(parents=True, exist_ok=True)
     # build under a temporary name, then rename: concurrent first uses never load a partial file
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
-    proc = subprocess.run([cc, *flags, *map(str, _SOURCES), "-o", tmp, "-lm"], capture_output=True, text=True)
+    proc = subprocess.run([cc, *flags, *map(str, sources), "-o", tmp, "-lm"], capture_output=True, text=True)
     if proc.returncode != 0:
         os.unlink(tmp)
-        raise RuntimeError(f"compiling the CPU kernels failed:\n{proc.stderr[-2000:]}")
+        raise RuntimeError(f"compiling {name} failed:\n{proc.stderr[-2000:]}")
     os.replace(tmp, out)
     return out
 
 
+def build(cache_dir: Path | None = None, isa: str = "generic") -> Path:
+    """Compile the kernels (``cpu_kernels.c``, ``quant_*.c``, ``state_kernels.c``) for instruction set
+    ``isa`` (an ``ISA_FLAGS`` key) unless a matching build is cached; return the ``.so`` path.
+
+    Building never asks whether this CPU can run the result (tests build every variant); loading
+    one the CPU lacks is the caller's mistake (``cpu_features.select_isa`` chooses). On non-x86
+    machines every name builds ``-march=native`` (the x86 flags do not apply).
+
+    Raises:
+        ValueError: an unknown ``isa``.
+        RuntimeError: no C compiler, or compilation failed (the message holds its output).
+    """
+    if isa not in ISA_FLAGS:
+        raise ValueError(f"unknown instruction set {isa!r}: one of {', '.join(ISAS)}")
+    arch = list(ISA_FLAGS[isa]) if _x86() else ["-march=native"]
+    return compile_library(_SOURCES, [*_FLAGS, *arch], f"cpu_kernels-{isa}", cache_dir, _HEADERS)
+
+
+def _x86() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64")
+
+
 def load(path: Path) -> ctypes.CDLL:
-    """Load a built library and declare its functions' C signatures.
+    """Load a built library and declare its functions' C signatures; int8 activations start on where
+    the build has int8 kernels (``avx2`` and above) unless ``PAGEDLLM_INT8_ACTIVATIONS=0``.
 
     Raises:
         OSError: the file cannot be loaded.
@@ -115,19 +160,25 @@ def load(path: Path) -> ctypes.CDLL:
     for name, args in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, (ctypes.c_int if name in _INT_RESULT else None)
-    lib.pl_set_int8_activations(int(bool(lib.pl_has_vnni()) and _int8_wanted()))
+    lib.pl_set_int8_activations(int(lib.pl_isa() > 0 and _int8_wanted()))
     return lib
 
 
+def isa() -> str:
+    """The instruction set of the loaded kernels (``ISAS``), or ``""`` when none are loaded."""
+    return ISAS[_lib.pl_isa()] if available() else ""
+
+
 def _int8_wanted() -> bool:
-    """``PAGEDLLM_INT8_ACTIVATIONS``: ``0`` off, anything else (or unset) on where VNNI exists."""
+    """``PAGEDLLM_INT8_ACTIVATIONS``: ``0`` off, anything else (or unset) on where the build has int8 kernels."""
     return os.environ.get("PAGEDLLM_INT8_ACTIVATIONS", "auto") != "0"
 
 
 def int8_activations() -> bool:
     """True when products of packed weights quantize their input rows to int8 per 32-block, in two
-    levels (the value and its rounding residual, about 15 bits), and use VNNI integer dot products:
-    the CPU has AVX-512 VNNI and ``PAGEDLLM_INT8_ACTIVATIONS`` is not ``0``. On by default there.
+    levels (the value and its rounding residual, about 15 bits), and use integer byte dot products
+    (``ISA_DOT``): the loaded build is ``avx2`` or above and ``PAGEDLLM_INT8_ACTIVATIONS`` is not
+    ``0``. On by default there.
 
     Every row of every product (decode, batches, speculative verification, prefill) then takes the
     same path, so a row's product does not depend on its batch; logprobs stay within about 0.001 of
@@ -139,7 +190,7 @@ def int8_activations() -> bool:
     if not available():
         return False
     if _int8_cache is None or _int8_cache[0] is not _lib:  # asked per product: computed once per library
-        _int8_cache = (_lib, bool(_lib.pl_has_vnni()) and _int8_wanted())
+        _int8_cache = (_lib, _lib.pl_isa() > 0 and _int8_wanted())
     return _int8_cache[1]
 
 
@@ -167,8 +218,11 @@ def available() -> bool:
         return _lib is not None
     _tried = True
     if os.environ.get("PAGEDLLM_CPU_KERNELS", "1") != "0":
+        from pagedllm.kernels.cpu_features import select_isa
         try:
-            _lib = load(build())
+            want, why = select_isa()
+            _lib = load(build(isa=want))
+            logger.info("CPU kernels: %s build (%s)", want, why)
         except (OSError, RuntimeError) as e:
             logger.warning("CPU kernels unavailable, using torch ops: %s", e)
     return _lib is not None

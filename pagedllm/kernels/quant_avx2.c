@@ -1,0 +1,203 @@
+/* int8 activations x packed tiles on AVX2 and AVX-VNNI (issue 37): 32-byte vectors, so a tile's 16
+ * rows are two halves of 8 lanes (rows 8h .. 8h + 7 = bytes 32h .. 32h + 31 of every 64-byte chunk),
+ * one 32-bit lane per row as on AVX-512 (layouts and the two-level activations: quant_kernels.c).
+ *
+ * The byte dot product is the one difference between the two builds:
+ * - AVX-VNNI (QI8_ISA 2): vpdpbusd on YMM, 4 unsigned x signed byte products summed into each int32
+ *   lane, with no intermediate saturation.
+ * - AVX2 (QI8_ISA 1): vpmaddubsw multiplies unsigned by signed bytes and sums adjacent pairs into
+ *   int16 WITH saturation, then vpmaddwd by ones sums int16 pairs into int32. The unsigned operand
+ *   is the weight: nibbles (0..15), Q5_1/Q5_K quants (0..31), and the small signed ones (Q5_0,
+ *   Q6_K: -32..31) plus 32 (0..63); the activations are int8 within +-127 (the second level is
+ *   clamped there). A pair is then at most 2 * 63 * 127 = 16002, so 2 (offset quants), 4 (0..31)
+ *   or 8 (nibbles) vpmaddubsw results add up exactly in int16 before one vpmaddwd. Full-range int8
+ *   weights (Q8_0, int8 per channel) move their sign onto the activation (vpsignb) and multiply
+ *   |w| (at most 128) by it: 2 * 128 * 127 = 32512 still fits, one vpmaddwd per quad. The offset's
+ *   share is subtracted once per group: off * (256 * sum q1 + sum q2) of the input row, precomputed
+ *   when the row is quantized.
+ */
+#include "quant_common.h"
+#if QI8_ISA == 1 || QI8_ISA == 2
+#include <immintrin.h>
+#include <string.h>
+
+/* One input row, quantized (x ~ dx * 256 * (q1 + q2 / 256) per 32-block): xq, xq2 [K] int8 levels;
+ * dx [K/32] the block's step / 256 (the unit of 256 s1 + s2); sxd [K/32] the block's sum as
+ * quantized (for the mins); c16 [K/16] 256 * sum q1 + sum q2 per 16 values (for the offsets). */
+typedef struct {
+    int8_t *xq, *xq2;
+    float *dx, *sxd;
+    int32_t *c16;
+} qrow;
+
+static size_t qrow_bytes(long K) { return 2 * K + (2 * sizeof(float) + 2 * sizeof(int32_t)) * (K / QBLOCK); }
+
+static inline int32_t hsum_i32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1)));
+    return _mm_cvtsi128_si32(s);
+}
+
+static inline float hmax_ps(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+/* 32 int32 in four vectors (each within int8) -> 32 int8 at p, in order: the packs work within
+ * 128-bit lanes, leaving 4-byte groups in the order 0 4 1 5 2 6 3 7 of the sources' halves */
+static inline void store_i8(int8_t *p, const __m256i *v) {
+    __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+    _mm256_storeu_si256((__m256i *)p, _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+}
+
+/* The two levels of quant_avx512.c's quantize_row (round to nearest even, step max|x| / 127, the
+ * residual at step / 256), except that the second is clamped to +-127 (vpsignb of -128 is -128). */
+static void quantize_row(const float *x, long K, uint8_t *mem, qrow *r) {
+    long nb = K / QBLOCK;
+    r->xq = (int8_t *)mem;
+    r->xq2 = r->xq + K;
+    r->dx = (float *)(r->xq2 + K);
+    r->sxd = r->dx + nb;
+    r->c16 = (int32_t *)(r->sxd + nb);
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256i hi = _mm256_set1_epi32(127), lo = _mm256_set1_epi32(-127);
+    for (long b = 0; b < nb; b++) {
+        __m256 v[4], m = _mm256_setzero_ps();
+        for (int j = 0; j < 4; j++) {
+            v[j] = _mm256_loadu_ps(x + b * QBLOCK + 8 * j);
+            m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[j]));
+        }
+        float amax = hmax_ps(m);
+        float dx = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f, id2 = amax > 0.0f ? 256.0f / dx : 0.0f;
+        __m256i q[4], p[4];
+        for (int j = 0; j < 4; j++) {
+            q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], _mm256_set1_ps(id)));
+            __m256 res = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(q[j]), _mm256_set1_ps(dx), v[j]);
+            p[j] = _mm256_max_epi32(_mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(res, _mm256_set1_ps(id2))), hi), lo);
+        }
+        store_i8(r->xq + b * QBLOCK, q);
+        store_i8(r->xq2 + b * QBLOCK, p);
+        for (int g = 0; g < 2; g++)
+            r->c16[2 * b + g] = 256 * hsum_i32(_mm256_add_epi32(q[2 * g], q[2 * g + 1])) +
+                                hsum_i32(_mm256_add_epi32(p[2 * g], p[2 * g + 1]));
+        r->dx[b] = dx / 256.0f;
+        r->sxd[b] = r->dx[b] * (float)(r->c16[2 * b] + r->c16[2 * b + 1]);
+    }
+}
+
+/* what this build adds to a format's quants to make them the unsigned operand (see the top) */
+static inline int q_off(int fmt) {
+    if (fmt == 2 || fmt == 3)
+        return 32;
+    return fmt == 1 && QI8_ISA == 2 ? 128 : 0;
+}
+
+/* The 8 quads of half h of a tile-block (quad q: weights 4q .. 4q + 3 of rows 8h .. 8h + 7): u[q]
+ * the unsigned operand, and for full-range S8 on AVX2 s[q] the signed quants (vpsignb's source). */
+static inline __attribute__((always_inline)) void half_quads(int fmt, const uint8_t *tb, int h, __m256i *u,
+                                                             __m256i *s) {
+    if (q_nib(fmt)) {
+        const __m256i m4 = _mm256_set1_epi8(15);
+        for (int c = 0; c < 4; c++) {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(tb + 64 * c + 32 * h));
+            u[2 * c] = _mm256_and_si256(v, m4);
+            u[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+        }
+        return;
+    }
+    int off = q_off(fmt);
+    for (int c = 0; c < 8; c++) {
+        __m256i v = _mm256_loadu_si256((const __m256i *)(tb + 64 * c + 32 * h));
+        if (fmt == 1 && QI8_ISA == 1)
+            u[c] = _mm256_abs_epi8(v), s[c] = v;
+        else if (off == 128)
+            u[c] = _mm256_xor_si256(v, _mm256_set1_epi8((char)0x80));
+        else
+            u[c] = off ? _mm256_add_epi8(v, _mm256_set1_epi8((char)off)) : v;
+    }
+}
+
+static inline __m256i bcast4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+
+/* per lane (row): sum over quads [q0, q1) of u[q] . x[4q .. 4q + 3], in int32 */
+static inline __attribute__((always_inline)) __m256i quads_dot(int fmt, const __m256i *u, const __m256i *s,
+                                                               const int8_t *x, int q0, int q1) {
+#if QI8_ISA == 2
+    __m256i a = _mm256_setzero_si256(), b = _mm256_setzero_si256(); /* two chains: vpdpbusd's latency */
+    for (int q = q0; q < q1; q += 2) {
+        a = _mm256_dpbusd_avx_epi32(a, u[q], bcast4(x + 4 * q));
+        b = _mm256_dpbusd_avx_epi32(b, u[q + 1], bcast4(x + 4 * q + 4));
+    }
+    (void)fmt, (void)s;
+    return _mm256_add_epi32(a, b);
+#else
+    const __m256i ones = _mm256_set1_epi16(1);
+    int chain = fmt == 0 ? 8 : fmt == 4 ? 4 : fmt == 1 ? 1 : 2; /* exact int16 sums (see the top) */
+    __m256i acc = _mm256_setzero_si256();
+    for (int q = q0; q < q1; q += chain) {
+        __m256i p = _mm256_setzero_si256();
+        for (int j = q; j < q + chain; j++) {
+            __m256i xb = bcast4(x + 4 * j);
+            if (fmt == 1)
+                xb = _mm256_sign_epi8(xb, s[j]);
+            p = _mm256_add_epi16(p, _mm256_maddubs_epi16(u[j], xb));
+        }
+        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, ones));
+    }
+    return acc;
+#endif
+}
+
+/* acc + (rows 8h .. 8h + 7 of block b) . (row r's block b, both levels) x scales (+ min x block sum):
+ * 256 s1 + s2 - off * c combined exactly in int32, then one conversion and one scale per group */
+static inline __attribute__((always_inline)) __m256 half_block(int fmt, const __m256i *u, const __m256i *s,
+                                                               const float *dt, const float *mt, long b, int h,
+                                                               const qrow *r, __m256 acc) {
+    const int8_t *x1 = r->xq + b * QBLOCK, *x2 = r->xq2 + b * QBLOCK;
+    const int32_t *c = r->c16 + 2 * b;
+    __m256 dxv = _mm256_set1_ps(r->dx[b]);
+    int off = q_off(fmt), ng = fmt == 3 ? 2 : 1, per = 8 / ng;
+    for (int g = 0; g < ng; g++) {
+        __m256i v = _mm256_add_epi32(_mm256_slli_epi32(quads_dot(fmt, u, s, x1, g * per, (g + 1) * per), 8),
+                                     quads_dot(fmt, u, s, x2, g * per, (g + 1) * per));
+        if (off)
+            v = _mm256_sub_epi32(v, _mm256_set1_epi32(off * (ng == 2 ? c[g] : c[0] + c[1])));
+        __m256 dv = _mm256_loadu_ps(dt + (ng == 2 ? 2 * b + g : b) * QT + 8 * h);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), _mm256_mul_ps(dv, dxv), acc);
+    }
+    if (q_min(fmt))
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(mt + b * QT + 8 * h), _mm256_set1_ps(r->sxd[b]), acc);
+    return acc;
+}
+
+/* out[i] = tile . input row i, i < R: both halves per block, so the tile streams by once */
+#define QI_MAXR 4 /* rows per pass: 8 float accumulators and a half-block's 8 weight vectors */
+static inline __attribute__((always_inline)) void tile_i8(int fmt, const uint8_t *tq, const float *dt,
+                                                          const float *mt, long nb, const qrow *xr, int R,
+                                                          float out[QI_MAXR][QT]) {
+    __m256 acc[QI_MAXR][2];
+    for (int i = 0; i < R; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    long tbb = q_tb(fmt);
+    for (long b = 0; b < nb; b++) {
+        const uint8_t *tb = tq + b * tbb;
+        for (long c = 0; c < tbb; c += 64) __builtin_prefetch(tb + PF_BYTES + c, 0, 3);
+        for (int h = 0; h < 2; h++) {
+            __m256i u[8], s[8];
+            half_quads(fmt, tb, h, u, s);
+            for (int i = 0; i < R; i++) acc[i][h] = half_block(fmt, u, s, dt, mt, b, h, xr + i, acc[i][h]);
+        }
+    }
+    for (int i = 0; i < R; i++) {
+        _mm256_storeu_ps(out[i], acc[i][0]);
+        _mm256_storeu_ps(out[i] + 8, acc[i][1]);
+    }
+}
+
+#include "quant_i8_driver.h"
+#endif

@@ -1,0 +1,63 @@
+/* The int8-activation product's outer loops, shared by quant_avx512.c and quant_avx2.c (included
+ * once by each, after it defines: qrow, qrow_bytes(K), quantize_row(x, K, mem, row), QI_MAXR and
+ * tile_i8(fmt, tile bytes, d, m, blocks, rows, R, out[QI_MAXR][QT])). Every input row is quantized
+ * once, then every tile multiplies the rows in passes of QI_MAXR: a row's arithmetic is the same
+ * whatever else the batch holds. */
+#ifndef PL_QUANT_I8_DRIVER_H
+#define PL_QUANT_I8_DRIVER_H
+
+static inline __attribute__((always_inline)) void qgemm_i8_body(int fmt, const float *x, long M, const uint8_t *qs,
+                                                                const float *d, const float *mn, const float *bias,
+                                                                float *y, long N, long K, int nt) {
+    long nb = K / QBLOCK, tiles = (N + QT - 1) / QT, ng = q_groups(fmt, nb), tbb = q_tb(fmt);
+    size_t rb = (qrow_bytes(K) + 63) & ~(size_t)63;
+    uint8_t *mem = malloc(rb * M);
+    qrow *rows = malloc(sizeof(qrow) * M);
+    if (!mem || !rows) { /* out of memory: the float32 path needs no scratch */
+        free(mem);
+        free(rows);
+        pl_qgemm_f32(fmt, x, M, qs, d, mn, bias, y, N, K, nt);
+        return;
+    }
+    /* a few rows (decode) are quantized by this thread before the team starts: a barrier costs more */
+    if (M <= 4)
+        for (long i = 0; i < M; i++) quantize_row(x + i * K, K, mem + i * rb, rows + i);
+    #pragma omp parallel num_threads(nt)
+    {
+        if (M > 4) {
+            #pragma omp for schedule(static)
+            for (long i = 0; i < M; i++) quantize_row(x + i * K, K, mem + i * rb, rows + i);
+        }
+        #pragma omp for schedule(static)
+        for (long t = 0; t < tiles; t++) {
+            const uint8_t *tq = qs + t * nb * tbb;
+            const float *dt = d + t * ng * QT, *mt = mn ? mn + t * nb * QT : NULL;
+            long n0 = t * QT, nc = N - n0 < QT ? N - n0 : QT;
+            for (long r0 = 0; r0 < M; r0 += QI_MAXR) {
+                long rc = M - r0 < QI_MAXR ? M - r0 : QI_MAXR;
+                float out[QI_MAXR][QT];
+                const qrow *xr = rows + r0;
+                switch (rc) { /* constant R per call: the accumulators stay in registers */
+#define QI_CASE(r) case r: tile_i8(fmt, tq, dt, mt, nb, xr, r, out); break;
+                QI_CASE(1) QI_CASE(2) QI_CASE(3)
+#if QI_MAXR > 4
+                QI_CASE(4) QI_CASE(5) QI_CASE(6) QI_CASE(7)
+#endif
+                default: tile_i8(fmt, tq, dt, mt, nb, xr, QI_MAXR, out); break;
+#undef QI_CASE
+                }
+                for (long i = 0; i < rc; i++)
+                    for (long j = 0; j < nc; j++)
+                        y[(r0 + i) * N + n0 + j] = out[i][j] + (bias ? bias[n0 + j] : 0.0f);
+            }
+        }
+    }
+    free(mem);
+    free(rows);
+}
+
+void pl_qgemm_i8(int fmt, const float *x, long M, const uint8_t *qs, const float *d, const float *mn,
+                 const float *bias, float *y, long N, long K, int nt) {
+    QFMT_DISPATCH(qgemm_i8_body)
+}
+#endif
