@@ -249,11 +249,10 @@ def _one_level(xb: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.rint(xb * scale[:, None]), (amax / np.float32(127)).astype(np.float32)
 
 
-def _quantized_row(x: np.ndarray, levels: int = 2, low: int = -128) -> np.ndarray:
-    """The kernel's int8 activations, dequantized: each 32-block's int8 level ``q`` with step ``dx``,
-    plus (``levels=2``, what the kernel does) its rounding residual in int8 at the fixed step
-    ``dx / 256`` (the residual is at most half a step; clamped to [low, 127]: -128 on AVX-512,
-    -127 on AVX2 and AVX-VNNI, whose vpsignb would turn -128 into itself)."""
+def _quantized_row(x: np.ndarray, levels: int = 2) -> np.ndarray:
+    """The kernel's int8 activations (every build's), dequantized: each 32-block's int8 level ``q``
+    with step ``dx``, plus (``levels=2``, what the kernel does) its rounding residual in int8 at the
+    fixed step ``dx / 256`` (the residual is at most half a step; clamped to [-128, 127])."""
     xb = x.reshape(-1, 32).astype(np.float32)
     q, dx = _one_level(xb)
     first = (q * dx[:, None]).astype(np.float32)
@@ -261,7 +260,7 @@ def _quantized_row(x: np.ndarray, levels: int = 2, low: int = -128) -> np.ndarra
         return first.reshape(-1)
     res = (xb - first).astype(np.float32)
     inv = np.where(dx > 0, np.float32(256) / np.where(dx > 0, dx, 1), 0).astype(np.float32)
-    q2 = np.clip(np.rint(res * inv[:, None]), low, 127)
+    q2 = np.clip(np.rint(res * inv[:, None]), -128, 127)
     return ((q + q2 / 256) * dx[:, None]).reshape(-1)
 
 
@@ -286,7 +285,7 @@ def test_int8_activations_keep_the_logprobs_of_the_readme_example(int8_engine):
 
 @pytest.mark.parametrize("kind", FORMATS)
 def test_int8_activation_products(int8_activations, kind):
-    """Products with int8 activations (VNNI) equal the exact product of the dequantized weight with
+    """Products with int8 activations (every build that has them) equal the exact product of the dequantized weight with
     the per-block two-level int8 quantization of each input row, up to float32 rounding, for 1 row (decode),
     3 and 16 (batches, speculative verification) and 40 (prefill)."""
     rng = np.random.default_rng(5)
@@ -297,11 +296,33 @@ def test_int8_activation_products(int8_activations, kind):
         for scale in (1.0, 1e-3, 50.0):
             x = torch.randn(rows, k) * scale
             x[0, :32] = 0  # an all-zero block
-            low = -128 if int8_activations == "avx512vnni" else -127
-            xq = torch.from_numpy(np.stack([_quantized_row(r, low=low) for r in x.numpy()])).double()
+            xq = torch.from_numpy(np.stack([_quantized_row(r) for r in x.numpy()])).double()
             ref = xq @ w.T + lin.bias.double()
             got = lin(x).double()
             assert (got - ref).abs().max() <= 2e-5 * ref.abs().max() + 1e-6, (kind, rows, scale)
+
+
+@pytest.mark.parametrize("layout,q", [("U4M", 15), ("S8", -128), ("S8", 127), ("S6", -32), ("S8H", -32),
+                                       ("S8M", 31)])
+def test_int8_activations_at_the_extremes_stay_exact(int8_activations, layout, q):
+    """Every weight at its format's extreme quant and every activation at +-127 (the first level) or
+    with the residual at its extreme: the AVX2 kernels' int16 partial sums (vpmaddubsw saturates)
+    and int16 activations (256 q1 + q2) must not overflow; results equal the exact product."""
+    n, k = 16, 256
+    group = 16 if layout == "S8H" else 32
+    qs = torch.full((n, k // 2), 0xFF, dtype=torch.uint8) if layout == "U4M" else torch.full((n, k), q, dtype=torch.int8)
+    packed = {"qs": qs, "d": torch.full((n, k // group), 0.5)}
+    if layout in ("U4M", "S8M"):
+        packed["m"] = torch.full((n, k // 32), -0.25)
+    lin = GGUFLinear(layout, packed, n, k)
+    w = lin.dequantize().double()
+    sign = 1.0 if q > 0 else -1.0
+    x = torch.full((3, k), sign)  # q1 = +-127 everywhere, with the weights' sign: the largest sums
+    x[1] = sign * (1 + 0.5 / 127 * torch.arange(k).remainder(2))  # residuals near half a step
+    x[2] = -x[1]
+    xq = torch.from_numpy(np.stack([_quantized_row(r) for r in x.numpy()])).double()
+    ref = xq @ w.T
+    assert (lin(x).double() - ref).abs().max() <= 1e-6 * ref.abs().max()
 
 
 @pytest.mark.parametrize("kind", ["Q4_1", "Q8_0", "Q6_K", "Q5_K"])
