@@ -34,15 +34,6 @@ static inline int q_min(int fmt) { return fmt == 0 || fmt == 4; }
 static inline long q_tb(int fmt) { return fmt == 0 ? 256 : 512; }        /* bytes per tile-block */
 static inline long q_groups(int fmt, long nb) { return fmt == 3 ? 2 * nb : nb; } /* scales per row */
 
-/* one instantiation per format: the format's branches fold away in the inner loops */
-#define QFMT_DISPATCH(body)                                                                        \
-    switch (fmt) {                                                                                 \
-    case 0: body(0, x, M, qs, d, mn, bias, y, N, K, nt); break;                                    \
-    case 1: body(1, x, M, qs, d, mn, bias, y, N, K, nt); break;                                    \
-    case 2: body(2, x, M, qs, d, mn, bias, y, N, K, nt); break;                                    \
-    case 3: body(3, x, M, qs, d, mn, bias, y, N, K, nt); break;                                    \
-    default: body(4, x, M, qs, d, mn, bias, y, N, K, nt); break;                                   \
-    }
 
 /* y [M, N] = x W^T (+ bias): float32 activations (quant_kernels.c; any build) */
 void pl_qgemm_f32(int fmt, const float *x, long M, const uint8_t *qs, const float *d, const float *mn,

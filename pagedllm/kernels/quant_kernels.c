@@ -121,15 +121,53 @@ static inline __attribute__((always_inline)) void tile_f32(int fmt, const uint8_
     for (int i = 0; i < R; i++) memcpy(out[i], &acc[i], sizeof acc[i]);
 }
 
-static inline __attribute__((always_inline)) void qgemm_f32_body(int fmt, const float *x, long M, const uint8_t *qs,
-                                                                 const float *d, const float *mn, const float *bias,
-                                                                 float *y, long N, long K, int nt) {
+/* y rows [0, M) x tile t (output rows n0 .. n0 + nc) of format fmt, a constant once inlined */
+static inline __attribute__((always_inline)) void f32_tile_rows(int fmt, const uint8_t *tq, const float *dt,
+                                                                const float *mt, long nb, const float *x,
+                                                                const float *sums, long M, long K, const float *bias,
+                                                                float *y, long N, long n0) {
+    long nc = N - n0 < QT ? N - n0 : QT;
+    for (long r0 = 0; r0 < M; r0 += QF_MAXR) {
+        long rc = M - r0 < QF_MAXR ? M - r0 : QF_MAXR;
+        const float *xr[QF_MAXR], *xs[QF_MAXR];
+        for (int i = 0; i < QF_MAXR; i++) {
+            long r = r0 + (i < rc ? i : rc - 1);
+            xr[i] = x + r * K, xs[i] = sums + r * nb;
+        }
+        float out[QF_MAXR][QT];
+        /* constant R and P per call: the accumulators stay in registers */
+        switch (rc) {
+        case 1: tile_f32(fmt, tq, dt, mt, nb, xr, xs, 1, 4, out); break;
+        case 2: tile_f32(fmt, tq, dt, mt, nb, xr, xs, 2, 2, out); break;
+        case 3: case 4: tile_f32(fmt, tq, dt, mt, nb, xr, xs, 4, 1, out); break;
+        default: tile_f32(fmt, tq, dt, mt, nb, xr, xs, 8, 1, out); break;
+        }
+        for (long i = 0; i < rc; i++)
+            for (long j = 0; j < nc; j++) y[(r0 + i) * N + n0 + j] = out[i][j] + (bias ? bias[n0 + j] : 0.0f);
+    }
+}
+
+/* The format's switch sits below the parallel region (as in quant_i8_driver.h): GCC outlines an
+ * OpenMP region before it inlines, so a format passed into it stays a run-time value there. S6
+ * (code 2) is S8 here: the bytes are int8 alike. */
+static void f32_tile_rows_fmt(int fmt, const uint8_t *tq, const float *dt, const float *mt, long nb, const float *x,
+                              const float *sums, long M, long K, const float *bias, float *y, long N, long n0) {
+    switch (fmt) {
+    case 0: f32_tile_rows(0, tq, dt, mt, nb, x, sums, M, K, bias, y, N, n0); break;
+    case 1: case 2: f32_tile_rows(1, tq, dt, mt, nb, x, sums, M, K, bias, y, N, n0); break;
+    case 3: f32_tile_rows(3, tq, dt, mt, nb, x, sums, M, K, bias, y, N, n0); break;
+    default: f32_tile_rows(4, tq, dt, mt, nb, x, sums, M, K, bias, y, N, n0); break;
+    }
+}
+
+void pl_qgemm_f32(int fmt, const float *x, long M, const uint8_t *qs, const float *d, const float *mn,
+                  const float *bias, float *y, long N, long K, int nt) {
     long nb = K / QBLOCK, tiles = (N + QT - 1) / QT, ng = q_groups(fmt, nb), tbb = q_tb(fmt);
     /* the input rows' block sums (for the mins): on the stack for decode-sized products */
     float small[1024], *sums = M * nb <= 1024 ? small : malloc(sizeof(float) * M * nb);
     if (!sums) { /* out of memory: row by row, each row's sums fit the stack when K <= 32768 */
         for (long i = 0; i < M && nb <= 1024; i++)
-            qgemm_f32_body(fmt, x + i * K, 1, qs, d, mn, bias, y + i * N, N, K, nt);
+            pl_qgemm_f32(fmt, x + i * K, 1, qs, d, mn, bias, y + i * N, N, K, nt);
         return;
     }
     for (long i = 0; i < M * nb; i++) {
@@ -138,40 +176,10 @@ static inline __attribute__((always_inline)) void qgemm_f32_body(int fmt, const 
         sums[i] = s;
     }
     #pragma omp parallel for num_threads(nt) schedule(static)
-    for (long t = 0; t < tiles; t++) {
-        const uint8_t *tq = qs + t * nb * tbb;
-        const float *dt = d + t * ng * QT, *mt = mn ? mn + t * nb * QT : NULL;
-        long n0 = t * QT, nc = N - n0 < QT ? N - n0 : QT;
-        for (long r0 = 0; r0 < M; r0 += QF_MAXR) {
-            long rc = M - r0 < QF_MAXR ? M - r0 : QF_MAXR;
-            const float *xr[QF_MAXR], *xs[QF_MAXR];
-            for (int i = 0; i < QF_MAXR; i++) {
-                long r = r0 + (i < rc ? i : rc - 1);
-                xr[i] = x + r * K, xs[i] = sums + r * nb;
-            }
-            float out[QF_MAXR][QT];
-            /* constant R and P per call: the accumulators stay in registers */
-            switch (rc) {
-            case 1: tile_f32(fmt, tq, dt, mt, nb, xr, xs, 1, 4, out); break;
-            case 2: tile_f32(fmt, tq, dt, mt, nb, xr, xs, 2, 2, out); break;
-            case 3: case 4: tile_f32(fmt, tq, dt, mt, nb, xr, xs, 4, 1, out); break;
-            default: tile_f32(fmt, tq, dt, mt, nb, xr, xs, 8, 1, out); break;
-            }
-            for (long i = 0; i < rc; i++)
-                for (long j = 0; j < nc; j++) y[(r0 + i) * N + n0 + j] = out[i][j] + (bias ? bias[n0 + j] : 0.0f);
-        }
-    }
+    for (long t = 0; t < tiles; t++)
+        f32_tile_rows_fmt(fmt, qs + t * nb * tbb, d + t * ng * QT, mn ? mn + t * nb * QT : NULL, nb, x, sums, M, K,
+                          bias, y, N, t * QT);
     if (sums != small) free(sums);
-}
-
-void pl_qgemm_f32(int fmt, const float *x, long M, const uint8_t *qs, const float *d, const float *mn,
-                  const float *bias, float *y, long N, long K, int nt) {
-    switch (fmt) { /* one instantiation per format (S6, code 2, is S8 here: the bytes are int8 alike) */
-    case 0: qgemm_f32_body(0, x, M, qs, d, mn, bias, y, N, K, nt); break;
-    case 1: case 2: qgemm_f32_body(1, x, M, qs, d, mn, bias, y, N, K, nt); break;
-    case 3: qgemm_f32_body(3, x, M, qs, d, mn, bias, y, N, K, nt); break;
-    default: qgemm_f32_body(4, x, M, qs, d, mn, bias, y, N, K, nt); break;
-    }
 }
 
 /* ---- which product: set by kernels/cpu.py ----------------------------------------------------- */
