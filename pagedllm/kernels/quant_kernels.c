@@ -220,24 +220,38 @@ static void dequant_row(int fmt, const uint8_t *qs, const float *d, const float 
 
 /* out [N, K] float32 = rows 0 .. N of the tiled weight (prefill multiplies it with oneDNN/MKL):
  * each chunk is unpacked once for its tile's 16 rows. */
+static inline __attribute__((always_inline)) void dequant_tile(int fmt, const uint8_t *tq, const float *dt,
+                                                               const float *mt, long nb, long nc, long K, float *out) {
+    long tbb = q_tb(fmt);
+    for (long b = 0; b < nb; b++)
+        for (int c = 0; c < chunk_count(fmt); c++) {
+            f16v w[8];
+            int nw = chunk_q(fmt, tq + b * tbb, c, w), k0 = chunk_k0(fmt, c);
+            f16v dv = load16(dt + (fmt == 3 ? 2 * b + (c >= 4) : b) * QT);
+            for (int j = 0; j < nw; j++) { /* the products' arithmetic: q * d (+ m), exact for every format */
+                f16v v = q_min(fmt) ? w[j] * dv + load16(mt + b * QT) : w[j] * dv;
+                for (long lane = 0; lane < nc; lane++) out[lane * K + b * QBLOCK + k0 + j] = v[lane];
+            }
+        }
+}
+
+/* the format's switch below the parallel region (see f32_tile_rows_fmt) */
+static void dequant_tile_fmt(int fmt, const uint8_t *tq, const float *dt, const float *mt, long nb, long nc, long K,
+                             float *out) {
+    switch (fmt) {
+    case 0: dequant_tile(0, tq, dt, mt, nb, nc, K, out); break;
+    case 1: case 2: dequant_tile(1, tq, dt, mt, nb, nc, K, out); break;
+    case 3: dequant_tile(3, tq, dt, mt, nb, nc, K, out); break;
+    default: dequant_tile(4, tq, dt, mt, nb, nc, K, out); break;
+    }
+}
+
 void pl_qdequant(int fmt, const uint8_t *qs, const float *d, const float *mn, float *out, long N, long K, int nt) {
     long nb = K / QBLOCK, tiles = (N + QT - 1) / QT, ng = q_groups(fmt, nb), tbb = q_tb(fmt);
     #pragma omp parallel for num_threads(nt) schedule(static)
-    for (long t = 0; t < tiles; t++) {
-        const uint8_t *tq = qs + t * nb * tbb;
-        const float *dt = d + t * ng * QT, *mt = mn ? mn + t * nb * QT : NULL;
-        long n0 = t * QT, nc = N - n0 < QT ? N - n0 : QT;
-        for (long b = 0; b < nb; b++)
-            for (int c = 0; c < chunk_count(fmt); c++) {
-                f16v w[8];
-                int nw = chunk_q(fmt, tq + b * tbb, c, w), k0 = chunk_k0(fmt, c);
-                f16v dv = load16(dt + (fmt == 3 ? 2 * b + (c >= 4) : b) * QT);
-                for (int j = 0; j < nw; j++) { /* the products' arithmetic: q * d (+ m), exact for every format */
-                    f16v v = q_min(fmt) ? w[j] * dv + load16(mt + b * QT) : w[j] * dv;
-                    for (long lane = 0; lane < nc; lane++) out[(n0 + lane) * K + b * QBLOCK + k0 + j] = v[lane];
-                }
-            }
-    }
+    for (long t = 0; t < tiles; t++)
+        dequant_tile_fmt(fmt, qs + t * nb * tbb, d + t * ng * QT, mn ? mn + t * nb * QT : NULL, nb,
+                         N - t * QT < QT ? N - t * QT : QT, K, out + t * QT * K);
 }
 
 /* out [R, K] float32 = weight rows rows[0 .. R) (an embedding lookup from a packed table) */
