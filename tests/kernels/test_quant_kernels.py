@@ -325,6 +325,18 @@ def test_int8_activations_at_the_extremes_stay_exact(int8_activations, layout, q
     assert (lin(x).double() - ref).abs().max() <= 1e-6 * ref.abs().max()
 
 
+def test_int8_activations_leave_long_inputs_to_the_dequantized_product(int8_activations):
+    """Past ``int8_max_rows`` (128 rows on AVX2 and AVX-VNNI, where longer prefill chunks multiply
+    faster dequantized) a product is the float32 one: the dequantized weight's up to rounding."""
+    rows = cpu.int8_max_rows() + 1
+    if rows > 4096:
+        pytest.skip("this build multiplies every row with int8 activations")
+    lin = _linear("Q4_K", _random_blocks("Q4_K", 40, 256, np.random.default_rng(2)), 40, 256, None)
+    x = torch.randn(rows, 256)
+    ref = x.double() @ lin.dequantize().double().T
+    assert (lin(x).double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
 @pytest.mark.parametrize("kind", ["Q4_1", "Q8_0", "Q6_K", "Q5_K"])
 def test_int8_activation_rows_do_not_depend_on_the_batch(int8_activations, kind):
     """Every row goes through the same integer dot products and the same float32 order of
