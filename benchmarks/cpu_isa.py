@@ -7,7 +7,7 @@ For each model (SmolLM2-135M Q4_1, the default; Qwen2.5-Coder-0.5B-Instruct Q4_K
 count: batch-1 decode tokens/s (a 32-token prompt, 128 greedy tokens, EOS ignored; the tokens after
 the first over the time after the first, best of ``--repeats``) and prefill tokens/s (one 512-token
 prompt, 1 output token, best of ``--repeats``); with ``--batch64``, 64 prompts x 128 in / 128 out at
-once (output tokens/s) for ``int8`` and ``none``. Then ``llama-bench`` pp512 and tg128 (mean of 3)
+once (output tokens/s) for ``int8`` and ``none``, first model and highest thread count only. Then ``llama-bench`` pp512 and tg128 (mean of 3)
 per model and thread count, when its binary exists (``peers/build_llama_cpp.sh``).
 
 Results: ``results/cpu_isa-<date>.json`` with the machine's CPU model, flags, load average and
@@ -118,7 +118,8 @@ def main() -> int:
     for name in args.models:
         alias = MODELS[name]
         for nt in args.threads:
-            row = {p: measure(alias, p, nt, args.repeats, args.batch64) for p in args.paths}
+            b64 = args.batch64 and nt == max(args.threads) and name == args.models[0]
+            row = {p: measure(alias, p, nt, args.repeats, b64) for p in args.paths}
             if (bin_dir / "llama-bench").exists():
                 row["llama.cpp"] = llama_bench(bin_dir, gguf_file(alias), nt)
             results["runs"][f"{name}/t{nt}"] = row
