@@ -56,7 +56,7 @@ _INT_RESULT = {"pl_decode_stack", "pl_isa"}
 QGEMM_MAX_ROWS = 16  # rows up to which float32 activations multiply packed tiles (more: dequantize, oneDNN)
 # rows up to which int8 activations multiply packed tiles, per build (more: dequantize, oneDNN, as with
 # float32 activations): on a Zen 3 (AVX2) the int8 tiles were 1.1-1.4x the dequantized product at
-# 64 rows, even at 128 and 0.8-0.9x at 256-512 (benchmarks/results/cpu_isa-2026-12-04.json);
+# 64 rows, even at 128 and 0.8-0.9x at 256-512 (SmolLM2's shapes, per-thread CPU time, 1 thread);
 # AVX-VNNI is unmeasured and takes AVX2's; AVX-512 VNNI keeps every row (issue 18's measurements)
 INT8_MAX_ROWS = {"avx2": 128, "avxvnni": 128, "avx512vnni": 1 << 62}
 QUANT_LAYOUTS = {"U4M": 0, "S8": 1, "S6": 2, "S8H": 3, "S8M": 4}  # pl_qgemm's tile layout codes (models/gguf_blocks.py)
