@@ -1,12 +1,15 @@
-"""Fused float32 CPU kernels (``cpu_kernels.c``), built at first use and called through ctypes.
+"""Fused float32 CPU kernels (``cpu_kernels.c``) and the packed-weight kernels (``quant_*.c``), built
+at first use and called through ctypes.
 
-The C source is compiled once per machine with the system C compiler
-(``$CC``, else ``cc``) and ``-O3 -march=native -fopenmp`` into
-``<cache>/kernels/cpu_kernels-<hash>.so``; the hash covers the source, the
-flags, the compiler's version and the CPU's feature flags, so a shared home
-directory never loads a library built for another CPU. The library's OpenMP
-calls resolve to the ``libgomp.so.1`` torch has already loaded, so kernels and
-torch ops share one thread team.
+The C sources are compiled (``cpu_build.py``) with the system C compiler (``$CC``, else ``cc``) once per instruction
+set (``ISA_FLAGS``: ``generic``, ``avx2``, ``avxvnni``, ``avx512vnni``; issue 37), each with its
+own explicit target flags rather than ``-march=native``, into
+``<cache>/kernels/cpu_kernels-<isa>-<hash>.so``; the hash covers the sources, the flags and the
+compiler's version. Which build a process loads is decided at run time
+(``cpu_features.select_isa``: the CPU's cpuid and the OS's XSAVE state, lowered by
+``PAGEDLLM_CPU_ISA``), so a cache directory shared between machines never hands one a build its
+CPU cannot run. The library's OpenMP calls resolve to the ``libgomp.so.1`` torch has already
+loaded, so kernels and torch ops share one thread team.
 
 Without a compiler, or with ``PAGEDLLM_CPU_KERNELS=0``, ``available()`` is False
 and callers keep their torch code paths. Every op here requires float32 CPU
@@ -21,23 +24,16 @@ below 2e-7).
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
-from pagedllm.cache import cache_root
+from pagedllm.kernels.cpu_build import ISA_DOT, ISA_FLAGS, ISAS, _cpu_flags, _x86, build, compile_library  # noqa: F401
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).with_name(n) for n in ("cpu_kernels.c", "quant_kernels.c", "state_kernels.c")]
-_HEADERS = [Path(__file__).with_name("vec_math.h")]  # included by the sources: part of the build's hash
-_FLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-fPIC", "-shared"]
 _P, _L, _F, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_float, ctypes.c_int
 _SIGNATURES = {
     "pl_rms_norm": [_P, _P, _P, _P, _L, _L, _F, _I],
@@ -52,61 +48,26 @@ _SIGNATURES = {
     "pl_qdequant": [_I, _P, _P, _P, _P, _L, _L, _I],
     "pl_qdequant_rows": [_I, _P, _P, _P, _P, _L, _P, _L, _I],
     "pl_set_int8_activations": [_I],
-    "pl_has_vnni": [],
+    "pl_isa": [],
     "pl_causal_conv": [_P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _L, _L, _L, _I, _I],
     "pl_ssd_scan": [_P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _L, _L, _L, _L, _L, _I],
 }
-_INT_RESULT = {"pl_decode_stack", "pl_has_vnni"}
+_INT_RESULT = {"pl_decode_stack", "pl_isa"}
 QGEMM_MAX_ROWS = 16  # rows up to which float32 activations multiply packed tiles (more: dequantize, oneDNN)
-QUANT_LAYOUTS = {"U4M": 0, "S8": 1, "S8H": 3, "S8M": 4}  # pl_qgemm's tile layout codes (models/gguf_blocks.py)
+# rows up to which int8 activations multiply packed tiles, per build (more: dequantize, oneDNN, as with
+# float32 activations): on a Zen 3 (AVX2) the int8 tiles were 1.1-1.4x the dequantized product at
+# 64 rows, even at 128 and 0.8-0.9x at 256-512 (SmolLM2's shapes, per-thread CPU time, 1 thread);
+# AVX-VNNI is unmeasured and takes AVX2's; AVX-512 VNNI keeps every row (issue 18's measurements)
+INT8_MAX_ROWS = {"avx2": 128, "avxvnni": 128, "avx512vnni": 1 << 62}
+QUANT_LAYOUTS = {"U4M": 0, "S8": 1, "S6": 2, "S8H": 3, "S8M": 4}  # pl_qgemm's tile layout codes (models/gguf_blocks.py)
 QUANT_TILE = 16  # output rows per tile (quant_kernels.c QT)
 _lib: ctypes.CDLL | None = None
 _tried = False
 
 
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return ""
-
-
-def build(cache_dir: Path | None = None, arch: tuple[str, ...] = ("-march=native",)) -> Path:
-    """Compile ``cpu_kernels.c``, ``quant_kernels.c`` and ``state_kernels.c`` into one library unless a matching build is cached; return the ``.so`` path.
-
-    ``arch`` are the target flags (tests also build ``-mavx2 -mfma`` to check the AVX2 code
-    on an AVX-512 machine).
-
-    Raises:
-        RuntimeError: no C compiler, or compilation failed (the message holds its output).
-    """
-    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    if cc is None:
-        raise RuntimeError("no C compiler found (set CC)")
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    src = b"\0".join(p.read_bytes() for p in _SOURCES + _HEADERS)
-    flags = [*_FLAGS, *arch]
-    key = hashlib.sha256(b"\0".join([src, " ".join(flags).encode(), version.encode(),
-                                     _cpu_flags().encode()])).hexdigest()[:16]
-    out_dir = (cache_dir or cache_root()) / "kernels"
-    out = out_dir / f"cpu_kernels-{key}.so"
-    if out.exists():
-        return out
-    out_dir.mkdir(parents=True, exist_ok=True)
-    # build under a temporary name, then rename: concurrent first uses never load a partial file
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
-    os.close(fd)
-    proc = subprocess.run([cc, *flags, *map(str, _SOURCES), "-o", tmp, "-lm"], capture_output=True, text=True)
-    if proc.returncode != 0:
-        os.unlink(tmp)
-        raise RuntimeError(f"compiling the CPU kernels failed:\n{proc.stderr[-2000:]}")
-    os.replace(tmp, out)
-    return out
-
-
 def load(path: Path) -> ctypes.CDLL:
-    """Load a built library and declare its functions' C signatures.
+    """Load a built library and declare its functions' C signatures; int8 activations start on where
+    the build has int8 kernels (``avx2`` and above) unless ``PAGEDLLM_INT8_ACTIVATIONS=0``.
 
     Raises:
         OSError: the file cannot be loaded.
@@ -115,19 +76,25 @@ def load(path: Path) -> ctypes.CDLL:
     for name, args in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, (ctypes.c_int if name in _INT_RESULT else None)
-    lib.pl_set_int8_activations(int(bool(lib.pl_has_vnni()) and _int8_wanted()))
+    lib.pl_set_int8_activations(int(lib.pl_isa() > 0 and _int8_wanted()))
     return lib
 
 
+def isa() -> str:
+    """The instruction set of the loaded kernels (``ISAS``), or ``""`` when none are loaded."""
+    return ISAS[_lib.pl_isa()] if available() else ""
+
+
 def _int8_wanted() -> bool:
-    """``PAGEDLLM_INT8_ACTIVATIONS``: ``0`` off, anything else (or unset) on where VNNI exists."""
+    """``PAGEDLLM_INT8_ACTIVATIONS``: ``0`` off, anything else (or unset) on where the build has int8 kernels."""
     return os.environ.get("PAGEDLLM_INT8_ACTIVATIONS", "auto") != "0"
 
 
 def int8_activations() -> bool:
     """True when products of packed weights quantize their input rows to int8 per 32-block, in two
-    levels (the value and its rounding residual, about 15 bits), and use VNNI integer dot products:
-    the CPU has AVX-512 VNNI and ``PAGEDLLM_INT8_ACTIVATIONS`` is not ``0``. On by default there.
+    levels (the value and its rounding residual, about 15 bits), and use integer byte dot products
+    (``ISA_DOT``): the loaded build is ``avx2`` or above and ``PAGEDLLM_INT8_ACTIVATIONS`` is not
+    ``0``. On by default there.
 
     Every row of every product (decode, batches, speculative verification, prefill) then takes the
     same path, so a row's product does not depend on its batch; logprobs stay within about 0.001 of
@@ -139,11 +106,18 @@ def int8_activations() -> bool:
     if not available():
         return False
     if _int8_cache is None or _int8_cache[0] is not _lib:  # asked per product: computed once per library
-        _int8_cache = (_lib, bool(_lib.pl_has_vnni()) and _int8_wanted())
+        _int8_cache = (_lib, _lib.pl_isa() > 0 and _int8_wanted())
     return _int8_cache[1]
 
 
 _int8_cache: tuple[ctypes.CDLL, bool] | None = None
+
+
+def int8_max_rows() -> int:
+    """Rows up to which a product of packed weights uses the int8-activation tiles when
+    ``int8_activations()``; longer inputs (prefill chunks) multiply a float32 dequantization with
+    oneDNN (``INT8_MAX_ROWS``, by the loaded build)."""
+    return INT8_MAX_ROWS.get(isa(), 0)
 
 
 def set_int8_activations(on: bool) -> None:
@@ -167,8 +141,11 @@ def available() -> bool:
         return _lib is not None
     _tried = True
     if os.environ.get("PAGEDLLM_CPU_KERNELS", "1") != "0":
+        from pagedllm.kernels.cpu_features import select_isa
         try:
-            _lib = load(build())
+            want, why = select_isa()
+            _lib = load(build(isa=want))
+            logger.info("CPU kernels: %s build (%s)", want, why)
         except (OSError, RuntimeError) as e:
             logger.warning("CPU kernels unavailable, using torch ops: %s", e)
     return _lib is not None

@@ -1,5 +1,10 @@
 """What this CPU can run, asked of the CPU and the OS at run time (never assumed from the build machine).
 
+The kernels' instruction-set build (``select_isa``, issue 37) comes from ``cpu_isa.c``, compiled
+for the baseline target and asked once per process: cpuid for the features and XCR0 (xgetbv) for
+the register state the OS saves, so a CPU that lists AVX-512 under an OS or hypervisor that leaves
+its state off gets the AVX2 build. ``PAGEDLLM_CPU_ISA`` lowers the choice (tests, comparisons).
+
 AMX needs more than the ``amx_tile`` / ``amx_bf16`` flags of ``/proc/cpuinfo``: Linux enables
 the 8 KiB tile data state per process only after ``arch_prctl(ARCH_REQ_XCOMP_PERM,
 XFEATURE_XTILEDATA)`` (kernel 5.16+, ``Documentation/arch/x86/xstate.rst``); without it the first
@@ -14,6 +19,7 @@ import ctypes
 import functools
 import logging
 import platform
+from pathlib import Path
 
 import torch
 
@@ -29,6 +35,51 @@ def cpu_flags() -> set[str]:
     from pagedllm.kernels.cpu import _cpu_flags  # the one reader of the flags line
     line = _cpu_flags()
     return set(line.split(":", 1)[1].split()) if ":" in line else set()
+
+
+@functools.lru_cache(maxsize=1)
+def detected_isa() -> str:
+    """The highest kernel build this CPU and OS can run (a ``kernels.cpu.ISAS`` name): the answer of
+    ``cpu_isa.c``'s ``pl_cpu_isa``; ``generic`` off x86 or when the probe cannot be built (logged)."""
+    from pagedllm.kernels import cpu
+    if not cpu._x86():
+        return "generic"
+    try:
+        lib = ctypes.CDLL(str(cpu.compile_library([Path(__file__).with_name("cpu_isa.c")],
+                                                  ["-O2", "-fPIC", "-shared"], "cpu_isa")))
+        return cpu.ISAS[lib.pl_cpu_isa()]
+    except (OSError, RuntimeError, IndexError) as e:
+        logger.warning("could not ask the CPU for its instruction sets, using the generic kernels: %s", e)
+        return "generic"
+
+
+def select_isa() -> tuple[str, str]:
+    """The kernel build to load and why: ``detected_isa()``, or the lower one ``PAGEDLLM_CPU_ISA``
+    names (``avx512vnni``, ``avxvnni``, ``avx2``, ``generic``). A higher one than the CPU runs is
+    refused with a warning (its first instruction would fault) and the detected one is used.
+
+    Raises:
+        ValueError: ``PAGEDLLM_CPU_ISA`` is not one of those names.
+    """
+    import os
+
+    from pagedllm.kernels.cpu import ISAS
+    best = detected_isa()
+    forced = os.environ.get("PAGEDLLM_CPU_ISA", "").strip().lower()
+    if not forced:
+        return best, f"the best this CPU runs: {best}"
+    if forced not in ISAS:
+        raise ValueError(f"PAGEDLLM_CPU_ISA={forced!r}: expected one of {', '.join(ISAS)}")
+    if ISAS.index(forced) > ISAS.index(best):
+        logger.warning("PAGEDLLM_CPU_ISA=%s is above what this CPU runs (%s): using %s", forced, best, best)
+        return best, f"PAGEDLLM_CPU_ISA={forced} refused: this CPU runs up to {best}"
+    return forced, f"PAGEDLLM_CPU_ISA={forced}; this CPU runs up to {best}"
+
+
+def runnable_isas() -> list[str]:
+    """Every kernel build this CPU runs, lowest first (tests run each)."""
+    from pagedllm.kernels.cpu import ISAS
+    return list(ISAS[:ISAS.index(detected_isa()) + 1])
 
 
 @functools.lru_cache(maxsize=1)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-LAYOUTS = {"U4M": 0, "S8": 1, "S8H": 3, "S8M": 4}  # pl_qgemm's tile layout codes (U4 tiles as U4M)
+LAYOUTS = {"U4M": 0, "S8": 1, "S6": 2, "S8H": 3, "S8M": 4}  # pl_qgemm's tile layout codes (U4 tiles as U4M)
 TILE = 16  # output rows per tile
 GGUF_LAYOUT = {"Q4_0": "U4", "Q4_1": "U4M", "Q8_0": "S8", "Q5_0": "S8", "Q5_1": "S8M",
                "Q4_K": "U4M", "Q5_K": "S8M", "Q6_K": "S8H"}
@@ -176,7 +176,9 @@ def to_tiles(layout: str, packed: dict[str, torch.Tensor], n: int, k: int) -> tu
     its 16 rows is stored together in 64-byte chunks, lane ``n`` (4 bytes) for row ``n``: ``U4M``
     chunk ``c`` byte ``j`` holds weights ``8c + j`` (low nibble) and ``8c + 4 + j`` (high nibble),
     the byte layouts' chunk ``c`` byte ``j`` holds weight ``4c + j``. ``U4`` becomes ``U4M`` with
-    ``m = -8 d`` (exact: a power-of-two multiple).
+    ``m = -8 d`` (exact: a power-of-two multiple). ``S8`` whose quants all lie in -32..31 (Q5_0)
+    becomes ``S6``: the same bytes, which the AVX2 kernels may offset by 32 into an unsigned operand
+    that ``vpmaddubsw`` cannot saturate (``quant_avx2.c``).
 
     Args:
         layout: the row layout; packed: its ``{"qs", "d"[, "m"]}``; n, k: the matrix's shape.
@@ -187,6 +189,8 @@ def to_tiles(layout: str, packed: dict[str, torch.Tensor], n: int, k: int) -> tu
     qs, d, m = packed["qs"], packed["d"], packed.get("m")
     if layout == "U4":
         layout, m = "U4M", d * -8.0
+    if layout == "S8" and qs.numel() and -32 <= int(qs.view(torch.int8).min()) and int(qs.view(torch.int8).max()) <= 31:
+        layout = "S6"
     tiles, nb = -(-n // TILE), k // 32
     pad = tiles * TILE - n
 

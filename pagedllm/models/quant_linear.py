@@ -9,11 +9,13 @@ repacked once at load (rows in the order our fused layers use, then into tiles o
 ``gguf_blocks.to_tiles``) and multiplied by the C kernels (``kernels.cpu.qgemm``,
 ``quant_kernels.c``). Two ways, chosen per process (``kernels.cpu.int8_activations``):
 
-* int8 activations (default where the CPU has AVX-512 VNNI): every product, any number of rows,
-  quantizes its input rows to int8 per 32-block in two levels (value and rounding residual) and
-  multiplies the packed bytes with VNNI dot products; a row's result does not depend on its batch;
-  logprobs within about 0.001 of float32 on SmolLM2;
-* float32 activations (``PAGEDLLM_INT8_ACTIVATIONS=0``, and every CPU without VNNI): up to
+* int8 activations (default where the kernels' build is AVX2 or above: AVX-512 VNNI, AVX-VNNI or
+  AVX2's vpmaddubsw): every product of up to ``int8_max_rows()`` rows (all of them on AVX-512
+  VNNI; 128 on AVX2 and AVX-VNNI, where longer prefill chunks are faster as below) quantizes its
+  input rows to int8 per 32-block in two levels (value and rounding residual) and multiplies the
+  packed bytes with byte dot products; such a row's result does not depend on its batch; logprobs
+  within about 0.001 of float32;
+* float32 activations (``PAGEDLLM_INT8_ACTIVATIONS=0``, and the ``generic`` build): up to
   ``QGEMM_MAX_ROWS`` input rows multiply the packed tiles widened to float32 in registers, more rows
   multiply a float32 dequantization of the weight (the copy lives only during the call); outputs
   equal gguf's dequantization followed by a float32 matmul up to rounding.
@@ -88,7 +90,8 @@ class GGUFLinear(nn.Module):
         """``[..., k]`` -> ``[..., n]`` (leading dimensions flattened into rows)."""
         if x.dim() != 2:
             return self.forward(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], self.out_features)
-        if x.shape[0] <= cpu_kernels.QGEMM_MAX_ROWS or cpu_kernels.int8_activations():
+        rows = x.shape[0]
+        if rows <= cpu_kernels.QGEMM_MAX_ROWS or (cpu_kernels.int8_activations() and rows <= cpu_kernels.int8_max_rows()):
             return cpu_kernels.qgemm(self.fmt, x.contiguous(), self.qs, self.d, self.m, self.bias, self.out_features)
         # prefill: dequantize row chunks of at most _CHUNK floats into a reused buffer, multiply each
         if self.prefill_dtype != torch.float32:
@@ -170,11 +173,16 @@ class PackedEmbedding(nn.Module):
 
 
 def quantized_kernels() -> str:
-    """What multiplies packed weights on this CPU, for ``/stats`` and the start-up log."""
+    """What multiplies packed weights on this CPU, for ``/stats`` and the start-up log: the activation
+    path and the kernels' instruction-set build (``kernels.cpu.isa``, chosen at run time)."""
+    isa = cpu_kernels.isa()
     if cpu_kernels.int8_activations():
-        return "every row: int8 activations x packed tiles (AVX-512 VNNI)"
+        rows, most = cpu_kernels.int8_max_rows(), "float32" if prefill_dtype() == torch.float32 else "bfloat16 (AMX)"
+        span = "every row" if rows >= 1 << 31 else f"1-{rows} rows"
+        rest = "" if rows >= 1 << 31 else f"; more: dequantized chunks, oneDNN {most}"
+        return f"{span}: int8 activations x packed tiles ({isa}: {cpu_kernels.ISA_DOT[isa]}){rest}"
     big = "bfloat16 (AMX)" if prefill_dtype() == torch.bfloat16 else "float32"
-    return f"1-16 rows: float32 activations x packed tiles; prefill: dequantized chunks, oneDNN {big}"
+    return f"1-16 rows: float32 activations x packed tiles ({isa} build); prefill: dequantized chunks, oneDNN {big}"
 
 
 def stack_descriptor(modules) -> torch.Tensor | None:

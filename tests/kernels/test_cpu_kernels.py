@@ -12,14 +12,11 @@ pytestmark = pytest.mark.skipif(not cpu.available(),
                                 reason="CPU kernels off (PAGEDLLM_CPU_KERNELS=0) or no C compiler")
 
 
-@pytest.fixture(autouse=True, params=["native", "avx2"])
-def kernels(request, monkeypatch, tmp_path_factory):
-    """Every test runs on the -march=native build and on an AVX2-only build (the machines users
-    have without AVX-512; this one has it, so both code paths of the C file get checked)."""
-    if request.param == "avx2":
-        path = cpu.build(tmp_path_factory.getbasetemp(), arch=("-mavx2", "-mfma"))
-        monkeypatch.setattr(cpu, "_lib", cpu.load(path))
-    return request.param
+@pytest.fixture(autouse=True)
+def kernels(isa_build):
+    """Every test runs on every instruction-set build this CPU runs (tests/kernels/conftest.py): the
+    default one and each lower one, so every code path of the C files that can run here is checked."""
+    return isa_build
 
 
 def _ref_norm(x, w, eps):

@@ -1,0 +1,46 @@
+/* Shared by the quantized-weight kernels: quant_kernels.c (float32 activations, dispatch, dequant),
+ * quant_avx512.c and quant_avx2.c (int8 activations; layouts in quant_kernels.c).
+ *
+ * Every source file is compiled once per instruction-set build (kernels/cpu.py ISA_FLAGS); QI8_ISA
+ * says which int8-activation kernels this build holds, from the compiler's own target macros:
+ *   3 AVX-512 VNNI (quant_avx512.c), 2 AVX-VNNI and 1 AVX2 (quant_avx2.c: the same code, only the
+ *   byte dot product differs), 0 none (float32 activations only).
+ */
+#ifndef PL_QUANT_COMMON_H
+#define PL_QUANT_COMMON_H
+#include <stdint.h>
+#include <stdlib.h>
+
+#define QBLOCK 32
+#define QT 16 /* output rows per tile (one per 32-bit lane of a 64-byte chunk) */
+#define PF_BYTES 2048 /* software prefetch distance along a tile's bytes (the hardware prefetchers alone
+                         left batch-1 products far below the memory bandwidth) */
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define QI8_ISA 3
+#elif defined(__AVXVNNI__) && defined(__AVX2__) && defined(__FMA__)
+#define QI8_ISA 2
+#elif defined(__AVX2__) && defined(__FMA__)
+#define QI8_ISA 1
+#else
+#define QI8_ISA 0
+#endif
+
+/* fmt codes (kernels/cpu.py QUANT_LAYOUTS): 0 U4M, 1 S8, 2 S6 (S8 whose quants are all in
+ * -32..31: Q5_0; the AVX2 kernels may add 32 to make them unsigned without vpmaddubsw saturating),
+ * 3 S8H, 4 S8M */
+static inline int q_nib(int fmt) { return fmt == 0; }
+static inline int q_min(int fmt) { return fmt == 0 || fmt == 4; }
+static inline long q_tb(int fmt) { return fmt == 0 ? 256 : 512; }        /* bytes per tile-block */
+static inline long q_groups(int fmt, long nb) { return fmt == 3 ? 2 * nb : nb; } /* scales per row */
+
+
+/* y [M, N] = x W^T (+ bias): float32 activations (quant_kernels.c; any build) */
+void pl_qgemm_f32(int fmt, const float *x, long M, const uint8_t *qs, const float *d, const float *mn,
+                  const float *bias, float *y, long N, long K, int nt) __attribute__((visibility("hidden")));
+#if QI8_ISA > 0
+/* the same with int8 activations (quant_avx512.c or quant_avx2.c) */
+void pl_qgemm_i8(int fmt, const float *x, long M, const uint8_t *qs, const float *d, const float *mn,
+                 const float *bias, float *y, long N, long K, int nt) __attribute__((visibility("hidden")));
+#endif
+#endif
