@@ -99,14 +99,15 @@ def _sources(body) -> list[tuple[str, dict]]:
 def _tool_schema(tool, i: int) -> tuple[dict, str]:
     """A tool's parameter schema as the constraint of its arguments, and the field it came from.
 
-    A function's arguments are a JSON object whatever its schema leaves out (OpenAI's rule), so
-    a schema without ``type`` (``{}`` allows any JSON value) gets ``"type": "object"``.
+    A function's arguments are a JSON object whatever its schema leaves out (OpenAI's rule): no
+    schema or ``{}`` is a function of no arguments (``{}``, as OpenAI reads a left-out
+    ``parameters``), and a schema without ``type`` gets ``"type": "object"``.
 
     Raises:
         APIError: 400 naming the field when the schema's ``type`` cannot be an object.
     """
     params, source = tool.function.parameters, f"tools[{i}].function.parameters"
-    if params is None:
+    if not params:  # left out or {}: a function of no arguments (OpenAI's reading), so always {}
         return {"type": "object", "properties": {}}, source
     kind = params.get("type") if isinstance(params, dict) else None
     if not isinstance(params, dict) or (kind is not None and kind != "object"
