@@ -32,7 +32,7 @@ _XFEATURE_XTILEDATA = 18
 
 def cpu_flags() -> set[str]:
     """The ``flags`` of the first CPU in ``/proc/cpuinfo`` (empty when unreadable)."""
-    from pagedllm.kernels.cpu import _cpu_flags  # the one reader of the flags line
+    from pagedllm.kernels.cpu_build import _cpu_flags  # the one reader of the flags line
     line = _cpu_flags()
     return set(line.split(":", 1)[1].split()) if ":" in line else set()
 
@@ -41,7 +41,7 @@ def cpu_flags() -> set[str]:
 def detected_isa() -> str:
     """The highest kernel build this CPU and OS can run (a ``kernels.cpu.ISAS`` name): the answer of
     ``cpu_isa.c``'s ``pl_cpu_isa``; ``generic`` off x86 or when the probe cannot be built (logged)."""
-    from pagedllm.kernels import cpu
+    from pagedllm.kernels import cpu_build as cpu  # the builder, not cpu.py (which imports this module)
     if not cpu._x86():
         return "generic"
     try:
@@ -63,7 +63,7 @@ def select_isa() -> tuple[str, str]:
     """
     import os
 
-    from pagedllm.kernels.cpu import ISAS
+    from pagedllm.kernels.cpu_build import ISAS
     best = detected_isa()
     forced = os.environ.get("PAGEDLLM_CPU_ISA", "").strip().lower()
     if not forced:
@@ -78,7 +78,7 @@ def select_isa() -> tuple[str, str]:
 
 def runnable_isas() -> list[str]:
     """Every kernel build this CPU runs, lowest first (tests run each)."""
-    from pagedllm.kernels.cpu import ISAS
+    from pagedllm.kernels.cpu_build import ISAS
     return list(ISAS[:ISAS.index(detected_isa()) + 1])
 
 

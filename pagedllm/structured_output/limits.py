@@ -20,7 +20,7 @@ import re
 from typing import Any, Callable, Hashable, Iterable
 from urllib.parse import unquote
 
-from pagedllm.structured_output.params import StructuredOutputError
+from pagedllm.structured_output.errors import StructuredOutputError
 
 MAX_SPEC_BYTES = 256 * 1024  # a constraint's text (schema JSON, grammar, regex, choices together), UTF-8 bytes
 MAX_JSON_DEPTH = 100  # nesting of a schema document (llguidance's JSON reader stops at 128 anyway)

@@ -18,16 +18,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedllm.structured_output.errors import StructuredOutputError
+
 _KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
-
-
-class StructuredOutputError(ValueError):
-    """A structured-output request that cannot be built; ``param`` names the field
-    (``structured_outputs.json``, ...), in the names of the offline API."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 @dataclass
@@ -127,52 +120,53 @@ def _build_spec(p: StructuredOutputsParams) -> str:
     from llguidance import LLMatcher, StructTag
     from llguidance.gbnf_to_lark import any_to_lark, is_lark_syntax
 
-    from pagedllm.structured_output import limits
+    from pagedllm.structured_output.limits import (MAX_JSON_DEPTH, check_depth, check_gbnf_rules, check_grammar,
+                                                   check_refs, check_size)
     from pagedllm.structured_output.json_schema import close_objects
     kind, param = p.kind, p.param
     if kind in ("json", "json_object"):
         schema = {"type": "object"} if kind == "json_object" else p.json
         if isinstance(schema, str):
-            limits.check_size(schema, param, "schema")
+            check_size(schema, param, "schema")
             try:
                 schema = json.loads(schema)
             except RecursionError:
-                raise StructuredOutputError(param, f"{param}: the schema nests more than {limits.MAX_JSON_DEPTH} "
-                                            f"levels deep; at most {limits.MAX_JSON_DEPTH} are accepted") from None
+                raise StructuredOutputError(param, f"{param}: the schema nests more than {MAX_JSON_DEPTH} "
+                                            f"levels deep; at most {MAX_JSON_DEPTH} are accepted") from None
             except ValueError as e:
                 raise StructuredOutputError(param, f"{param}: not valid JSON ({e})") from None
         if not isinstance(schema, (dict, bool)):
             raise StructuredOutputError(param, f"{param}: a JSON schema must be an object")
-        limits.check_depth(schema, param)  # before anything here recurses over it
+        check_depth(schema, param)  # before anything here recurses over it
         # objects declaring properties are closed unless they say otherwise (vLLM's xgrammar and
         # llama.cpp agree); disable_additional_properties closes every object
         schema = close_objects(schema, every_object=p.disable_additional_properties)
         text = json.dumps(schema, ensure_ascii=False)
-        limits.check_size(text, param, "schema")
-        limits.check_refs(schema, param, text)
+        check_size(text, param, "schema")
+        check_refs(schema, param, text)
         try:
             return LLMatcher.grammar_from_json_schema(text, defaults=_json_options(p))
         except ValueError as e:
             raise StructuredOutputError(param, f"{param}: {e}") from None
     if kind == "regex":
-        limits.check_size(p.regex, param, "regex")
+        check_size(p.regex, param, "regex")
         return LLMatcher.grammar_from_regex(p.regex)
     if kind == "choice":
         # Lark string literals (JSON-quoted), so no choice needs regex escaping
         lark = "start: " + " | ".join(json.dumps(c) for c in p.choice)
-        limits.check_size(lark, param, "choice list")
+        check_size(lark, param, "choice list")
         return LLMatcher.grammar_from_lark(lark)
     if kind == "grammar":
-        limits.check_size(p.grammar, param, "grammar")
+        check_size(p.grammar, param, "grammar")
         if not is_lark_syntax(p.grammar):
-            limits.check_gbnf_rules(p.grammar, param)
+            check_gbnf_rules(p.grammar, param)
         try:
             lark = any_to_lark(p.grammar)
         except Exception as e:  # the GBNF converter raises plain exceptions on syntax errors
             raise StructuredOutputError(param, f"{param}: cannot read the grammar as Lark or GBNF ({e})") from None
-        limits.check_grammar(lark, param)
+        check_grammar(lark, param)
         return LLMatcher.grammar_from_lark(lark)
-    limits.check_size(p.structural_tag, param, "structural tag")
+    check_size(p.structural_tag, param, "structural tag")
     return _structural_tag_spec(p, StructTag, LLMatcher)
 
 
