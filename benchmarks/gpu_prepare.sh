@@ -28,7 +28,7 @@ for w in "${WHEELS[@]}"; do
         "${PLATFORMS[@]}" -d .whl "$w"
 done
 # pydantic's and fastapi's own needs, at the versions this checkout's environment resolved
-for name in pydantic-core annotated-types typing-inspection starlette partial-json-parser; do
+for name in pydantic-core annotated-types typing-inspection starlette annotated-doc opentelemetry-api; do
     v=$("$PY" -m pip show "$name" 2>/dev/null | sed -n 's/^Version: //p' || true)
     [ -n "$v" ] || { echo "skip $name (not installed here)"; continue; }
     "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \

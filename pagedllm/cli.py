@@ -175,7 +175,7 @@ def _bench_flags(sub) -> None:
     s = bsub.add_parser("serve", help="drive a running OpenAI-compatible server")
     s.add_argument("--base-url", default="http://127.0.0.1:8000")
     s.add_argument("--model", default=None, help="model name to send (default: the first in /v1/models)")
-    s.add_argument("--tokenizer", default=None, help="tokenizer for the prompts (default: the embedded SmolLM2)")
+    s.add_argument("--tokenizer", default=None, help="tokenizer for the prompts: a directory or a GGUF file (default: the embedded SmolLM2)")
     s.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
     s.add_argument("--max-concurrency", type=int, nargs="+", default=None,
                    help="requests in flight; several values run one after another (and are plotted)")

@@ -125,7 +125,11 @@ def serve_main(args) -> list[dict]:
     from pagedllm.bench.datasets import load_requests
     from pagedllm.bench.metrics import print_table
     from pagedllm.models.resolve import resolve_model
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or resolve_model(None))
+    # a GGUF file holds its tokenizer: resolve_model converts it (cached) to a directory transformers reads
+    source = args.tokenizer
+    if source is None or str(source).lower().endswith(".gguf"):
+        source = resolve_model(source)
+    tokenizer = AutoTokenizer.from_pretrained(source)
     model = args.model or served_model(args.base_url)
     requests = load_requests(args, tokenizer)
     if args.warmup:
