@@ -18,6 +18,8 @@ import os
 import tempfile
 from pathlib import Path
 
+import pagedllm.envs as envs
+
 logger = logging.getLogger(__name__)
 
 _CHUNK = 1 << 20  # 1 MiB
@@ -30,7 +32,7 @@ def cache_root() -> Path:
     ``$PAGEDLLM_CACHE`` when set and non-empty, else ``~/.cache/pagedllm``,
     following the XDG-style per-user cache convention. Raises nothing.
     """
-    env = os.environ.get("PAGEDLLM_CACHE")
+    env = envs.PAGEDLLM_CACHE
     return Path(env).expanduser() if env else Path.home() / ".cache" / "pagedllm"
 
 

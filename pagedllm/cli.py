@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 
+import pagedllm.envs as envs
 from pagedllm.cli_args import add_engine_flags, engine_args_from_cli
 from pagedllm.server import defaults as server_defaults
 
@@ -54,7 +55,7 @@ def _serve(a: argparse.Namespace) -> int:
         template = p.read_text() if p.exists() else a.chat_template
     llm = AsyncLLM(engine)
     # an empty PAGEDLLM_API_KEY counts as unset, so `PAGEDLLM_API_KEY= pagedllm serve` stays open
-    env_key = os.environ.get("PAGEDLLM_API_KEY")
+    env_key = envs.PAGEDLLM_API_KEY
     app = build_app(llm, engine.served_model_name, template, api_key=a.api_key or ([env_key] if env_key else None),
                     allowed_origins=a.allowed_origins, allowed_methods=a.allowed_methods,
                     allowed_headers=a.allowed_headers, allow_credentials=a.allow_credentials,

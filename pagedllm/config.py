@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
+
+import pagedllm.envs as envs
 
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]?i?B?)?\s*$", re.IGNORECASE)
 _UNITS = {
@@ -222,9 +223,9 @@ class EngineArgs:
                                  "process: drop --no-enable-multiprocessing (enable_multiprocessing=False)")
             self.enable_multiprocessing = True
         if self.enable_multiprocessing is None:
-            self.enable_multiprocessing = os.environ.get("PAGEDLLM_ENABLE_MULTIPROCESSING", "0") == "1"
+            self.enable_multiprocessing = envs.PAGEDLLM_ENABLE_MULTIPROCESSING
         if self.async_scheduling is None:
-            self.async_scheduling = os.environ.get("PAGEDLLM_ASYNC_SCHEDULING", "1") == "1"
+            self.async_scheduling = envs.PAGEDLLM_ASYNC_SCHEDULING
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         if self.model_impl not in ("auto", "native", "transformers"):
@@ -245,7 +246,7 @@ class EngineArgs:
         except (TypeError, ValueError) as e:  # a bad JSON string or level: say which setting
             raise ValueError(f"compilation_config (-O): {e}") from None
         if self.attention_backend is not None:
-            from pagedllm.attention.backend import check_attention_backend
+            from pagedllm.attention.selector import check_attention_backend
             # the dtype of --dtype auto is resolved again at load; validate with float32 then
             dtype = parse_dtype(self.dtype) if self.dtype != "auto" else torch.float32
             self.attention_backend = check_attention_backend(self.attention_backend, self.device, dtype)

@@ -169,6 +169,52 @@ def _show(edges: list[Edge]) -> str:
     return "; ".join(f"{e.src} -> {e.dst} (line {e.line})" for e in edges)
 
 
+def floors(design: Path = ROOT / "docs/design.md") -> dict[str, int]:
+    """Room name -> floor number, read from the ordered list between ``<!-- layering -->`` and
+    ``<!-- /layering -->`` in ``docs/design.md`` (each item's backquoted names are one floor)."""
+    text = design.read_text()
+    block = text.split("<!-- layering -->", 1)[1].split("<!-- /layering -->", 1)[0]
+    out: dict[str, int] = {}
+    for line in block.strip().splitlines():
+        number, _, rest = line.partition(". ")
+        names = rest.split(":", 1)[0]
+        for name in names.replace("`", "").split(","):
+            out[name.strip()] = int(number)
+    return out
+
+
+def room_of(module: str, modules: set[str]) -> str:
+    """The room a module lives in: its folder under ``pagedllm/``, or its own name for a top-level
+    module (``__init__`` for the package itself)."""
+    parts = module.split(".")
+    return "__init__" if len(parts) == 1 else parts[1]
+
+
+def upward_imports(modules: set[str], edges: list[Edge], floor: dict[str, int]) -> list[Edge]:
+    """Imports, at any depth, from a room into one on a higher floor."""
+    return [e for e in edges
+            if floor[room_of(e.dst, modules)] > floor[room_of(e.src, modules)]]
+
+
+def test_every_room_is_on_a_floor(graph):
+    modules, _ = graph
+    floor = floors()
+    missing = sorted({room_of(m, modules) for m in modules} - set(floor))
+    assert not missing, f"rooms not placed in docs/design.md's layering: {missing}"
+
+
+def test_no_room_imports_from_a_higher_floor(graph):
+    modules, edges = graph
+    bad = upward_imports(modules, edges, floors())
+    assert not bad, f"imports that run up the floors of docs/design.md: {_show(bad)}"
+
+
+def test_no_import_cycle_at_any_depth(graph):
+    modules, edges = graph
+    cycles = elementary_cycles(_adjacency(modules, edges, module_level_only=False))
+    assert not cycles, "import cycles (lazy imports included): " + "; ".join(" -> ".join(c + c[:1]) for c in cycles)
+
+
 def test_the_graph_sees_lazy_imports(graph):
     # guards against a parser that silently finds nothing: cli dispatches to the benchmarks lazily
     _, edges = graph
@@ -197,7 +243,6 @@ def test_no_module_level_import_cycle(graph):
     ("pagedllm.models.loader", "pagedllm.models.real_models"),
     ("pagedllm.models.loader", "pagedllm.models.resolve"),
     ("pagedllm.models.real_models", "pagedllm.models.resolve"),
-    ("pagedllm.cache", "pagedllm"),  # floor one: the cache directory needs nothing of the package
 ])
 def test_no_import_at_any_depth(graph, src, dst):
     _, edges = graph
@@ -213,6 +258,26 @@ def test_pair_does_not_import_each_other(graph, a, b):
     _, edges = graph
     assert not (_edges(edges, a, b) and _edges(edges, b, a)), \
         f"{a} and {b} import each other: {_show(_edges(edges, a, b) + _edges(edges, b, a))}"
+
+
+def test_cache_imports_only_envs(graph):
+    # floor one: the cache directory needs nothing of the package but the environment's reader
+    _, edges = graph
+    bad = [e for e in _edges(edges, "pagedllm.cache", "pagedllm") if e.dst != "pagedllm.envs"]
+    assert not bad, f"pagedllm.cache must import only pagedllm.envs: {_show(bad)}"
+
+
+def test_only_envs_reads_the_environment():
+    # every environment variable is read (and documented) in pagedllm/envs.py
+    readers = []
+    for path in sorted((ROOT / "pagedllm").rglob("*.py")):
+        if path.name == "envs.py" and path.parent.name == "pagedllm":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv", "putenv")
+                    and isinstance(node.value, ast.Name) and node.value.id == "os"):
+                readers.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not readers, f"os.environ outside pagedllm/envs.py: {readers}"
 
 
 def test_real_models_uses_no_private_loader_names():

@@ -5,7 +5,7 @@ wants (``build_metadata``, once per step, shared by every layer), the K/V write
 and the attention read (``forward``, once per layer). The runner asks the
 backend for the step's metadata and never builds a backend's private layout
 itself; the model's attention layers call ``forward``. The backend is chosen
-once, when the model is loaded (``select_attention_backend``), so no per-call
+once, when the model is loaded (``selector.select_attention_backend``), so no per-call
 code asks which kernels exist.
 
 The KV cache of a layer is a pair ``(key_cache, value_cache)``, each
@@ -91,64 +91,3 @@ class AttentionBackend(ABC):
         """
         self.write_kv(key, value, kv_cache, metadata)
         return self.attend(query, kv_cache, metadata, scale, sliding_window, softcap)
-
-
-def _registry() -> dict[str, type[AttentionBackend]]:
-    # imported here: the backends import this module for the base class
-    from pagedllm.attention.cpu_kernels import CpuKernelBackend
-    from pagedllm.attention.torch_paged import TorchPagedBackend
-    from pagedllm.attention.triton_paged import TritonPagedBackend
-    return {CpuKernelBackend.name: CpuKernelBackend, TorchPagedBackend.name: TorchPagedBackend,
-            TritonPagedBackend.name: TritonPagedBackend}
-
-
-# preference order of ``select_attention_backend``: the first that supports the device and dtype
-# (and lists the device type in its ``auto_devices``) wins
-PRIORITY = ("triton", "cpu_kernels", "torch")
-
-# the names ``--attention-backend`` / ``EngineArgs.attention_backend`` accept ("cpu" is "cpu_kernels")
-ALIASES = {"cpu": "cpu_kernels"}
-BACKEND_NAMES = ("torch", "cpu", "cpu_kernels", "triton")
-
-
-def check_attention_backend(name: str | None, device: torch.device | str, dtype: torch.dtype) -> str | None:
-    """Validate a requested backend name without building it; returns the registry name (``None``: by device).
-
-    Raises:
-        ValueError: ``name`` is unknown, or the backend cannot run ``dtype`` on ``device`` (the
-            message names the ``attention_backend`` option and what the backend needs).
-    """
-    if name is None:
-        return None
-    canonical = ALIASES.get(name, name)
-    backends = _registry()
-    if canonical not in backends:
-        raise ValueError(f"unknown attention backend {name!r} (option attention_backend / --attention-backend); choose from {', '.join(BACKEND_NAMES)}")
-    cls = backends[canonical]
-    if not cls.supports(torch.device(device), dtype):
-        need = f"; it needs {cls.requirement}" if cls.requirement else ""
-        raise ValueError(f"attention backend {name!r} (option attention_backend) cannot run {dtype} on {device}{need}")
-    return canonical
-
-
-def select_attention_backend(device: torch.device | str, dtype: torch.dtype,
-                             name: str | None = None) -> AttentionBackend:
-    """Choose the attention backend for a model of ``dtype`` on ``device`` (call once, at load).
-
-    Without ``name`` the first backend of ``PRIORITY`` that supports the pair on its
-    ``auto_devices``: Triton on CUDA (when triton is installed), the C CPU kernels for
-    float32 on the CPU when they are built and not turned off (``PAGEDLLM_CPU_KERNELS=0``),
-    else the torch reference, which runs anywhere. Triton on the CPU (its interpreter)
-    is used only when asked by name.
-
-    Raises:
-        ValueError: ``name`` is not a backend name (``BACKEND_NAMES``), or it does not support
-            ``device``/``dtype`` (see ``check_attention_backend``).
-    """
-    device = torch.device(device)
-    backends = _registry()
-    if name is not None:
-        return backends[check_attention_backend(name, device, dtype)](device)
-    return next(backends[n](device) for n in PRIORITY
-                if (backends[n].auto_devices is None or device.type in backends[n].auto_devices)
-                and backends[n].supports(device, dtype))

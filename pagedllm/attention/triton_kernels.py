@@ -26,11 +26,11 @@ run on CPU tensors through Triton's interpreter. Importing this module needs
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+import pagedllm.envs as envs
 
 
 def _pow2(n: int) -> int:
@@ -41,7 +41,7 @@ def _dot_f32(dtype: torch.dtype) -> bool:
     """Run the kernels' matrix products in float32 (IEEE): for float32 caches, and for every dtype
     under the interpreter, whose ``tl.dot`` mishandles bfloat16 (float16/bfloat16 use the tensor
     cores on the GPU, accumulating in float32)."""
-    return dtype == torch.float32 or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return dtype == torch.float32 or envs.TRITON_INTERPRET
 
 
 @triton.jit

@@ -19,13 +19,13 @@ ops around the Triton attention, as on the GPU.
 from __future__ import annotations
 
 import importlib.util
-import os
 from dataclasses import dataclass
 from typing import ClassVar
 
 import numpy as np
 import torch
 
+import pagedllm.envs as envs
 from pagedllm.attention.backend import AttentionBackend, KVCache
 from pagedllm.attention.metadata import AttentionBatch
 
@@ -44,7 +44,7 @@ def triton_available() -> bool:
 
 def interpreter_on() -> bool:
     """True when Triton's interpreter is requested (``TRITON_INTERPRET=1``): kernels run on CPU tensors."""
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+    return envs.TRITON_INTERPRET
 
 
 @dataclass

@@ -1,1 +1,2 @@
-"""Distributed execution: process groups (``parallel_state``) and executors (``executor``)."""
+"""Process groups and collectives (``parallel_state``) and pipeline micro-batches (``micro_batch``);
+the executors that start ranks live in ``pagedllm/executor/``."""

@@ -21,20 +21,21 @@ means per step and the idle fraction ``idle / (idle + execute)``.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
+import pagedllm.envs as envs
 from pagedllm.models.layers.compiled import resolve_compilation
 from pagedllm.config import EngineArgs, parse_size
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.scheduler_output import EngineCoreOutput
 from pagedllm.core.state_pool import StatePool
-from pagedllm.distributed.executor import UniProcExecutor, create_executor
+from pagedllm.executor.base import UniProcExecutor
+from pagedllm.executor.factory import create_executor
 from pagedllm.engine.messages import EngineCoreRequest
 from pagedllm.request import Request, RequestStatus
 from pagedllm.spec_decode.config import TargetInfo
@@ -113,7 +114,7 @@ class EngineCore:
         # every torch op of the core (loading, KV allocation, steps) runs on this one thread
         threads = args.num_threads or torch.get_num_threads()
         self._exec = ThreadPoolExecutor(1, "pagedllm-exec", initializer=torch.set_num_threads, initargs=(threads,))
-        # one rank in process, or rank 0 here and a worker process per other rank (distributed/executor.py)
+        # one rank in process, or rank 0 here and a worker process per other rank (executor/)
         self.executor = create_executor(args, model_dir, lambda fn: self._exec.submit(fn).result())
         try:
             self._init_model(args, model_dir, max_model_len, model, scripted_output)
@@ -147,7 +148,7 @@ class EngineCore:
                                                args.enable_prefix_caching, state_pool)
         spec = (None if args.speculative_config is None
                 else SpecDecoding(args.speculative_config, max_model_len,
-                                  self._target_info(args, model_dir, model, max_model_len),
+                                  self._draft_proposer(args, model_dir, model, max_model_len),
                                   async_scheduling=args.async_scheduling))
         if spec is not None:
             logger.info("speculative decoding: %s, up to %d draft tokens (%s depth)", args.speculative_config.method,
@@ -157,7 +158,7 @@ class EngineCore:
         # (PAGEDLLM_PIPELINE_OVERLAP=0 drains the pipeline at every step: the benchmark's baseline)
         overlap = (args.async_scheduling and args.pipeline_parallel_size > 1
                    and bool(getattr(model, "supports_step_overlap", False))
-                   and os.environ.get("PAGEDLLM_PIPELINE_OVERLAP", "1") != "0")
+                   and envs.PAGEDLLM_PIPELINE_OVERLAP)
         self.scheduler = Scheduler(self.kv_cache_manager, args.max_num_seqs, args.max_num_batched_tokens,
                                    max_model_len, args.enable_chunked_prefill, spec, encoder_only=encoder_only,
                                    steps_in_flight=args.pipeline_parallel_size if overlap else 1)
@@ -205,6 +206,15 @@ class EngineCore:
         logger.info("recurrent state: %d layers, %d slots + %d prefix-cache checkpoints + %d draft slots (%.2f MiB)",
                     len(spec), args.max_num_seqs, num_ckpt, args.max_num_seqs * k, nbytes / 2**20)
         return StatePool(args.max_num_seqs, num_ckpt), nbytes
+
+    def _draft_proposer(self, args: EngineArgs, model_dir, model, max_model_len: int):
+        """The draft model's proposer for ``speculative_config.method == "draft_model"``, else ``None``
+        (the other methods need no model; ``SpecDecoding`` builds them). Raises what
+        ``DraftModelProposer`` raises (a vocabulary other than the target's; a model not found)."""
+        if args.speculative_config.method != "draft_model":
+            return None
+        from pagedllm.worker.draft_model import DraftModelProposer  # loads torch models: only when asked
+        return DraftModelProposer(args.speculative_config, self._target_info(args, model_dir, model, max_model_len))
 
     def _target_info(self, args: EngineArgs, model_dir, model, max_model_len: int) -> TargetInfo:
         """What a model-running proposer (``draft_model``) needs to know of the target."""

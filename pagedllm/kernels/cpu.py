@@ -25,11 +25,11 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 from pathlib import Path
 
 import torch
 
+import pagedllm.envs as envs
 from pagedllm.kernels.cpu_build import ISA_DOT, ISA_FLAGS, ISAS, _cpu_flags, _x86, build, compile_library  # noqa: F401
 
 logger = logging.getLogger(__name__)
@@ -87,7 +87,7 @@ def isa() -> str:
 
 def _int8_wanted() -> bool:
     """``PAGEDLLM_INT8_ACTIVATIONS``: ``0`` off, anything else (or unset) on where the build has int8 kernels."""
-    return os.environ.get("PAGEDLLM_INT8_ACTIVATIONS", "auto") != "0"
+    return envs.PAGEDLLM_INT8_ACTIVATIONS
 
 
 def int8_activations() -> bool:
@@ -123,7 +123,7 @@ def int8_max_rows() -> int:
 def set_int8_activations(on: bool) -> None:
     """Turn the int8-activation path on or off for this process (tests; see ``int8_activations``)."""
     global _int8_cache
-    os.environ["PAGEDLLM_INT8_ACTIVATIONS"] = "1" if on else "0"
+    envs.set_var("PAGEDLLM_INT8_ACTIVATIONS", "1" if on else "0")
     _int8_cache = None
     if available():
         _lib.pl_set_int8_activations(int(on))
@@ -140,7 +140,7 @@ def available() -> bool:
     if _tried:
         return _lib is not None
     _tried = True
-    if os.environ.get("PAGEDLLM_CPU_KERNELS", "1") != "0":
+    if envs.PAGEDLLM_CPU_KERNELS:
         from pagedllm.kernels.cpu_features import select_isa
         try:
             want, why = select_isa()

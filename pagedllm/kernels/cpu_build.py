@@ -17,6 +17,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import pagedllm.envs as envs
 from pagedllm.cache import cache_root
 
 _SOURCES = [Path(__file__).with_name(n) for n in ("cpu_kernels.c", "quant_kernels.c", "quant_avx512.c", "quant_avx2.c",
@@ -57,7 +58,7 @@ def compile_library(sources: list[Path], flags: list[str], name: str, cache_dir:
     Raises:
         RuntimeError: no C compiler, or compilation failed (the message holds its output).
     """
-    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    cc = shutil.which(envs.CC) or shutil.which("gcc")
     if cc is None:
         raise RuntimeError("no C compiler found (set CC)")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout

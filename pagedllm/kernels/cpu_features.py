@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+import pagedllm.envs as envs
+
 logger = logging.getLogger(__name__)
 
 _SYS_ARCH_PRCTL = 158  # x86-64
@@ -61,11 +63,9 @@ def select_isa() -> tuple[str, str]:
     Raises:
         ValueError: ``PAGEDLLM_CPU_ISA`` is not one of those names.
     """
-    import os
-
     from pagedllm.kernels.cpu_build import ISAS
     best = detected_isa()
-    forced = os.environ.get("PAGEDLLM_CPU_ISA", "").strip().lower()
+    forced = envs.PAGEDLLM_CPU_ISA
     if not forced:
         return best, f"the best this CPU runs: {best}"
     if forced not in ISAS:
@@ -118,8 +118,7 @@ def auto_dtype() -> tuple[torch.dtype, str]:
 def prefill_dtype() -> torch.dtype:
     """The dtype of large dequantized matrix products: bfloat16 where AMX is usable, else float32.
     ``PAGEDLLM_PREFILL_BF16=1`` / ``0`` forces it (tests, measurements)."""
-    import os
-    forced = os.environ.get("PAGEDLLM_PREFILL_BF16")
+    forced = envs.PAGEDLLM_PREFILL_BF16
     if forced is not None:
         return torch.bfloat16 if forced == "1" else torch.float32
     return torch.bfloat16 if amx_usable() else torch.float32

@@ -8,10 +8,9 @@ float rounding.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+import pagedllm.envs as envs
 from pagedllm.kernels import cpu
 
 MAX_CONV_WIDTH = 16  # state_kernels.c CONV_MAX_WIDTH
@@ -19,7 +18,7 @@ MAX_CONV_WIDTH = 16  # state_kernels.c CONV_MAX_WIDTH
 
 def native_mixers() -> bool:
     """True when the mixers run the C kernels (read per call: cheap, and tests flip it)."""
-    return os.environ.get("PAGEDLLM_NATIVE_MIXERS", "1") != "0" and cpu.available()
+    return envs.PAGEDLLM_NATIVE_MIXERS and cpu.available()
 
 
 def applies(*tensors: torch.Tensor) -> bool:

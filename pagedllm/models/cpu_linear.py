@@ -18,12 +18,12 @@ summation order), like any change of BLAS kernel.
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+import pagedllm.envs as envs
 from pagedllm.kernels import cpu as cpu_kernels
 
 logger = logging.getLogger(__name__)
@@ -34,7 +34,7 @@ PACK_BATCH_HINT = 64  # the row count oneDNN picks its packed layout for; any ro
 def prepack_available(device: torch.device, dtype: torch.dtype) -> bool:
     """True when oneDNN prepacking applies: CPU, float32, oneDNN built in, not disabled by the environment."""
     return (device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
-            and os.environ.get("PAGEDLLM_CPU_PREPACK", "1") == "1")
+            and envs.PAGEDLLM_CPU_PREPACK)
 
 
 class PackedLinear(nn.Module):

@@ -28,6 +28,20 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+
+def unpermute_rows(w, n_head: int):
+    """Invert llama.cpp's ``LlamaModel.permute`` of the Q and K projections (rotary half-split rows
+    back to interleaved pairs, as Hugging Face Llama expects).
+
+    Args:
+        w: ``[N, ...]`` array (numpy, any dtype) whose ``N = n_head * head_dim`` rows were permuted;
+            a 1-D bias works too.
+        n_head: the number of heads the rows are split into (query or key-value heads).
+    Returns:
+        The array of the same shape and dtype with the rows in Hugging Face order.
+    """
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
 LAYOUTS = {"U4M": 0, "S8": 1, "S6": 2, "S8H": 3, "S8M": 4}  # pl_qgemm's tile layout codes (U4 tiles as U4M)
 TILE = 16  # output rows per tile
 GGUF_LAYOUT = {"Q4_0": "U4", "Q4_1": "U4M", "Q8_0": "S8", "Q5_0": "S8", "Q5_1": "S8M",

@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.attention.backend import AttentionBackend, select_attention_backend
+from pagedllm.attention.backend import AttentionBackend
+from pagedllm.attention.selector import select_attention_backend
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.distributed.parallel_state import get_pp_size, get_tp_rank, get_tp_size
 from pagedllm.kernels import cpu as cpu_kernels

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from pagedllm.cache import cache_root, cached_sha256
+from pagedllm.models.gguf_blocks import unpermute_rows as _unpermute
 
 logger = logging.getLogger(__name__)
 
@@ -111,11 +112,6 @@ def is_converted(directory: str | os.PathLike) -> bool:
     directory = Path(directory)
     return (directory / "config.json").is_file() and (
         (directory / "model.safetensors").is_file() or (directory / "model.safetensors.index.json").is_file())
-
-
-def _unpermute(w, n_head: int):
-    """Invert llama.cpp ``LlamaModel.permute`` (rotary half-split -> interleaved rows)."""
-    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def _hf_name(gguf_name: str) -> str:

@@ -35,7 +35,7 @@ from torch import nn
 
 from pagedllm.kernels import cpu as cpu_kernels
 from pagedllm.kernels.cpu_features import prefill_dtype
-from pagedllm.models.gguf_blocks import GGUF_LAYOUT, TILE, quantize_int8, repack, to_tiles
+from pagedllm.models.gguf_blocks import GGUF_LAYOUT, TILE, quantize_int8, repack, to_tiles, unpermute_rows
 
 logger = logging.getLogger(__name__)
 
@@ -234,7 +234,6 @@ def quantize_from_gguf(model, gguf_path: Path, config) -> dict[str, int]:
     """
     from gguf import GGUFReader
 
-    from pagedllm.models.loader import _unpermute
     reader = GGUFReader(str(gguf_path))
     arch = reader.fields["general.architecture"].contents()
     tensors = {t.name: t for t in reader.tensors}
@@ -252,7 +251,7 @@ def quantize_from_gguf(model, gguf_path: Path, config) -> dict[str, int]:
         n, k = rows_of(t)
         layout, p = repack(kind, t.data, n, k)
         if unpermute_heads is not None and arch == "llama":  # llama.cpp permutes q/k rows for its rotary
-            order = torch.from_numpy(_unpermute(np.arange(n)[:, None], unpermute_heads)[:, 0].copy())
+            order = torch.from_numpy(unpermute_rows(np.arange(n)[:, None], unpermute_heads)[:, 0].copy())
             p = {key: v.index_select(0, order) for key, v in p.items()}
         return kind, layout, p
 

@@ -139,7 +139,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
         from pagedllm.models.loader import ModelLoadError
         raise ModelLoadError(model_dir, "no *.safetensors weights in this directory")
     check_safetensors(files)
-    from pagedllm.attention.backend import select_attention_backend
+    from pagedllm.attention.selector import select_attention_backend
     from pagedllm.kernels import cpu as cpu_kernels
     # the one place the kernel choice is made: building (first time on this machine, about a
     # second) or loading the C kernels happens here, not inside the first request

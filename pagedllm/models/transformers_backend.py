@@ -31,6 +31,7 @@ from torch import nn
 from pagedllm.attention.backend import AttentionBackend
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.state import StateBatch
+from pagedllm.models.hf_config import num_kv_heads
 from pagedllm.models.hybrid import (attention_layer_indices, hybrid_family, install_mixers, layer_kinds,
                                     state_cache_spec)
 
@@ -157,22 +158,6 @@ def _check_modules(hf: nn.Module) -> None:
                              f"does not implement")
 
 
-def _num_kv_heads(cfg) -> int:
-    """KV heads of a config: ``num_key_value_heads`` only where the config class declares it.
-
-    A config class without grouped-query attention (GPT-NeoX, OPT, ...) keeps unknown
-    keyword arguments as plain attributes, so a stray ``num_key_value_heads`` there
-    does not describe the model.
-    """
-    import inspect
-    declared = "num_key_value_heads" in getattr(type(cfg), "attribute_map", {})
-    try:
-        declared = declared or "num_key_value_heads" in inspect.signature(type(cfg).__init__).parameters
-    except (TypeError, ValueError):
-        pass
-    return (getattr(cfg, "num_key_value_heads", None) if declared else None) or cfg.num_attention_heads
-
-
 class TransformersCausalLM(nn.Module):
     """A ``transformers`` causal LM behind pagedllm's model interface.
 
@@ -191,7 +176,7 @@ class TransformersCausalLM(nn.Module):
         self.attention_backend = attention_backend
         cfg = _text_config(hf_model.config)
         self.num_layers = cfg.num_hidden_layers
-        self.num_heads, self.num_kv_heads = heads or (cfg.num_attention_heads, _num_kv_heads(cfg))
+        self.num_heads, self.num_kv_heads = heads or (cfg.num_attention_heads, num_kv_heads(cfg))
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         attn = attention_layer_indices(cfg)
         self.kv_index = [-1] * self.num_layers  # model layer -> paged cache layer (-1: a state or plain layer)

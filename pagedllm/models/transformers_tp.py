@@ -33,6 +33,7 @@ import re
 import torch
 from torch import nn
 
+from pagedllm.models.hf_config import num_kv_heads
 from pagedllm.models.layers.parallel import (ColumnParallelLinear, HeadShard, ParallelLMHead, ParallelLogits,
                                              RowParallelLinear, balanced_split, head_shard)
 
@@ -160,9 +161,8 @@ def shard_transformers_model(hf: nn.Module, config, tp_size: int, rank: int) -> 
         ValueError: see ``tensor_parallel_plan`` and ``head_shard``; a planned layer that is not a
             per-head attention projection or an ``nn.Linear``; a plan that matches no module.
     """
-    from pagedllm.models.transformers_backend import _num_kv_heads
     plan = tensor_parallel_plan(config, tp_size)
-    heads, kv_heads = config.num_attention_heads, _num_kv_heads(config)
+    heads, kv_heads = config.num_attention_heads, num_kv_heads(config)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     shard = head_shard(heads, kv_heads, tp_size, rank)
     ranges = _ranges(shard, head_dim)

@@ -59,7 +59,7 @@ class SpeculativeConfig:
             sequence's last n tokens), ``suffix`` (the most frequent continuation of the longest
             matching suffix, over the request's own tokens and earlier requests' outputs) or
             ``draft_model`` (a smaller model with the target's vocabulary, run through its own
-            paged KV pool: ``spec_decode/draft_model.py``; greedy or sampled drafts). Without ``method``, a
+            paged KV pool: ``worker/draft_model.py``; greedy or sampled drafts). Without ``method``, a
             given ``model`` means ``draft_model``, as in vLLM.
         num_speculative_tokens: most draft tokens per request per step (``k``), >= 1.
         prompt_lookup_min, prompt_lookup_max: n-gram lengths tried, longest first (``ngram``).

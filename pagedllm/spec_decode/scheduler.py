@@ -29,28 +29,28 @@ from __future__ import annotations
 from typing import Iterable
 
 from pagedllm.request import Request
-from pagedllm.spec_decode.config import SpeculativeConfig, TargetInfo
+from pagedllm.spec_decode.config import SpeculativeConfig
 from pagedllm.spec_decode.depth import DepthController
 from pagedllm.spec_decode.proposers import NgramProposer, ProposeItem, Proposer, SuffixProposer
 
 HOLD = None  # drafts_for's answer: skip the request this step (its drafts come with the next)
 
 
-def make_proposer(config: SpeculativeConfig, target: TargetInfo | None = None) -> Proposer:
+def make_proposer(config: SpeculativeConfig, draft: Proposer | None = None) -> Proposer:
     """The proposer ``config.method`` names.
 
     Args:
         config: the validated configuration.
-        target: what the engine says about the target model; ``draft_model`` needs it.
+        draft: for ``draft_model``, the draft model's proposer, which the engine core builds
+            (``worker/draft_model.py``: a model runner of its own, above this floor).
     Raises:
-        ValueError: ``draft_model`` without ``target``, or what ``DraftModelProposer`` raises
-            (a vocabulary other than the target's; a model that cannot be found or read).
+        ValueError: ``draft_model`` without ``draft``.
     """
     if config.method == "draft_model":
-        if target is None:
-            raise ValueError("speculative_config.method 'draft_model' needs the target's TargetInfo")
-        from pagedllm.spec_decode.draft_model import DraftModelProposer  # loads torch models: only when asked
-        return DraftModelProposer(config, target)
+        if draft is None:
+            raise ValueError("speculative_config.method 'draft_model' needs the draft model's proposer "
+                             "(worker.draft_model.DraftModelProposer)")
+        return draft
     if config.method == "ngram":
         return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
     return SuffixProposer(config.suffix_decoding_max_tree_depth, config.suffix_decoding_max_cached_requests,
@@ -63,7 +63,7 @@ class SpecDecoding:
     Args:
         config: the validated ``SpeculativeConfig``.
         max_model_len: longest sequence (drafts never reach past it).
-        target: what the engine says about the target (``draft_model`` needs it; ``make_proposer``).
+        draft: the draft model's proposer for ``draft_model`` (``make_proposer``).
         async_scheduling: the engine plans each step while the previous one runs (the depth rule
             counts the step a request with drafts in flight misses).
     Attributes:
@@ -71,11 +71,11 @@ class SpecDecoding:
             draft tokens and how many were kept; accepted_per_position: kept drafts by position (0-based).
     """
 
-    def __init__(self, config: SpeculativeConfig, max_model_len: int, target: TargetInfo | None = None,
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, draft: Proposer | None = None,
                  async_scheduling: bool = False) -> None:
         self.config = config
         self.max_model_len = max_model_len
-        self.proposer = make_proposer(config, target)
+        self.proposer = make_proposer(config, draft)
         self.depth = DepthController(config.num_speculative_tokens, config.dynamic, async_scheduling)
         self._prefetched: dict[str, list[int]] | None = None  # a batched proposer's drafts of this step
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0

@@ -18,13 +18,13 @@ preparing step N+1 never waits for step N.
 
 from __future__ import annotations
 
-import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
 
+import pagedllm.envs as envs
 from pagedllm.attention.backend import AttentionBackend
 from pagedllm.attention.metadata import AttentionBatch, AttentionMetadata
 from pagedllm.attention.torch_paged import TorchPagedBackend
@@ -114,7 +114,7 @@ class ModelRunner:
             from pagedllm.worker.device_sampler import DeviceSampler
             self._device_sampler = DeviceSampler(self.sampler, seed)
         self._device_inputs = None  # ... and builds inputs on the device (PAGEDLLM_DEVICE_INPUTS=0: on the host)
-        if self.attention_backend.name == "triton" and os.environ.get("PAGEDLLM_DEVICE_INPUTS", "1") != "0":
+        if self.attention_backend.name == "triton" and envs.PAGEDLLM_DEVICE_INPUTS:
             from pagedllm.worker.device_inputs import DeviceInputs
             self._device_inputs = DeviceInputs(self.input_batch, self.attention_backend, device)
         self._no_pending = torch.zeros(0, dtype=torch.int64, device=device)
@@ -377,9 +377,9 @@ class ModelRunner:
         if self.pipeline_overlap:
             handle = self._issue_overlapped(step, prev, timer)
         elif self._executor is None:
-            return StepHandle(self, step, run=lambda: self._run(step, prev, timer))
+            return StepHandle(self.input_batch, step, run=lambda: self._run(step, prev, timer))
         else:
-            handle = StepHandle(self, step, future=self._executor.submit(self._run, step, prev, timer))
+            handle = StepHandle(self.input_batch, step, future=self._executor.submit(self._run, step, prev, timer))
         if not non_blocking:
             handle.result()
         return handle
@@ -402,7 +402,7 @@ class ModelRunner:
                     done.append(self._finish(step, prev, timer, launched))
                 return done[0]
             self._open_finish = finish
-            return StepHandle(self, step, run=finish)
+            return StepHandle(self.input_batch, step, run=finish)
         launching, finishing = self._executor.submit(self._launch, step, prev, timer), []
 
         def submit_finish():
@@ -410,7 +410,7 @@ class ModelRunner:
                 finishing.append(self._executor.submit(lambda: self._finish(step, prev, timer, launching.result())))
             return finishing[0]
         self._open_finish = submit_finish
-        return StepHandle(self, step, run=lambda: submit_finish().result())
+        return StepHandle(self.input_batch, step, run=lambda: submit_finish().result())
 
     @torch.inference_mode()
     def _run(self, step: PreparedStep, prev: PreparedStep | None, timer) -> ModelRunnerOutput:

@@ -14,12 +14,11 @@ from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.core.scheduler_output import ModelRunnerOutput
 from pagedllm.structured_output.manager import GrammarMask
 from pagedllm.worker.host_tokens import HostTokens
-from pagedllm.worker.input_batch import SamplingMetadata
+from pagedllm.worker.input_batch import InputBatch, SamplingMetadata
 from pagedllm.worker.pooler import PoolingSpan
 
 if TYPE_CHECKING:
     from pagedllm.worker.device_inputs import DeviceStepPlan
-    from pagedllm.worker.model_runner import ModelRunner
 
 
 @dataclass
@@ -98,9 +97,9 @@ class StepHandle:
         Exception: whatever the step raised on the execution thread.
     """
 
-    def __init__(self, runner: "ModelRunner | None", step: PreparedStep | None,
+    def __init__(self, batch: InputBatch | None, step: PreparedStep | None,
                  output: ModelRunnerOutput | None = None, future: Future | None = None, run=None) -> None:
-        self._runner, self._step, self._output, self._future = runner, step, output, future
+        self._batch, self._step, self._output, self._future = batch, step, output, future
         self._run = run  # a step run on the caller's thread (no executor) runs when its result is asked
         self.grammar = step.grammar if step is not None else None
 
@@ -111,7 +110,7 @@ class StepHandle:
         if self._future is not None:
             self._output, self._future = self._future.result(), None
         if self._step is not None:
-            batch = self._runner.input_batch
+            batch = self._batch
             if self._step.host_tokens is not None:  # the device path's ids land here, not on the execution thread
                 self._output.sampled_token_ids = dict(zip(self._step.sample_ids, self._step.tokens_list()))
             if self._step.emitted:

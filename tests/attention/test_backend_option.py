@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pagedllm.attention import triton_paged
-from pagedllm.attention.backend import select_attention_backend
+from pagedllm.attention.selector import select_attention_backend
 from pagedllm.cli_args import add_engine_flags, engine_args_from_cli
 from pagedllm.config import EngineArgs
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from pagedllm.attention.backend import PRIORITY, select_attention_backend
+from pagedllm.attention.selector import PRIORITY, select_attention_backend
 from pagedllm.attention.metadata import AttentionBatch
 from pagedllm.attention.torch_paged import TorchPagedBackend
 from pagedllm.kernels import cpu as cpu_kernels

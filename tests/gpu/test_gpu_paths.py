@@ -44,7 +44,7 @@ def _step(seed: int, bs: int, num_blocks: int = 256):
 @pytest.mark.parametrize("bs,kvh,ratio,window,softcap", [(16, 2, 1, None, None), (32, 1, 8, 100, None),
                                                          (16, 2, 3, None, 30.0)])
 def test_triton_backend_equals_torch_reference_on_cuda(dtype, bs, kvh, ratio, window, softcap):
-    from pagedllm.attention.backend import select_attention_backend
+    from pagedllm.attention.selector import select_attention_backend
     batch, prefix, nb = _step(7, bs)
     g = torch.Generator(device="cuda").manual_seed(0)
     t = int(batch.query_start_loc[-1])
@@ -64,7 +64,7 @@ def test_triton_backend_equals_torch_reference_on_cuda(dtype, bs, kvh, ratio, wi
 
 
 def test_default_backend_on_cuda_is_triton():
-    from pagedllm.attention.backend import select_attention_backend
+    from pagedllm.attention.selector import select_attention_backend
     assert select_attention_backend("cuda", torch.float16).name == "triton"
 
 

@@ -131,7 +131,7 @@ def test_greedy_output_equals_no_speculation(reference, target_dir, draft_dir, g
 
 
 def _proposer(draft_dir: str, num_blocks: int = 64, block_size: int = 4, budget: int = 2048):
-    from pagedllm.spec_decode.draft_model import DraftModelProposer
+    from pagedllm.worker.draft_model import DraftModelProposer
     target = TargetInfo(model_dir=draft_dir, tokenizer_dir=draft_dir, vocab_size=49152, dtype=torch.float32,
                         device=torch.device("cpu"), block_size=block_size, num_blocks=num_blocks, max_model_len=1024,
                         max_num_batched_tokens=budget, run=lambda fn: fn())

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from pagedllm.attention.backend import select_attention_backend
+from pagedllm.attention.selector import select_attention_backend
 from pagedllm.attention.metadata import AttentionBatch
 
 D = 16

@@ -28,77 +28,10 @@ import threading
 import time
 from multiprocessing.connection import wait
 
+from pagedllm.executor.base import CheckedHandle, Executor, WorkerDiedError
 from pagedllm.worker.model_runner import ModelRunner, StepHandle
 
 logger = logging.getLogger(__name__)
-
-EXECUTOR_BACKENDS = ("uni", "mp", "ray")  # --distributed-executor-backend (Ray: ray_executor.py)
-
-
-class WorkerDiedError(RuntimeError):
-    """A tensor-parallel worker process is gone: the job cannot step any more."""
-
-
-class Executor:
-    """Runs each scheduled step on every rank; rank 0's runner is ``self.runner``.
-
-    Subclasses set ``runner_class`` (rank 0's runner type) and implement ``start``,
-    ``execute``, ``check_health`` and ``shutdown``.
-    """
-
-    runner_class: type[ModelRunner] = ModelRunner
-
-    def __init__(self) -> None:
-        self.runner: ModelRunner | None = None
-
-    def start(self, runner: ModelRunner, runner_kwargs: dict) -> None:
-        """Take rank 0's built runner; give the other ranks theirs (``runner_kwargs``: the sizes)."""
-        self.runner = runner
-
-    def execute(self, so, timer=None, non_blocking: bool = False) -> StepHandle:
-        """Issue step ``so`` on every rank; returns rank 0's handle (``ModelRunner.execute``'s contract)."""
-        return self.runner.execute(so, timer, non_blocking=non_blocking)
-
-    def check_health(self) -> None:
-        """Return when every rank is alive, else raise ``WorkerDiedError``."""
-
-    def await_failure(self, timeout_s: float) -> None:
-        """After a collective failed: wait up to ``timeout_s`` seconds for a dead rank to be seen
-        (a peer's death breaks the collective a moment before it is reaped or reported)."""
-
-    def shutdown(self) -> None:
-        """Stop the other ranks (safe to call twice)."""
-
-    # ---- for executors with worker ranks ----------------------------------
-    _latest = None  # the handle of the step issued last (pipeline overlap: see ``before_result``)
-
-    def _send(self, so) -> None:
-        """Hand step ``so`` to every worker rank, in issue order (subclasses with workers)."""
-        raise NotImplementedError
-
-    def _issue(self, so, timer, non_blocking: bool) -> "CheckedHandle":
-        """Send ``so`` to the workers when they need it, then issue it on rank 0. Workers need a step
-        that changes their batch, and with several steps in flight (``runner.pipeline_overlap``) every
-        step: the next step's arrival is what tells a worker to finish the one before (its order)."""
-        self.check_health()
-        if not so.is_empty or so.finished_req_ids or self.runner.pipeline_overlap:
-            self._send(so)
-        handle = CheckedHandle(self.runner.execute(so, timer, non_blocking=non_blocking), self)
-        self._latest = handle
-        return handle
-
-    def before_result(self, handle: "CheckedHandle") -> None:
-        """Before rank 0 finishes ``handle``'s step: when no step was issued after it and steps
-        overlap, send the workers an empty step, so that they finish it too (rank 0's finish
-        broadcasts the tokens, which waits for every rank to take them)."""
-        if self.runner.pipeline_overlap and handle is self._latest:
-            from pagedllm.core.scheduler_output import SchedulerOutput
-            self._latest = None
-            self._send(SchedulerOutput())
-
-
-class UniProcExecutor(Executor):
-    """One rank, in the engine core's process: today's path, no communication."""
 
 
 class MultiprocExecutor(Executor):
@@ -119,7 +52,7 @@ class MultiprocExecutor(Executor):
 
     def __init__(self, args, model_dir, world_size: int, run_on_exec) -> None:
         super().__init__()
-        from pagedllm.distributed import worker
+        from pagedllm.executor import worker_loop as worker
         from pagedllm.distributed.parallel_state import free_port, init_distributed
         self.runner_class = worker.DriverModelRunner
         self.world_size = world_size
@@ -313,47 +246,3 @@ def _start_child(p) -> None:
             config["daemon"] = daemon
         else:
             config.pop("daemon", None)
-
-
-class CheckedHandle:
-    """A step handle whose ``result()`` turns a collective broken by a dead worker into ``WorkerDiedError``."""
-
-    def __init__(self, handle: StepHandle, executor: MultiprocExecutor) -> None:
-        self._handle, self._executor = handle, executor
-        self.grammar = handle.grammar
-
-    def result(self):
-        """Rank 0's ``ModelRunnerOutput``.
-
-        Raises:
-            WorkerDiedError: a worker died (the collective's own error is chained).
-        """
-        try:
-            self._executor.before_result(self)
-            return self._handle.result()
-        except WorkerDiedError:
-            raise
-        except Exception:
-            self._executor.await_failure(5.0)
-            self._executor.check_health()
-            raise
-
-
-def create_executor(args, model_dir, run_on_exec) -> Executor:
-    """The executor ``args`` ask for (``distributed_executor_backend``, ``tensor_parallel_size``,
-    ``pipeline_parallel_size``).
-
-    Raises:
-        ValueError: an unknown executor backend.
-        ImportError: ``ray`` without Ray installed.
-    """
-    world = args.tensor_parallel_size * args.pipeline_parallel_size
-    backend = args.distributed_executor_backend or "mp"
-    if world == 1 or backend == "uni":
-        return UniProcExecutor()
-    if backend == "mp":
-        return MultiprocExecutor(args, model_dir, world, run_on_exec)
-    if backend == "ray":
-        from pagedllm.distributed.ray_executor import RayExecutor
-        return RayExecutor(args, model_dir, world, run_on_exec)
-    raise ValueError(f"--distributed-executor-backend must be mp, ray or uni, got {backend!r}")

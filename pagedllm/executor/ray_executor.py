@@ -20,7 +20,8 @@ import logging
 import os
 import threading
 
-from pagedllm.distributed.executor import Executor, WorkerDiedError
+import pagedllm.envs as envs
+from pagedllm.executor.base import Executor, WorkerDiedError
 from pagedllm.worker.model_runner import ModelRunner, StepHandle
 
 logger = logging.getLogger(__name__)
@@ -60,7 +61,7 @@ class RayWorker:
 
     def start(self, runner_kwargs: dict) -> None:
         """Build the runner with rank 0's sizes (``ModelRunner`` keyword arguments)."""
-        from pagedllm.distributed.worker import WorkerModelRunner
+        from pagedllm.executor.worker_loop import WorkerModelRunner
         self.runner = WorkerModelRunner(self.model, **runner_kwargs)
 
     def execute(self, so) -> None:
@@ -99,7 +100,7 @@ class RayExecutor(Executor):
             raise ImportError("--distributed-executor-backend ray needs Ray: pip install 'pagedllm[ray]'") from None
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-        from pagedllm.distributed import worker
+        from pagedllm.executor import worker_loop as worker
         from pagedllm.distributed.parallel_state import free_port, init_distributed
         self._ray, self._remove_pg = ray, remove_placement_group
         self.runner_class = worker.DriverModelRunner
@@ -107,10 +108,10 @@ class RayExecutor(Executor):
         self._closing, self._pending, self.actors, self.pg = False, [], [], None
         self._started_ray = not ray.is_initialized()
         if self._started_ray:
-            ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=False,
-                     runtime_env={"env_vars": {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}})
+            ray.init(address=envs.RAY_ADDRESS, include_dashboard=False, log_to_driver=False,
+                     runtime_env={"env_vars": {"PYTHONPATH": envs.PYTHONPATH}})
         try:
-            cpus = float(os.environ.get("PAGEDLLM_RAY_CPUS_PER_WORKER", "1"))
+            cpus = envs.PAGEDLLM_RAY_CPUS_PER_WORKER
             self.pg = placement_group([{"CPU": cpus}] * (world_size - 1), strategy="PACK")
             ray.get(self.pg.ready(), timeout=120)
             url = f"tcp://{ray.util.get_node_ip_address()}:{free_port()}"
