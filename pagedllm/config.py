@@ -149,7 +149,7 @@ class EngineArgs:
             ops (the C CPU kernels run only with their attention backend).
         enforce_eager: never capture CUDA graphs (vLLM's ``--enforce-eager``). Otherwise, with the
             Triton backend on a CUDA device and one rank, decode steps replay graphs captured at
-            start-up per batch bucket (``worker/cuda_graphs.py``); on the CPU every step is eager
+            start-up per batch bucket (``worker/device/cuda_graphs.py``); on the CPU every step is eager
             and this is a no-op.
         cuda_graph_sizes: the decode batch buckets to capture (vLLM's ``--cuda-graph-sizes``);
             ``None``: 1, 2, 4, 8, then multiples of 8 up to ``max_num_seqs`` (and it).

@@ -137,7 +137,7 @@ class TritonPagedBackend(AttentionBackend):
     def step_layout(self, num_sched: np.ndarray, seq_lens: np.ndarray, block_size: int) -> StepLayout:
         """The host-side part of a step's layout: which requests decode, the prefill tiles, the
         split-K grid and the block-table width (host arrays only: the device path builds the rest
-        on the device, ``worker/device_inputs.py``).
+        on the device, ``worker/device/device_inputs.py``).
 
         The decode split count follows the longest decode context: ``ceil(max_len / split_tokens)``
         splits, at most ``max_splits``, each a whole number of blocks.
@@ -166,7 +166,7 @@ class TritonPagedBackend(AttentionBackend):
         """The decode split-K grid covering contexts up to ``max_len`` tokens: ``(num_splits,
         split_len)``, ``ceil(max_len / split_tokens)`` splits (at most ``max_splits``), each a whole
         number of blocks. A step uses its longest decode context; a CUDA graph, whose grid is
-        frozen, uses ``max_model_len`` (``worker/cuda_graphs.py``)."""
+        frozen, uses ``max_model_len`` (``worker/device/cuda_graphs.py``)."""
         max_len = max(1, int(max_len))
         num_splits = int(min(self.max_splits, max(1, -(-max_len // self.split_tokens))))
         split_len = -(-(-(-max_len // num_splits)) // block_size) * block_size

@@ -154,7 +154,7 @@ class EngineCore:
             logger.info("speculative decoding: %s, up to %d draft tokens (%s depth)", args.speculative_config.method,
                         args.speculative_config.num_speculative_tokens,
                         "dynamic" if args.speculative_config.dynamic else "fixed")
-        # a pipeline keeps several steps in flight (worker/model_runner.py: _issue_overlapped)
+        # a pipeline keeps several steps in flight (worker/step_issuers.py: OverlappedIssuer)
         # (PAGEDLLM_PIPELINE_OVERLAP=0 drains the pipeline at every step: the benchmark's baseline)
         overlap = (args.async_scheduling and args.pipeline_parallel_size > 1
                    and bool(getattr(model, "supports_step_overlap", False))

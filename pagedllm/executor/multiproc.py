@@ -28,7 +28,7 @@ import threading
 import time
 from multiprocessing.connection import wait
 
-from pagedllm.executor.base import CheckedHandle, Executor, WorkerDiedError
+from pagedllm.executor.base import Executor, WorkerDiedError
 from pagedllm.worker.model_runner import ModelRunner, StepHandle
 
 logger = logging.getLogger(__name__)

@@ -23,7 +23,8 @@ import torch
 
 from pagedllm.core.scheduler_output import ModelRunnerOutput
 from pagedllm.distributed.parallel_state import broadcast_object, destroy_distributed, get_pp_rank, init_distributed
-from pagedllm.worker.model_runner import ModelRunner, PreparedStep
+from pagedllm.worker.model_runner import ModelRunner
+from pagedllm.worker.prepared_step import Launched, PreparedStep
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +33,7 @@ class DriverModelRunner(ModelRunner):
     """Rank 0's runner: a ``ModelRunner`` that broadcasts each step's tokens to the workers."""
 
     @torch.inference_mode()
-    def _finish(self, step: PreparedStep, prev: PreparedStep | None, timer, launched: tuple) -> ModelRunnerOutput:
+    def _finish(self, step: PreparedStep, prev: PreparedStep | None, timer, launched: Launched) -> ModelRunnerOutput:
         """Sample as ``ModelRunner``; then send ``(sampled ids, emitted drafts)`` to every rank."""
         out = super()._finish(step, prev, timer, launched)
         broadcast_object((step.tokens_list(), step.emitted))
@@ -48,24 +49,24 @@ class WorkerModelRunner(ModelRunner):
     _unfinished = None  # the handle of the step launched but not finished (pipeline_overlap)
 
     @torch.inference_mode()
-    def _launch(self, step: PreparedStep, prev: PreparedStep | None, timer) -> tuple:
+    def _launch(self, step: PreparedStep, prev: PreparedStep | None, timer) -> Launched:
         """Forward this rank's shard (the collectives pair with rank 0's); only issued with ``pipeline_overlap``."""
-        self._fill_inputs(step, prev)
+        self.step_inputs.fill(step, prev)
         args = (step.input_ids, step.positions, self.kv_caches, step.meta, step.logits_rows)
         if self.pipeline_overlap:
-            return 0.0, None, None, self.model.forward_launch(*args)
+            return Launched(0.0, pipeline=self.model.forward_launch(*args))
         self.model(*args)
-        return 0.0, None, None, None
+        return Launched(0.0)
 
     @torch.inference_mode()
-    def _finish(self, step: PreparedStep, prev: PreparedStep | None, timer, launched: tuple) -> ModelRunnerOutput:
+    def _finish(self, step: PreparedStep, prev: PreparedStep | None, timer, launched: Launched) -> ModelRunnerOutput:
         """Finish the forward, then record rank 0's broadcast tokens.
 
         Raises:
             RuntimeError: rank 0 sent no tokens (it failed mid-step).
         """
-        if launched[3] is not None:
-            self.model.forward_finish(launched[3])
+        if launched.pipeline is not None:
+            self.model.forward_finish(launched.pipeline)
         got = broadcast_object()
         if got is None:
             raise RuntimeError("rank 0 sent no tokens for the step")

@@ -83,7 +83,7 @@ class InputBatch:
         self.params: list[SamplingParams | None] = [None] * max_num_reqs
         self.is_pooling = np.zeros(max_num_reqs, dtype=bool)  # pooling requests sample nothing
         self.pooling: list = [None] * max_num_reqs  # their PoolingParams
-        # bumped by every ``add``: a slot's new occupant, whose device copies are rebuilt (worker/device_inputs.py)
+        # bumped by every ``add``: a slot's new occupant, whose device copies are rebuilt (worker/device/device_inputs.py)
         self.generation = np.zeros(max_num_reqs, dtype=np.int64)
         self.slot_of: dict[str, int] = {}
         self._free = list(range(max_num_reqs - 1, -1, -1))  # pop() hands out the lowest slot

@@ -24,24 +24,21 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-import pagedllm.envs as envs
 from pagedllm.attention.backend import AttentionBackend
-from pagedllm.attention.metadata import AttentionBatch, AttentionMetadata
 from pagedllm.attention.torch_paged import TorchPagedBackend
-from pagedllm.distributed.micro_batch import step_metadata
 from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from pagedllm.structured_output.manager import GrammarMask
 from pagedllm.models.layers.compiled import compile_model
-from pagedllm.worker.host_tokens import HostTokens
-from pagedllm.worker.input_batch import InputBatch, SamplingMetadata
+from pagedllm.worker.input_batch import InputBatch
+from pagedllm.worker.logits_rows import constrain, grammar_rows, logits_rows_of, prompt_logprobs
 from pagedllm.worker.pooler import PoolingSpan, hidden_rows, pool, token_type_rows
+from pagedllm.worker.prepared_step import Launched, PreparedStep, StepHandle
 from pagedllm.worker.sampler import Sampler
-from pagedllm.worker.spec_verify import verify_step
-from pagedllm.worker.upload import to_device
-from pagedllm.worker.state_cache import StateCache
 from pagedllm.worker.scripted import ScriptedOutput
-from pagedllm.worker.prepared_step import PreparedStep, StepHandle
-from pagedllm.worker.logits_rows import constrain, prompt_logprobs
+from pagedllm.worker.spec_verify import verify_step
+from pagedllm.worker.state_cache import StateCache
+from pagedllm.worker.step_inputs import make_step_inputs
+from pagedllm.worker.step_issuers import make_issuer
+from pagedllm.worker.token_drawers import make_drawer
 
 
 class ModelRunner:
@@ -73,7 +70,7 @@ class ModelRunner:
         graph_capture: the capture mechanism (``None``: ``cuda_graphs.capture_for(device)``, which
             captures only on CUDA); graphs are built only for the Triton backend.
         pipeline_overlap: with a pipelined model (``supports_step_overlap``), issue each step's
-            forward and take its logits only when its result is asked (``_issue_overlapped``); a
+            forward and take its logits only when its result is asked (``step_issuers.OverlappedIssuer``); a
             step with inputs still being sampled has the step before finished first.
     Attributes:
         attention_backend: the model's attention backend (chosen at load), or for a model
@@ -91,9 +88,8 @@ class ModelRunner:
                  pipeline_overlap: bool = False) -> None:
         self.model = model
         self.encoder_only = bool(getattr(model, "encoder_only", False))  # pooling only; pairs carry token types
-        # several steps in flight across pipeline stages (``_issue_overlapped``), where the model can
+        # several steps in flight across pipeline stages (``step_issuers.OverlappedIssuer``), where the model can
         self.pipeline_overlap = pipeline_overlap and getattr(model, "supports_step_overlap", False)
-        self._open_finish = None  # queues the finish of the last overlapped step (idempotent)
         backend: AttentionBackend | None = getattr(model, "attention_backend", None)
         self.attention_backend = backend or TorchPagedBackend(device)
         self.block_size = block_size
@@ -107,42 +103,21 @@ class ModelRunner:
         self.state_cache = StateCache.for_model(model, max_num_reqs + num_state_checkpoints, dtype, device,
                                                 draft_slots=(max_num_reqs, draft_state_slots))
         self.sampler = Sampler(seed, eos_token_ids)
-        # the Triton (GPU) path draws on the device (worker/device_sampler.py); the CPU backends keep
-        # the torch sampler, whose seeded streams the CPU suite pins down
-        self._device_sampler = None
-        if self.attention_backend.name == "triton":
-            from pagedllm.worker.device_sampler import DeviceSampler
-            self._device_sampler = DeviceSampler(self.sampler, seed)
-        self._device_inputs = None  # ... and builds inputs on the device (PAGEDLLM_DEVICE_INPUTS=0: on the host)
-        if self.attention_backend.name == "triton" and envs.PAGEDLLM_DEVICE_INPUTS:
-            from pagedllm.worker.device_inputs import DeviceInputs
-            self._device_inputs = DeviceInputs(self.input_batch, self.attention_backend, device)
-        self._no_pending = torch.zeros(0, dtype=torch.int64, device=device)
-        self._eos = min(eos_token_ids) if eos_token_ids else 0
+        # the strategies, chosen once: where inputs are built, how tokens are drawn, how steps are
+        # issued (step_inputs.py, token_drawers.py, step_issuers.py)
+        self.step_inputs = make_step_inputs(self.input_batch, self.attention_backend, device, block_size)
+        self.drawer = make_drawer(self.sampler, self.attention_backend.name, scripted_output,
+                                  min(eos_token_ids) if eos_token_ids else 0, seed)
+        self.issuer = make_issuer(self, executor, self.pipeline_overlap)
         self._last: PreparedStep | None = None  # the most recently issued step
-        self._executor = executor
-        self._script = scripted_output
         self.max_model_len = max_model_len
         self.step_counts = {"graph": 0, "eager": 0}
         self.compiled_modules = compile_model(model) if compile_pieces else 0
-        self.decode_graphs = None if enforce_eager else self._capture_graphs(cuda_graph_sizes, graph_capture)
-
-    def _capture_graphs(self, sizes: list[int] | None, capture):
-        """Capture the decode graphs at start-up (``worker/cuda_graphs.py``): Triton backend only,
-        a model with no recurrent state; ``None`` when none applies or capture fails (logged: the
-        engine still serves, eagerly)."""
-        from pagedllm.worker import cuda_graphs
-        capture = capture or cuda_graphs.capture_for(self.device)
-        if capture is None or self.attention_backend.name != "triton" or self.state_cache is not None:
-            return None
-        b = self.input_batch
-        try:
-            return cuda_graphs.DecodeGraphs(
-                self.model, self.kv_caches, self.attention_backend, self.max_model_len, self.block_size,
-                b.block_table.shape[1], sizes or cuda_graphs.default_sizes(b.max_num_reqs), capture, self.device)
-        except RuntimeError as e:
-            cuda_graphs.logger.warning("CUDA graph capture failed, every step runs eagerly: %s", e)
-            return None
+        self.decode_graphs = None
+        if not enforce_eager and self.attention_backend.name == "triton" and self.state_cache is None:
+            from pagedllm.worker.device.cuda_graphs import capture_decode_graphs
+            self.decode_graphs = capture_decode_graphs(model, self.kv_caches, self.attention_backend, self.input_batch,
+                                                       max_model_len, cuda_graph_sizes, graph_capture, device)
 
     def _graph_step(self, n: np.ndarray, spec: np.ndarray, sample: np.ndarray, rows: np.ndarray,
                     pool_rows) -> bool:
@@ -193,8 +168,8 @@ class ModelRunner:
         end = start + n
         spec = self._write_drafts(rids, slots, so.spec_token_ids)
         sample, pend, pending_src, slot_row, sampling = self._prepare_sampling(slots, end, spec)
-        rows, prompt_lp = self._prepare_prompt_logprobs(rids, slots, start, end, qsl, sample, spec)
-        inputs = self._stage_inputs(slots, n, start, end, qsl, spec, pend, pending_src, rows)
+        rows, prompt_lp = logits_rows_of(self.input_batch, rids, slots, start, end, qsl, sample, spec)
+        inputs = self.step_inputs.stage(slots, n, start, end, qsl, spec, pend, pending_src, rows)
         pool_rows, pool_spans = self._prepare_pooling(rids, slots, start, end, qsl)
         kwargs = {} if self.state_cache is None else {
             "state": self.state_cache.batch(self.input_batch.state_slot[slots], start, qsl, rids,
@@ -206,34 +181,9 @@ class ModelRunner:
             pool_rows=pool_rows, pool_spans=pool_spans, model_kwargs=kwargs,
             graph=self._graph_step(n, spec, sample, rows, pool_rows), has_pending=bool(pend.size),
             **inputs, sample_ids=[rids[i] for i in sample.tolist()], sampling=sampling, prompt_lp=prompt_lp,
-            slot_row=slot_row, grammar=self._grammar_rows(rids, sample, sampling, so.spec_token_ids),
+            slot_row=slot_row, grammar=grammar_rows(rids, sample, sampling, so.spec_token_ids),
             drafts=None if not so.spec_token_ids else [so.spec_token_ids.get(rids[i], []) for i in sample.tolist()],
             draft_probs=None if not so.spec_draft_probs else [so.spec_draft_probs.get(rids[i]) for i in sample.tolist()])
-
-    def _stage_inputs(self, slots: np.ndarray, n: np.ndarray, start: np.ndarray, end: np.ndarray, qsl: np.ndarray,
-                      spec: np.ndarray, pend: np.ndarray, pending_src: np.ndarray, rows: np.ndarray) -> dict:
-        """The step's model inputs as ``PreparedStep`` fields, in one transfer: gathered in numpy
-        (``_prepare_inputs``), or on the Triton path only diffs and layout, the inputs built by kernels
-        when the step runs (``worker/device_inputs.py``). Marks the tokens computed in the batch."""
-        if self._device_inputs is None:
-            input_ids, positions, meta = self._prepare_inputs(slots, n, start, end, qsl)
-            input_ids, positions, logits_rows, pending_idx, pending_src = to_device(
-                [input_ids, positions, rows, qsl[1:][pend] - 1, pending_src], self.device)
-            return dict(input_ids=input_ids, positions=positions, meta=meta, logits_rows=logits_rows,
-                        pending_idx=pending_idx, pending_src=pending_src)
-        plan, (logits_rows,) = self._device_inputs.prepare(slots, n, start, end, spec, pend, pending_src, [rows])
-        self.input_batch.num_computed_tokens[slots] = end
-        return dict(input_ids=None, positions=None, meta=None, logits_rows=logits_rows, device_plan=plan,
-                    pending_idx=self._no_pending, pending_src=self._no_pending)
-
-    def _fill_inputs(self, step: PreparedStep, prev: PreparedStep | None) -> None:
-        """Complete the step's inputs on the execution thread, in step order: its placeholders from
-        the previous step's samples (host path), or the whole inputs built on the device."""
-        if step.device_plan is not None:
-            prev_sampled = prev.sampled if prev is not None else None
-            step.input_ids, step.positions, step.meta = self._device_inputs.materialize(step.device_plan, prev_sampled)
-        elif step.pending_idx.numel():
-            step.input_ids[step.pending_idx] = prev.sampled[step.pending_src]
 
     def _write_drafts(self, rids: list[str], slots: np.ndarray, drafts: dict[str, list[int]]) -> np.ndarray:
         """Put each request's draft tokens after its known tokens (they are inputs of this step, not
@@ -248,42 +198,6 @@ class ModelRunner:
                     b.token_ids[s, known:known + len(d)] = d
                     spec[i] = len(d)
         return spec
-
-    @staticmethod
-    def _grammar_rows(rids: list[str], sample: np.ndarray, sampling: SamplingMetadata | None,
-                      drafts: dict[str, list[int]]) -> GrammarMask | None:
-        """The sampled requests with structured outputs, whose mask rows (one per logits row: the
-        token, then one after each draft) the core fills (``None``: none)."""
-        if sampling is None or not sampling.any_structured:
-            return None
-        rows = [i for i, p in enumerate(sampling.params) if p.structured_outputs is not None]
-        ids = [rids[int(sample[i])] for i in rows]
-        return GrammarMask(rows, ids, [list(drafts.get(rid, ())) for rid in ids])
-
-    def _prepare_inputs(self, slots: np.ndarray, n: np.ndarray, start: np.ndarray, end: np.ndarray,
-                        qsl: np.ndarray) -> tuple[np.ndarray, np.ndarray, AttentionMetadata]:
-        """The model inputs of the scheduled requests, and the attention backend's metadata.
-
-        Args:
-            slots: ``[R]`` int64 batch slots; ``n``: ``[R]`` tokens scheduled for each;
-            start, end: ``[R]`` tokens each has computed before / after this step;
-            qsl: ``[R + 1]`` cumulative ``n``.
-        Returns:
-            ``input_ids`` ``[T]`` int64 (a pending token's entry is filled when the step runs),
-            ``positions`` ``[T]`` int64 (host arrays: ``_prepare`` copies them to the device with the
-            step's other arrays in one transfer), and the metadata. Marks the tokens computed in the batch.
-        """
-        b, bs = self.input_batch, self.block_size
-        row_slot = np.repeat(slots, n)
-        pos = np.arange(qsl[-1], dtype=np.int64) - np.repeat(qsl[:-1] - start, n)
-        input_ids = b.token_ids[row_slot, pos].astype(np.int64)
-        slot_mapping = b.block_table[row_slot, pos // bs] * bs + pos % bs
-        b.num_computed_tokens[slots] = end
-        # whole, or as pipeline micro-batches (``distributed/micro_batch.py``)
-        meta = step_metadata(self.attention_backend, AttentionBatch(
-            query_start_loc=qsl, num_computed=start, seq_lens=end, slot_mapping=slot_mapping,
-            block_table=b.block_table, rows=slots, block_size=bs))
-        return input_ids, pos, meta
 
     def _prepare_sampling(self, slots: np.ndarray, end: np.ndarray, spec: np.ndarray):
         """Which requests sample a token this step, and where their pending inputs come from.
@@ -328,32 +242,6 @@ class ModelRunner:
                                   qsl[:-1][idx], qsl[1:][idx], start[idx])
         return torch.from_numpy(rows).to(self.device), spans
 
-    def _prepare_prompt_logprobs(self, rids: list[str], slots: np.ndarray, start: np.ndarray, end: np.ndarray,
-                                 qsl: np.ndarray, sample: np.ndarray, spec: np.ndarray) -> tuple[np.ndarray, list]:
-        """The rows whose logits are needed: the sampled ones (a request with ``k`` drafts: its
-        last ``k + 1``), then the prompt-logprob positions.
-
-        Returns:
-            ``[R' + P]`` int64 rows of the flattened batch, and per request with prompt logprobs
-            computed this step ``(request id, first prompt token index, targets [n] int64, k)``.
-        """
-        b = self.input_batch
-        counts = 1 + spec[sample]
-        ends = qsl[1:][sample]
-        firsts = np.repeat(ends - counts, counts)
-        rows = [firsts + np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)]
-        prompt_lp = []
-        for i in np.flatnonzero(b.prompt_logprobs[slots] >= 0).tolist():
-            # the row at position p predicts prompt token p + 1 (token 0 has no logprob)
-            s, first = slots[i], int(start[i]) + 1
-            last = min(int(end[i]), int(b.num_prompt_tokens[s]) - 1)
-            if last > start[i]:
-                cnt = last - int(start[i])
-                rows.append(np.arange(qsl[i], qsl[i] + cnt, dtype=np.int64))
-                prompt_lp.append((rids[i], first, b.token_ids[s, first:first + cnt].astype(np.int64),
-                                  int(b.prompt_logprobs[s])))
-        return np.concatenate(rows), prompt_lp
-
     def execute(self, so: SchedulerOutput, timer=None, non_blocking: bool = False) -> StepHandle:
         """Apply the step's diffs to the batch, prepare its inputs and issue it.
 
@@ -374,43 +262,10 @@ class ModelRunner:
         self._last = step
         if timer is not None:
             timer.totals.prepare += time.perf_counter() - t0
-        if self.pipeline_overlap:
-            handle = self._issue_overlapped(step, prev, timer)
-        elif self._executor is None:
-            return StepHandle(self.input_batch, step, run=lambda: self._run(step, prev, timer))
-        else:
-            handle = StepHandle(self.input_batch, step, future=self._executor.submit(self._run, step, prev, timer))
-        if not non_blocking:
+        handle = self.issuer.issue(step, prev, timer)
+        if not non_blocking and self.issuer.waits:
             handle.result()
         return handle
-
-    def _issue_overlapped(self, step: PreparedStep, prev: PreparedStep | None, timer) -> StepHandle:
-        """Launch the step now (after the steps issued before it) and finish it when its result is
-        asked. The core asks for step N's result after issuing N+1, so each stage runs N+1's part
-        while the later stages still run N's: several steps in flight across the pipeline. A step
-        whose inputs include tokens step N is still sampling (the scheduler put its requests in both:
-        ``Scheduler._requests_per_step``) has N's finish queued before its launch, on every rank alike
-        (each rank prepares the same step, so each sees the same pending inputs).
-        """
-        if step.has_pending and self._open_finish is not None:
-            self._open_finish()
-        if self._executor is None:  # a worker rank: launch here, in the order rank 0 does
-            launched, done = self._launch(step, prev, timer), []
-
-            def finish() -> ModelRunnerOutput:
-                if not done:
-                    done.append(self._finish(step, prev, timer, launched))
-                return done[0]
-            self._open_finish = finish
-            return StepHandle(self.input_batch, step, run=finish)
-        launching, finishing = self._executor.submit(self._launch, step, prev, timer), []
-
-        def submit_finish():
-            if not finishing:
-                finishing.append(self._executor.submit(lambda: self._finish(step, prev, timer, launching.result())))
-            return finishing[0]
-        self._open_finish = submit_finish
-        return StepHandle(self.input_batch, step, run=lambda: submit_finish().result())
 
     @torch.inference_mode()
     def _run(self, step: PreparedStep, prev: PreparedStep | None, timer) -> ModelRunnerOutput:
@@ -418,68 +273,56 @@ class ModelRunner:
         return self._finish(step, prev, timer, self._launch(step, prev, timer))
 
     @torch.inference_mode()
-    def _launch(self, step: PreparedStep, prev: PreparedStep | None, timer) -> tuple:
-        """Complete the step's inputs and run its forward; returns ``(start time, logits, pooled
-        hidden states or None, launched pipeline step or None)``: with ``pipeline_overlap`` the
-        forward is only issued (``model.forward_launch``) and ``_finish`` takes its logits."""
+    def _launch(self, step: PreparedStep, prev: PreparedStep | None, timer) -> Launched:
+        """Complete the step's inputs and run its forward; with ``pipeline_overlap`` the forward is
+        only issued (``model.forward_launch``) and ``_finish`` takes its logits."""
         t1 = time.perf_counter()
         if timer is not None:
             timer.exec_started(t1)
-        self._fill_inputs(step, prev)
+        self.step_inputs.fill(step, prev)
         if step.pool_rows is not None:  # the same forward also hands back the pooled rows' final hidden states
             logits, hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta, step.logits_rows,
                                         step.pool_rows, **step.model_kwargs)
-            return t1, logits, hidden, None
+            return Launched(t1, logits, hidden)
         if self.pipeline_overlap:
-            return t1, None, None, self.model.forward_launch(step.input_ids, step.positions, self.kv_caches,
-                                                             step.meta, step.logits_rows)
-        return t1, self._forward(step), None, None
+            return Launched(t1, pipeline=self.model.forward_launch(step.input_ids, step.positions, self.kv_caches,
+                                                                   step.meta, step.logits_rows))
+        return Launched(t1, self._forward(step))
 
     @torch.inference_mode()
-    def _finish(self, step: PreparedStep, prev: PreparedStep | None, timer, launched: tuple) -> ModelRunnerOutput:
+    def _finish(self, step: PreparedStep, prev: PreparedStep | None, timer, launched: Launched) -> ModelRunnerOutput:
         """Sample a launched step (``_launch``'s result) and fill its ``ModelRunnerOutput``."""
-        t1, logits, hidden, pending = launched
         out = ModelRunnerOutput()
-        if pending is not None:
-            logits = self.model.forward_finish(pending)
-        if hidden is not None:
-            out.pooled = pool(hidden, step.pool_spans)
+        logits = launched.logits if launched.pipeline is None else self.model.forward_finish(launched.pipeline)
+        if launched.hidden is not None:
+            out.pooled = pool(launched.hidden, step.pool_spans)
         t2 = time.perf_counter()
         num_sampled = len(step.sample_ids)
         num_rows = num_sampled + sum(len(d) for d in step.drafts or ())
         if num_sampled:
-            md = step.sampling
-            pending = prev if md.pending_rows.size else None
-            sample_logits = logits[:num_rows]
-            if step.grammar is not None:
-                sample_logits = constrain(sample_logits, step.grammar, step.drafts)
-            tokens = None  # host ids; on the device path they follow in step.host_tokens
-            if step.drafts is not None:
-                tokens = verify_step(self.sampler, self.state_cache, step, sample_logits, md,
-                                     pending and pending.tokens_list(), out)
-            elif self._device_sampler is not None and self._script is None:
-                logprobs, step.sampled = self._device_sampler(
-                    sample_logits, md, pending and pending.sampled, pending and pending.tokens_list)
-                step.host_tokens = HostTokens(step.sampled)  # read by StepHandle.result, not here
-            else:
-                sampled = self.sampler(sample_logits, md, pending and pending.tokens_list())
-                logprobs = sampled.logprobs
-                tokens = (sampled.token_ids if self._script is None
-                          else self._script.tokens(md.output_lens.tolist(), self._eos))
-            if step.drafts is None:
-                for rid, lp in zip(step.sample_ids, logprobs):
-                    if lp is not None:
-                        out.logprobs[rid] = lp
-            if tokens is not None:
-                step.sampled_list = tokens
-                step.sampled = torch.tensor(tokens, dtype=torch.int64, device=self.device)
-                out.sampled_token_ids = dict(zip(step.sample_ids, tokens))
+            self._draw(step, prev, logits[:num_rows], out)
         if step.prompt_lp:
             prompt_logprobs(logits[num_rows:], step.prompt_lp, out)
         t3 = time.perf_counter()
-        out.execute_s = t3 - t1
+        out.execute_s = t3 - launched.t_start
         if timer is not None:
             timer.exec_ended(t3)
-            timer.totals.execute += t2 - t1
+            timer.totals.execute += t2 - launched.t_start
             timer.totals.sample += t3 - t2
         return out
+
+    def _draw(self, step: PreparedStep, prev: PreparedStep | None, logits: torch.Tensor, out: ModelRunnerOutput) -> None:
+        """The step's tokens from its sampled rows' ``logits`` (``[R', vocab]`` float32): masked by
+        the grammar rows, then verified (a step with drafts) or drawn (``self.drawer``)."""
+        md = step.sampling
+        pending = prev if md.pending_rows.size else None
+        if step.grammar is not None:
+            logits = constrain(logits, step.grammar, step.drafts)
+        if step.drafts is not None:
+            tokens = verify_step(self.sampler, self.state_cache, step, logits, md, pending and pending.tokens_list(), out)
+        else:
+            tokens = self.drawer.draw(step, logits, md, pending, out)
+        if tokens is not None:  # host ids; on the device path they follow in step.host_tokens
+            step.sampled_list = tokens
+            step.sampled = torch.tensor(tokens, dtype=torch.int64, device=self.device)
+            out.sampled_token_ids = dict(zip(step.sample_ids, tokens))

@@ -13,12 +13,12 @@ import torch
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.core.scheduler_output import ModelRunnerOutput
 from pagedllm.structured_output.manager import GrammarMask
-from pagedllm.worker.host_tokens import HostTokens
+from pagedllm.worker.device.host_tokens import HostTokens
 from pagedllm.worker.input_batch import InputBatch, SamplingMetadata
 from pagedllm.worker.pooler import PoolingSpan
 
 if TYPE_CHECKING:
-    from pagedllm.worker.device_inputs import DeviceStepPlan
+    from pagedllm.worker.device.device_inputs import DeviceStepPlan
 
 
 @dataclass
@@ -44,7 +44,7 @@ class PreparedStep:
             its last emitted token).
         sampled_list: the same ids on the host (``tokens_list()``: on the device path they arrive
             through ``host_tokens``, read when the scheduling thread asks for the result).
-        host_tokens: the device path's pending copy of ``sampled`` (``worker/host_tokens.py``).
+        host_tokens: the device path's pending copy of ``sampled`` (``worker/device/host_tokens.py``).
         drafts: per sampled request, its draft tokens (``None``: no request has any); a request
             with ``k`` drafts has ``k + 1`` rows in ``logits_rows``.
         emitted: per sampled request with drafts, every token the verification emitted.
@@ -53,9 +53,9 @@ class PreparedStep:
         pool_rows: ``[N]`` int64 rows whose final hidden states the pooling requests finishing
             this step need (``None``: no such request); pool_spans: those requests (``worker/pooler.py``).
         model_kwargs: extra keyword arguments of the model's forward (a hybrid model's ``state``).
-        device_plan: the device path's staged step (``worker/device_inputs.py``); while set,
+        device_plan: the device path's staged step (``worker/device/device_inputs.py``); while set,
             ``input_ids``, ``positions`` and ``meta`` are ``None`` until the step runs.
-        graph: the step's forward replays a captured decode graph (``worker/cuda_graphs.py``).
+        graph: the step's forward replays a captured decode graph (``worker/device/cuda_graphs.py``).
         has_pending: some input is a token the previous step is still sampling.
     """
 
@@ -88,6 +88,24 @@ class PreparedStep:
         if self.host_tokens is not None and not self.sampled_list:
             self.sampled_list = self.host_tokens.get()
         return self.sampled_list
+
+
+@dataclass
+class Launched:
+    """A step whose forward has run, or with a pipeline been issued (``ModelRunner._launch``), and
+    which ``ModelRunner._finish`` samples.
+
+    Attributes:
+        t_start: ``time.perf_counter()`` seconds when the launch began (0.0 on a worker rank).
+        logits: ``[R', vocab]`` float32 logits rows, or ``None`` (pipeline: ``finish`` takes them).
+        hidden: ``[P, hidden]`` final hidden states of the pooled rows, or ``None``.
+        pipeline: the model's launched pipeline step (``forward_finish`` takes it), or ``None``.
+    """
+
+    t_start: float
+    logits: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None
+    pipeline: object | None = None
 
 
 class StepHandle:

@@ -70,7 +70,7 @@ def test_default_backend_on_cuda_is_triton():
 
 def test_seeded_sampling_is_batch_invariant_on_cuda():
     from pagedllm.sampling_params import SamplingParams
-    from pagedllm.worker import device_sampler as ds
+    from pagedllm.worker.device import device_sampler as ds
     vocab = 32000
     logits = torch.randn(8, vocab, device="cuda")
     p = SamplingParams(temperature=0.8, top_p=0.9, seed=42)
@@ -130,7 +130,7 @@ def test_decode_steps_replay_cuda_graphs_and_enforce_eager_captures_none(tmp_pat
 
 
 def test_sampled_ids_reach_the_host_through_a_pinned_copy():
-    from pagedllm.worker.host_tokens import HostTokens
+    from pagedllm.worker.device.host_tokens import HostTokens
     tokens = torch.randint(0, 50000, (37,), device="cuda")
     host = HostTokens(tokens)
     assert host._host.is_pinned() and host.get() == tokens.tolist() and host.ready()

@@ -4,7 +4,7 @@ Greedy tokens must equal the torch backend's (up to a transformers near-tie, as
 every greedy comparison of the suite): ragged prompts under a small step budget
 (chunked prefill mixed with decodes), then prompts sharing a cached prefix
 (prefix-cache hits read the earlier blocks through the block table). The Triton run
-builds its inputs on the device (``worker/device_inputs.py``), async scheduling's
+builds its inputs on the device (``worker/device/device_inputs.py``), async scheduling's
 placeholders gathered there; a second Triton run with the host preparation
 (``PAGEDLLM_DEVICE_INPUTS=0``) must give the same tokens.
 """
@@ -38,7 +38,7 @@ def test_tiny_llama_triton_equals_torch_backend(tiny_model_dir, greedy_ref, asse
         llm = LLM(path, attention_backend=name.split("-")[0], **common)
         runner = llm.llm_engine.runner
         assert runner.attention_backend.name == name.split("-")[0]
-        assert (runner._device_inputs is not None) == (name == "triton")
+        assert (runner.step_inputs.name == "device") == (name == "triton")
         first = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
         then = [o.outputs[0].token_ids for o in llm.generate(second, GREEDY, use_tqdm=False)]
         assert llm.llm_engine.get_stats().prefix_cache_hits >= 32  # the shared prompt's two blocks

@@ -1,7 +1,7 @@
 """Triton kernels on these CPUs: Triton's interpreter, switched on for this folder only.
 
 ``TRITON_INTERPRET`` is read when a kernel is decorated (``triton.jit``), i.e. when
-``pagedllm.worker.device_sampling_kernels`` is first imported, so it is set here, at
+``pagedllm.worker.device.device_sampling_kernels`` is first imported, so it is set here, at
 collection, before any test of this folder imports it. No other test module imports
 the kernels, so the rest of the suite is unaffected (and the default backend choice
 never picks Triton on the CPU, interpreter or not). Tests skip when triton is not

@@ -1,4 +1,4 @@
-"""Decode CUDA graphs (``worker/cuda_graphs.py``) checked on the CPU through Triton's interpreter.
+"""Decode CUDA graphs (``worker/device/cuda_graphs.py``) checked on the CPU through Triton's interpreter.
 
 The capture is injected: ``CallCapture`` replays a bucket by calling the forward it
 captured, over the same static buffers and metadata, so a replay reads only what a
@@ -19,7 +19,8 @@ import torch
 from pagedllm import LLM, SamplingParams
 from pagedllm.attention import triton_paged
 from pagedllm.attention.triton_paged import TritonMetadata
-from pagedllm.worker import cuda_graphs, model_runner
+from pagedllm.worker import model_runner
+from pagedllm.worker.device import cuda_graphs
 
 PROMPTS = [list(range(5, 31)), list(range(7, 12)), list(range(40, 49)), [3, 4, 5]]
 MAX_TOKENS = [7, 5, 3, 2]  # decode batches of 4 (above the largest bucket), 3, 2 (padded to 3), 1
@@ -142,7 +143,7 @@ def test_graph_tokens_with_host_inputs(runs, tiny_model_dir, monkeypatch):
     capture = cuda_graphs.CallCapture()
     monkeypatch.setattr(cuda_graphs, "capture_for", lambda device: capture)
     llm = _llm(tiny_model_dir, cuda_graph_sizes=[1, 3])
-    assert llm.llm_engine.runner._device_inputs is None
+    assert llm.llm_engine.runner.step_inputs.name == "host"
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in MAX_TOKENS]
     toks = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
     assert toks == runs["eager"]["tokens"]

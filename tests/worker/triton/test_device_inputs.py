@@ -1,4 +1,4 @@
-"""Device-side input preparation (``worker/device_inputs.py``) equals the host (numpy) preparation.
+"""Device-side input preparation (``worker/device/device_inputs.py``) equals the host (numpy) preparation.
 
 A randomized scheduler drives one ``InputBatch`` through many steps: new requests
 (some with prefix-cache hits, some re-admitted after preemption with their outputs),
@@ -6,7 +6,7 @@ chunked prefills, decodes whose last token is already recorded, decodes whose la
 token is the previous step's sample (a placeholder, async scheduling), decodes with
 draft tokens and their verdicts, requests skipped for a step, finished requests whose
 slots are reused. Every step, the kernels' ``input_ids``, ``positions`` and metadata
-must equal ``ModelRunner._prepare_inputs`` with the placeholders filled as the host
+must equal ``HostInputs.gather`` with the placeholders filled as the host
 path fills them, on block sizes 16 and 32.
 """
 
@@ -21,9 +21,9 @@ import torch
 from pagedllm.attention.triton_paged import TritonPagedBackend
 from pagedllm.core.scheduler_output import CachedRequestData, NewRequestData
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.worker.device_inputs import DeviceInputs
+from pagedllm.worker.device.device_inputs import DeviceInputs
 from pagedllm.worker.input_batch import InputBatch
-from pagedllm.worker.model_runner import ModelRunner
+from pagedllm.worker.step_inputs import HostInputs
 
 MAX_LEN = 150
 SLOTS = 5
@@ -135,11 +135,11 @@ class Sim:
 
 
 def _host_reference(batch, backend, slots, n, start, end, pend, pending_src, prev):
-    """The host path: ``ModelRunner._prepare_inputs`` with the placeholders filled as ``_run`` fills them."""
+    """The host path: ``HostInputs.gather`` with the placeholders filled as ``_run`` fills them."""
     qsl = np.zeros(n.size + 1, np.int64)
     np.cumsum(n, out=qsl[1:])
     ns = SimpleNamespace(input_batch=batch, block_size=batch.block_size, attention_backend=backend)
-    ids, pos, meta = ModelRunner._prepare_inputs(ns, slots, n, start, end, qsl)
+    ids, pos, meta = HostInputs.gather(ns, slots, n, start, end, qsl)
     ids = ids.copy()
     if pend.size:
         ids[qsl[1:][pend] - 1] = prev[pending_src]

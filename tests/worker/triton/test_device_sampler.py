@@ -1,4 +1,4 @@
-"""Device-side sampling (``worker/device_sampler.py``) through Triton's interpreter.
+"""Device-side sampling (``worker/device/device_sampler.py``) through Triton's interpreter.
 
 A seeded row draws the same token whatever its batch and row; greedy rows are
 the argmax; the draw follows the torch sampler's target distribution
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.worker import device_sampler as ds
+from pagedllm.worker.device import device_sampler as ds
 from pagedllm.worker.input_batch import SamplingMetadata
 from pagedllm.worker.sampler import Sampler, apply_penalties
 

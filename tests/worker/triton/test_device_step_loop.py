@@ -3,9 +3,9 @@
 - Host syncs: while a step runs (issued, run, and its result taken), pagedllm code calls
   ``.item()``, ``.tolist()``, ``.cpu()``, ``.numpy()`` or converts a tensor to a Python
   bool/int/float only once: the sampled tokens' read from their non-blocking host copy
-  (``worker/host_tokens.py``), on the scheduling thread when it takes the result, never on
+  (``worker/device/host_tokens.py``), on the scheduling thread when it takes the result, never on
   the execution thread. (On a GPU each such call waits for the device.)
-  The step's inputs are built on the device (``worker/device_inputs.py``), placeholders
+  The step's inputs are built on the device (``worker/device/device_inputs.py``), placeholders
   included, and logit bias and penalties are applied there (``process_on_device``): the
   count covers both.
 - A seeded sampled request draws the same tokens alone and in a batch (device draw).
@@ -21,7 +21,8 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.worker import device_inputs, model_runner, prepared_step
+from pagedllm.worker import model_runner, prepared_step
+from pagedllm.worker.device import device_inputs
 
 SYNC_METHODS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
 
@@ -72,7 +73,7 @@ def test_one_host_sync_per_step(llm, monkeypatch):
             out = result(self)
         finally:
             in_step.taking = taking
-        if not taking and self._runner is not None:
+        if not taking and self._batch is not None:
             steps.append(bool(out.sampled_token_ids))
         return out
 
@@ -86,7 +87,7 @@ def test_one_host_sync_per_step(llm, monkeypatch):
         return materialize(self, plan, prev_sampled)
 
     monkeypatch.setattr(device_inputs.DeviceInputs, "materialize", recorded)
-    assert llm.llm_engine.runner._device_inputs is not None  # the device-side preparation is on
+    assert llm.llm_engine.runner.step_inputs.name == "device"  # the device-side preparation is on
     prompts = [list(range(5, 35)), list(range(7, 12)), list(range(40, 49))]
     params = [SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logit_bias={5: 3.0}),
               SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=7, max_tokens=4, ignore_eos=True,
@@ -97,7 +98,7 @@ def test_one_host_sync_per_step(llm, monkeypatch):
     # exactly one per sampling step, all at the same place: the read of the sampled ids' copy,
     # by the thread taking the result (the execution thread never waits for the device)
     assert sum(calls.values()) == sum(steps), calls
-    assert {(name, module) for name, module, _ in calls} == {("tolist", "pagedllm.worker.host_tokens")}, calls
+    assert {(name, module) for name, module, _ in calls} == {("tolist", "pagedllm.worker.device.host_tokens")}, calls
     assert len({where for where in calls}) == 1 and threads == {"scheduling"}, (calls, threads)
     # every step's inputs were built on the device, some with placeholders gathered there (async
     # scheduling), and each step sent only diffs: at most its own tokens of the token table

@@ -1,4 +1,4 @@
-"""Triton kernels of ``worker/device_inputs.py``: the step's flattened inputs built on the device.
+"""Triton kernels of ``worker/device/device_inputs.py``: the step's flattened inputs built on the device.
 
 Two kernels over the device copies of the persistent batch (``[max_num_reqs, width]``
 int32 token ids, ``[max_num_reqs]`` int32 computed-token counts, ``[max_num_reqs,

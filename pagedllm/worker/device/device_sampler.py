@@ -183,7 +183,7 @@ class DeviceSampler:
             ``(logprobs, tokens)``: per row the torch sampler's ``TokenLogprobs`` or ``None``, and
             the ``[R]`` int64 device tensor of the sampled ids. Nothing is read back to the host
             when every row is drawn on the device: the caller copies ``tokens`` without blocking
-            (``worker/host_tokens.py``).
+            (``worker/device/host_tokens.py``).
         """
         params, lens = md.params, md.output_lens.tolist()
         rows = [i for i, p in enumerate(params) if device_eligible(p, lens[i])]
@@ -269,7 +269,7 @@ def gumbel_sample(logits: torch.Tensor, st: DeviceSamplingTensors) -> torch.Tens
     Returns:
         ``[R]`` int64 token ids on the logits' device. Needs triton (on the CPU: its interpreter).
     """
-    from pagedllm.worker import device_sampling_kernels as k
+    from pagedllm.worker.device import device_sampling_kernels as k
     return k.gumbel_argmax(logits, st.temperature, st.keys, st.positions)
 
 

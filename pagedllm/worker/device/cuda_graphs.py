@@ -226,3 +226,28 @@ class DecodeGraphs:
         graph = self.graphs[size]
         graph.replay()
         return graph.output[:r]
+
+
+def capture_decode_graphs(model, kv_caches, backend: TritonPagedBackend, input_batch, max_model_len: int,
+                          sizes: list[int] | None, capture, device: torch.device) -> DecodeGraphs | None:
+    """Capture the runner's decode graphs at start-up (Triton backend, a model with no recurrent
+    state: the runner checks both).
+
+    Args:
+        model, kv_caches, backend: the runner's; input_batch: its persistent batch (block-table
+        width, slots); max_model_len: longest sequence in tokens; sizes: the batch buckets (``None``: ``default_sizes``); capture: the
+        mechanism (``None``: ``capture_for(device)``, which captures only on CUDA).
+    Returns:
+        The graphs, or ``None`` when nothing captures here or capture fails (logged: the engine
+        still serves, eagerly).
+    """
+    capture = capture or capture_for(device)
+    if capture is None:
+        return None
+    try:
+        return DecodeGraphs(model, kv_caches, backend, max_model_len, input_batch.block_size,
+                            input_batch.block_table.shape[1], sizes or default_sizes(input_batch.max_num_reqs),
+                            capture, device)
+    except RuntimeError as e:
+        logger.warning("CUDA graph capture failed, every step runs eagerly: %s", e)
+        return None

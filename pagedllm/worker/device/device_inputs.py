@@ -1,6 +1,6 @@
 """Device-side input preparation of the Triton (GPU) path: the persistent batch mirrored on the device.
 
-The host path (``ModelRunner._prepare_inputs``) gathers a step's ``input_ids``,
+The host path (``step_inputs.HostInputs.gather``) gathers a step's ``input_ids``,
 ``positions`` and ``slot_mapping`` (``T`` entries each) in numpy and copies
 them, with the step's block-table rows, every step. Here the token ids,
 computed-token counts and block table of every batch slot live in device
@@ -15,7 +15,7 @@ tensors, and each step sends only
 - the attention backend's host-side layout (decode list, prefill tiles),
 
 in one pinned, non-blocking transfer (``worker/upload.py``), and kernels
-(``worker/device_input_kernels.py``) build the flattened inputs, query start
+(``worker/device/device_input_kernels.py``) build the flattened inputs, query start
 locations, context lengths and block-table rows on the device. A request whose
 last scheduled token is still being sampled by the previous step (async
 scheduling) takes it from that step's sampled ids, which never left the
@@ -102,7 +102,7 @@ class DeviceInputs:
     """
 
     def __init__(self, batch: InputBatch, backend: TritonPagedBackend, device: torch.device) -> None:
-        from pagedllm.worker import device_input_kernels  # imports triton: TRITON_INTERPRET is read now
+        from pagedllm.worker.device import device_input_kernels  # imports triton: TRITON_INTERPRET is read now
         self._k = device_input_kernels
         self.batch, self.backend, self.device = batch, backend, torch.device(device)
         slots = batch.max_num_reqs

@@ -1,4 +1,4 @@
-"""The Triton draw of ``worker/device_sampler.py``: Gumbel-max over a row's logits, keyed per request.
+"""The Triton draw of ``worker/device/device_sampler.py``: Gumbel-max over a row's logits, keyed per request.
 
 Importing this module needs ``triton``; under ``TRITON_INTERPRET=1`` (set before
 the import) it runs on CPU tensors through Triton's interpreter.
