@@ -15,6 +15,7 @@ from __future__ import annotations
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from fastapi.routing import iter_route_contexts
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
@@ -29,7 +30,9 @@ def allowed_methods(app, scope) -> list[str]:
     several (``/health`` has one for GET and one for HEAD).
     """
     methods: set[str] = set()
-    for route in app.router.routes:
+    # FastAPI (0.163) keeps an included router as one entry of ``app.router.routes``: read the
+    # routes it holds through FastAPI's own walk (the one its OpenAPI document is built from)
+    for route in iter_route_contexts(app.router.routes):
         if getattr(route, "methods", None) and route.matches(scope)[0] != Match.NONE:
             methods |= route.methods
     return sorted(methods)

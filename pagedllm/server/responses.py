@@ -229,51 +229,114 @@ async def stream(req: ResponsesRequest, chunks, conversation: list[dict], model:
         await chunks.aclose()
 
 
-async def _events(req: ResponsesRequest, chunks: AsyncIterator[str], conversation: list[dict], model: str,
-                  store: ResponseStore, owner: Owner) -> AsyncIterator[str]:
-    ev = _Events()
-    rid = _id("resp")
-    yield ev("response.created", response=response_object(req, rid, model, [], None, None, "in_progress"))
-    yield ev("response.in_progress", response=response_object(req, rid, model, [], None, None, "in_progress"))
-    output: list[dict] = []
-    open_item: dict | None = None
-    texts: dict[str, str] = {}
-    calls: dict[int, dict] = {}
-    usage, finish = None, None
+class _StreamedOutput:
+    """The output items of a streamed response, built from the chat chunks as they come, and the
+    events that announce them (OpenAI's Responses streaming events): an item is added when its
+    first piece comes, gets a delta event per piece, and is done when another item starts or the
+    stream ends. Text and reasoning pieces extend the open item of their kind; each tool call
+    (by its chat ``index``) is an item of its own."""
 
-    def close(item: dict) -> list[str]:
-        idx = output.index(item)
+    def __init__(self, ev: _Events) -> None:
+        self.ev = ev
+        self.output: list[dict] = []
+        self.open_item: dict | None = None
+        self.texts: dict[str, str] = {}  # item id -> its text so far (message and reasoning items)
+        self.calls: dict[int, dict] = {}  # chat tool call index -> its function_call item
+        self.usage: dict | None = None
+        self.finish: str | None = None
+
+    def feed(self, chunk: dict) -> list[str]:
+        """The events of one chat completion chunk (its usage and finish reason are kept)."""
+        if chunk.get("usage"):
+            self.usage = chunk["usage"]
+        out: list[str] = []
+        for ch in chunk.get("choices", []):
+            delta = ch.get("delta", {})
+            self.finish = ch.get("finish_reason") or self.finish
+            for field, kind in (("reasoning_content", "reasoning"), ("content", "message")):
+                if delta.get(field):
+                    out += self._text_piece(kind, delta[field])
+            for tc in delta.get("tool_calls") or []:
+                out += self._call_piece(tc)
+        return out
+
+    def close_open(self) -> list[str]:
+        """The events that finish the item still open at the end of the stream (none if none is)."""
+        return [] if self.open_item is None else self._close(self.open_item)
+
+    def _text_piece(self, kind: str, piece: str) -> list[str]:
+        out: list[str] = []
+        if self.open_item is None or self.open_item["type"] != kind:
+            out += self._switch_to(_message_item("") if kind == "message" else _reasoning_item(""))
+        self.texts[self.open_item["id"]] += piece
+        name = "output_text" if kind == "message" else "reasoning_text"
+        out.append(self.ev(f"response.{name}.delta", item_id=self.open_item["id"], output_index=len(self.output) - 1,
+                           content_index=0, delta=piece))
+        return out
+
+    def _call_piece(self, tc: dict) -> list[str]:
+        out: list[str] = []
+        if tc["index"] not in self.calls:
+            self.calls[tc["index"]] = _call_item(tc["id"], tc["function"]["name"], "")
+            out += self._switch_to(self.calls[tc["index"]])
+        piece = tc["function"].get("arguments") or ""
+        if piece:
+            call = self.calls[tc["index"]]
+            call["arguments"] += piece
+            out.append(self.ev("response.function_call_arguments.delta", item_id=call["id"],
+                               output_index=self.output.index(call), delta=piece))
+        return out
+
+    def _switch_to(self, item: dict) -> list[str]:
+        """Close the open item, if any, and open ``item``."""
+        out = self.close_open()
+        self.open_item = item
+        return out + self._start(item)
+
+    def _start(self, item: dict) -> list[str]:
+        self.output.append(item)
+        idx = len(self.output) - 1
+        shown = dict(item, status="in_progress")
+        out = [self.ev("response.output_item.added", output_index=idx, item=shown)]
+        if item["type"] in ("message", "reasoning"):
+            self.texts[item["id"]] = ""
+            part = ({"type": "output_text", "text": "", "annotations": []} if item["type"] == "message"
+                    else {"type": "reasoning_text", "text": ""})
+            out.append(self.ev("response.content_part.added", item_id=item["id"], output_index=idx, content_index=0,
+                               part=part))
+        return out
+
+    def _close(self, item: dict) -> list[str]:
+        idx = self.output.index(item)
         out = []
         if item["type"] in ("message", "reasoning"):
-            text = texts[item["id"]]
+            text = self.texts[item["id"]]
             kind = "output_text" if item["type"] == "message" else "reasoning_text"
             if item["type"] == "message":
                 item["content"] = [{"type": "output_text", "text": text, "annotations": []}]
             else:
                 item["content"] = [{"type": "reasoning_text", "text": text}]
-            out.append(ev(f"response.{kind}.done", item_id=item["id"], output_index=idx, content_index=0, text=text))
-            out.append(ev("response.content_part.done", item_id=item["id"], output_index=idx, content_index=0,
-                          part=item["content"][0]))
+            out.append(self.ev(f"response.{kind}.done", item_id=item["id"], output_index=idx, content_index=0,
+                               text=text))
+            out.append(self.ev("response.content_part.done", item_id=item["id"], output_index=idx, content_index=0,
+                               part=item["content"][0]))
         else:
-            out.append(ev("response.function_call_arguments.done", item_id=item["id"], output_index=idx,
-                          arguments=item["arguments"]))
+            out.append(self.ev("response.function_call_arguments.done", item_id=item["id"], output_index=idx,
+                               arguments=item["arguments"]))
         item["status"] = "completed"
-        out.append(ev("response.output_item.done", output_index=idx, item=item))
+        out.append(self.ev("response.output_item.done", output_index=idx, item=item))
         return out
 
-    def start(item: dict) -> list[str]:
-        output.append(item)
-        idx = len(output) - 1
-        shown = dict(item, status="in_progress")
-        out = [ev("response.output_item.added", output_index=idx, item=shown)]
-        if item["type"] in ("message", "reasoning"):
-            texts[item["id"]] = ""
-            part = ({"type": "output_text", "text": "", "annotations": []} if item["type"] == "message"
-                    else {"type": "reasoning_text", "text": ""})
-            out.append(ev("response.content_part.added", item_id=item["id"], output_index=idx, content_index=0,
-                          part=part))
-        return out
 
+async def _events(req: ResponsesRequest, chunks: AsyncIterator[str], conversation: list[dict], model: str,
+                  store: ResponseStore, owner: Owner) -> AsyncIterator[str]:
+    """``stream``'s events: created and in progress, the output items' (``_StreamedOutput``), then
+    completed or incomplete (stored first when ``store``); a chat error chunk ends it with ``error``."""
+    ev = _Events()
+    rid = _id("resp")
+    yield ev("response.created", response=response_object(req, rid, model, [], None, None, "in_progress"))
+    yield ev("response.in_progress", response=response_object(req, rid, model, [], None, None, "in_progress"))
+    items = _StreamedOutput(ev)
     async for line in chunks:
         if not line.startswith("data: ") or line.startswith("data: [DONE]"):
             continue
@@ -281,43 +344,11 @@ async def _events(req: ResponsesRequest, chunks: AsyncIterator[str], conversatio
         if "error" in chunk:
             yield ev("error", code=None, message=chunk["error"]["message"], param=None)
             return
-        if chunk.get("usage"):
-            usage = chunk["usage"]
-        for ch in chunk.get("choices", []):
-            delta = ch.get("delta", {})
-            finish = ch.get("finish_reason") or finish
-            for field, kind in (("reasoning_content", "reasoning"), ("content", "message")):
-                piece = delta.get(field)
-                if not piece:
-                    continue
-                if open_item is None or open_item["type"] != kind:
-                    if open_item is not None:
-                        for e in close(open_item):
-                            yield e
-                    open_item = _message_item("") if kind == "message" else _reasoning_item("")
-                    for e in start(open_item):
-                        yield e
-                texts[open_item["id"]] += piece
-                name = "output_text" if kind == "message" else "reasoning_text"
-                yield ev(f"response.{name}.delta", item_id=open_item["id"], output_index=len(output) - 1,
-                         content_index=0, delta=piece)
-            for tc in delta.get("tool_calls") or []:
-                if tc["index"] not in calls:
-                    if open_item is not None:
-                        for e in close(open_item):
-                            yield e
-                    open_item = calls[tc["index"]] = _call_item(tc["id"], tc["function"]["name"], "")
-                    for e in start(open_item):
-                        yield e
-                piece = tc["function"].get("arguments") or ""
-                if piece:
-                    calls[tc["index"]]["arguments"] += piece
-                    yield ev("response.function_call_arguments.delta", item_id=calls[tc["index"]]["id"],
-                             output_index=output.index(calls[tc["index"]]), delta=piece)
-    if open_item is not None:
-        for e in close(open_item):
-            yield e
-    resp = response_object(req, rid, model, output, usage, finish)
+        for event in items.feed(chunk):
+            yield event
+    for event in items.close_open():
+        yield event
+    resp = response_object(req, rid, model, items.output, items.usage, items.finish)
     if req.store:
-        store.put(resp, conversation + _assistant_turn(output), owner)
+        store.put(resp, conversation + _assistant_turn(items.output), owner)
     yield ev("response.completed" if resp["status"] == "completed" else "response.incomplete", response=resp)
