@@ -54,12 +54,13 @@ serve: install
 
 # the whole suite runs with the defaults (async scheduling, C CPU kernels, oneDNN-packed linears);
 # the engine-level and model tests run again on the reference path: async scheduling off and
-# torch ops only, as on a device without our CPU kernels (REF_PASS= skips that second pass)
-REF_PASS ?= tests/core tests/worker tests/engine tests/models tests/attention
+# torch ops only, as on a device without our CPU kernels (REF_PASS= skips that second pass);
+# only folders whose outcome depends on those switches (tests/core builds no engine: not rerun)
+REF_PASS ?= tests/worker tests/engine tests/models tests/attention
 test: install-test
-	$(BIN)/python -m pytest -q $(ARGS)
+	$(BIN)/python -m pytest -q --durations=25 $(ARGS)
 	$(if $(REF_PASS),PAGEDLLM_ASYNC_SCHEDULING=0 PAGEDLLM_CPU_KERNELS=0 PAGEDLLM_CPU_PREPACK=0 \
-		$(BIN)/python -m pytest -q $(REF_PASS))
+		$(BIN)/python -m pytest -q --durations=15 $(REF_PASS))
 
 bench: install
 	$(BIN)/python benchmarks/throughput.py $(ARGS)

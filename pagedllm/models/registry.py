@@ -152,13 +152,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
     kernels_on = tp == 1 and cpu_kernels.applies(device, dtype) and backend.uses_cpu_kernels
     logger.info("attention backend: %s; CPU kernels: %s", backend.name, "on" if kernels_on else "off (torch ops)")
     if impl in ("encoder", "transformers-encoder"):
-        if impl == "encoder":
-            from pagedllm.models.bert import load_bert_model
-            model = load_bert_model(model_dir, dtype, device)
-        else:
-            from pagedllm.models.transformers_encoder import load_transformers_encoder
-            model = load_transformers_encoder(model_dir, config, dtype, device)
-        model.quantization_method = "none"
+        model = _load_encoder(impl, model_dir, config, dtype, device)
         logger.info("loaded %s (%s, %s for pooling) in %.1f s", model_dir, config.architectures,
                     "native encoder" if impl == "encoder" else "Transformers encoder", time.perf_counter() - t0)
         return model, config
@@ -173,6 +167,29 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
         logger.info("loaded %s (%s, Transformers backend) in %.1f s", model_dir, config.architectures,
                     time.perf_counter() - t0)
         return model, config
+    model = _load_native(model_dir, config, files, backend, kernels_on, quantization, tp, dtype, device)
+    logger.info("loaded %s (%s) in %.1f s", model_dir, config.architectures, time.perf_counter() - t0)
+    return model, config
+
+
+def _load_encoder(impl: str, model_dir: Path, config, dtype: torch.dtype, device: torch.device):
+    """An encoder-only model for pooling: native BERT (``impl == "encoder"``) or the Transformers
+    encoder; float weights (``quantization_method`` ``none``)."""
+    if impl == "encoder":
+        from pagedllm.models.bert import load_bert_model
+        model = load_bert_model(model_dir, dtype, device)
+    else:
+        from pagedllm.models.transformers_encoder import load_transformers_encoder
+        model = load_transformers_encoder(model_dir, config, dtype, device)
+    model.quantization_method = "none"
+    return model
+
+
+def _load_native(model_dir: Path, config, files: list[Path], backend, kernels_on: bool, quantization: str,
+                 tp: int, dtype: torch.dtype, device: torch.device):
+    """A native model built on the meta device, materialized empty on ``device``, filled from
+    ``files`` (a tensor-parallel rank reads only its slices), then served as ``quantization`` says
+    (packed GGUF blocks, int8, or float with oneDNN-prepacked linears where available)."""
     cls = resolve_architecture(config)
     with torch.device("meta"):
         model = cls(config, backend, cpu_kernels=kernels_on)
@@ -199,8 +216,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
     from pagedllm.models.cpu_linear import prepack_available
     if tp == 1 and prepack_available(device, dtype):
         logger.info("oneDNN-packed weights: %d linear layers", model.prepack())
-    logger.info("loaded %s (%s) in %.1f s", model_dir, config.architectures, time.perf_counter() - t0)
-    return model, config
+    return model
 
 
 def check_tensor_parallel(impl: str, quantization: str, world: int) -> str:
