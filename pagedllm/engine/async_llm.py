@@ -104,6 +104,11 @@ class AsyncLLM:
         """True when the model scores pairs with a classification head (``LLMEngine.is_cross_encoder``)."""
         return self.engine.is_cross_encoder
 
+    @property
+    def plan(self):
+        """The engine plan (``pagedllm/plan.py``): every decision the engine made at start-up."""
+        return self.engine.plan
+
     def default_sampling_fields(self) -> dict:
         """The model's ``generation_config.json`` sampling defaults (``LLMEngine.default_sampling_fields``)."""
         return self.engine.default_sampling_fields()

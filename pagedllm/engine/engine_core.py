@@ -27,8 +27,6 @@ from dataclasses import dataclass
 
 import torch
 
-import pagedllm.envs as envs
-from pagedllm.models.layers.compiled import resolve_compilation
 from pagedllm.config import EngineArgs, parse_size
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.scheduler import Scheduler
@@ -43,6 +41,7 @@ from pagedllm.spec_decode.scheduler import SpecDecoding
 from pagedllm.stats import SchedulerStats, StepTimings
 from pagedllm.memory import return_freed_memory
 from pagedllm.models.quant_linear import quantized_kernels
+from pagedllm.plan import EnginePlan, plan_engine, plan_prebuilt
 from pagedllm.structured_output.manager import StructuredOutputManager
 from pagedllm.worker.model_runner import ModelRunner
 from pagedllm.worker.state_cache import StateCache
@@ -104,18 +103,22 @@ class EngineCore:
         eos_token_ids: token ids that end a sequence.
         model: an already built model (tests); by default it is loaded from ``model_dir``.
         scripted_output: test hook handed to the model runner (``worker/scripted.py``).
+        plan: the engine plan (``pagedllm/plan.py``) the front end resolved; ``None`` resolves it here
+            (from ``model_dir``, or from the prebuilt ``model``). It is logged once and kept as ``plan``.
     Raises:
         ValueError: an unservable architecture, or a KV pool too small for one block.
     """
 
     def __init__(self, args: EngineArgs, model_dir, max_model_len: int, eos_token_ids: set[int],
-                 model=None, scripted_output=None) -> None:
+                 model=None, scripted_output=None, plan: EnginePlan | None = None) -> None:
         self.eos_token_ids = eos_token_ids
+        self.plan = plan or (plan_prebuilt(args, model) if model is not None else plan_engine(args, model_dir))
+        logger.info("engine plan: %s", self.plan.describe())
         # every torch op of the core (loading, KV allocation, steps) runs on this one thread
         threads = args.num_threads or torch.get_num_threads()
         self._exec = ThreadPoolExecutor(1, "pagedllm-exec", initializer=torch.set_num_threads, initargs=(threads,))
         # one rank in process, or rank 0 here and a worker process per other rank (executor/)
-        self.executor = create_executor(args, model_dir, lambda fn: self._exec.submit(fn).result())
+        self.executor = create_executor(args, model_dir, lambda fn: self._exec.submit(fn).result(), self.plan.model)
         try:
             self._init_model(args, model_dir, max_model_len, model, scripted_output)
         except BaseException:
@@ -125,15 +128,14 @@ class EngineCore:
 
     def _init_model(self, args: EngineArgs, model_dir, max_model_len: int, model, scripted_output) -> None:
         """Load the model, size the KV pool, build the scheduler and every rank's runner."""
-        from pagedllm.models.registry import load_model
-        eos_token_ids, dtype, device = self.eos_token_ids, args.torch_dtype, args.torch_device
+        from pagedllm.models.load import load_model
+        eos_token_ids, dtype, device, plan = self.eos_token_ids, args.torch_dtype, args.torch_device, self.plan
         if model is None:
-            model, _ = self._exec.submit(load_model, model_dir, dtype, device, args.model_impl,
-                                         args.quantization, args.attention_backend).result()
+            model, _ = self._exec.submit(load_model, model_dir, plan.model).result()
         elif not isinstance(self.executor, UniProcExecutor):
             raise ValueError("a prebuilt model serves one rank: --tensor-parallel-size must be 1")
         per_block = ModelRunner.kv_bytes_per_block(model, args.block_size, dtype)
-        encoder_only = bool(getattr(model, "encoder_only", False))
+        encoder_only = plan.encoder_only
         state_pool, state_bytes = self._plan_state(args, model, dtype)
         if encoder_only:  # no KV cache: a nominal pool, so that the context limit reads as for the others
             num_blocks = -(-max_model_len // args.block_size)
@@ -154,22 +156,17 @@ class EngineCore:
             logger.info("speculative decoding: %s, up to %d draft tokens (%s depth)", args.speculative_config.method,
                         args.speculative_config.num_speculative_tokens,
                         "dynamic" if args.speculative_config.dynamic else "fixed")
-        # a pipeline keeps several steps in flight (worker/step_issuers.py: OverlappedIssuer)
-        # (PAGEDLLM_PIPELINE_OVERLAP=0 drains the pipeline at every step: the benchmark's baseline)
-        overlap = (args.async_scheduling and args.pipeline_parallel_size > 1
-                   and bool(getattr(model, "supports_step_overlap", False))
-                   and envs.PAGEDLLM_PIPELINE_OVERLAP)
+        overlap = plan.scheduler.pipeline_overlap  # several steps in flight (step_issuers.OverlappedIssuer)
         self.scheduler = Scheduler(self.kv_cache_manager, args.max_num_seqs, args.max_num_batched_tokens,
                                    max_model_len, args.enable_chunked_prefill, spec, encoder_only=encoder_only,
-                                   steps_in_flight=args.pipeline_parallel_size if overlap else 1)
+                                   steps_in_flight=plan.scheduler.steps_in_flight)
         # decode CUDA graphs with one rank only (every rank gets these sizes: none captures with several)
         sizes = dict(num_blocks=num_blocks, block_size=args.block_size, dtype=dtype, device=device, seed=args.seed,
                      eos_token_ids=eos_token_ids, max_num_reqs=args.max_num_seqs, max_model_len=max_model_len,
                      num_state_checkpoints=0 if state_pool is None else state_pool.num_checkpoints,
                      draft_state_slots=0 if state_pool is None else _draft_state_slots(args),
-                     enforce_eager=args.enforce_eager or not isinstance(self.executor, UniProcExecutor),
-                     cuda_graph_sizes=args.cuda_graph_sizes, pipeline_overlap=overlap,
-                     compile_pieces=resolve_compilation(args.compilation_config, device, args.enforce_eager))
+                     enforce_eager=not plan.cuda_graphs, cuda_graph_sizes=args.cuda_graph_sizes,
+                     pipeline_overlap=overlap, compile_pieces=plan.compile)
         self.runner = self._exec.submit(self.executor.runner_class, model, **sizes, executor=self._exec,
                                         scripted_output=scripted_output).result()
         self.executor.start(self.runner, sizes)
@@ -221,7 +218,7 @@ class EngineCore:
         config = getattr(model, "config", None)
         vocab = getattr(config, "vocab_size", None)
         if vocab is None:  # a test double without a config: read the directory's
-            from pagedllm.models.registry import read_hf_config
+            from pagedllm.models.hf_config import read_hf_config
             vocab = read_hf_config(model_dir).vocab_size
         return TargetInfo(model_dir=str(model_dir), tokenizer_dir=str(args.tokenizer or model_dir), vocab_size=vocab,
                           dtype=args.torch_dtype, device=args.torch_device, block_size=args.block_size,

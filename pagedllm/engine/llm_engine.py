@@ -19,6 +19,7 @@ from pagedllm.engine.messages import EngineCoreRequest, EngineDeadError
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.processor import Processor, PromptTooLongError  # noqa: F401  (re-exported)
 from pagedllm.outputs import RequestOutput
+from pagedllm.plan import plan_engine
 from pagedllm.request import RequestStatus
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.stats import SchedulerStats
@@ -53,16 +54,17 @@ class LLMEngine:
 
     def __init__(self, args: EngineArgs, scripted_output=None) -> None:
         from pagedllm.models.resolve import default_served_model_name, resolve_model
-        from pagedllm.models.registry import read_generation_config, read_hf_config, select_impl
+        from pagedllm.models.hf_config import read_generation_config, read_hf_config
         self.args = args
         self.model_dir = Path(resolve_model(args.model))
         self.served_model_name = args.served_model_name or default_served_model_name(args.model)
         self.hf_config = read_hf_config(self.model_dir)
         # skip_tokenizer_init (vLLM's): token ids in and out, for directories without tokenizer files
         self.tokenizer = None if args.skip_tokenizer_init else _load_tokenizer(args.tokenizer or self.model_dir)
-        impl = select_impl(self.hf_config, args.model_impl)  # an unservable model fails here, before any loading
-        self.encoder_only = impl in ("encoder", "transformers-encoder")
-        self.pooler_config = self._pooler_config(args.runner)
+        # every decision, once (pagedllm/plan.py): an unservable model fails here, before any loading
+        self.plan = plan_engine(args, self.model_dir, self.hf_config)
+        self.encoder_only = self.plan.encoder_only
+        self.pooler_config = self._pooler_config()
         self.generation_config = read_generation_config(self.model_dir)
         model_limit = getattr(self.hf_config, "max_position_embeddings", None) or args.max_model_len or 2048
         if self.encoder_only:
@@ -79,7 +81,7 @@ class LLMEngine:
             DPClient(args, self.model_dir, self.max_model_len, self.eos_token_ids) if args.data_parallel_size > 1
             else MPEngineCoreClient(args, self.model_dir, self.max_model_len, self.eos_token_ids) if self.multiprocess
             else InprocClient(EngineCore(args, self.model_dir, self.max_model_len, self.eos_token_ids,
-                                         scripted_output=scripted_output)))
+                                         scripted_output=scripted_output, plan=self.plan)))
         self.num_blocks = self.client.num_blocks
         # an engine nobody holds any more (``del llm``), or one left to the interpreter's exit, stops
         # its core, worker and replica processes: a data-parallel script that never called
@@ -89,16 +91,9 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids)
         self._held: list[RequestOutput] = []  # outputs of a step that raised for a dead DP replica
 
-    def _pooler_config(self, runner: str):
-        """The model's pooling defaults when it is served for pooling, else ``None`` (``EngineArgs.runner``).
-
-        Raises:
-            ValueError: ``runner="generate"`` for an encoder-only model (it has no LM head).
-        """
-        if self.encoder_only and runner == "generate":
-            raise ValueError(f"{self.hf_config.architectures} is an encoder-only model: it serves pooling only "
-                             "(--runner pooling or auto)")
-        if runner == "generate" or (runner == "auto" and not self.encoder_only):
+    def _pooler_config(self):
+        """The model's pooling defaults when the plan's runner pools (``EngineArgs.runner``), else ``None``."""
+        if self.plan.runner == "generate":
             return None
         from pagedllm.models.pooling_config import pooler_config
         return pooler_config(self.model_dir, self.hf_config, self.encoder_only)

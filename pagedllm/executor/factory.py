@@ -9,9 +9,10 @@ from pagedllm.executor.base import Executor, UniProcExecutor
 from pagedllm.executor.multiproc import MultiprocExecutor
 
 
-def create_executor(args, model_dir, run_on_exec) -> Executor:
+def create_executor(args, model_dir, run_on_exec, load_plan=None) -> Executor:
     """The executor ``args`` ask for (``distributed_executor_backend``, ``tensor_parallel_size``,
-    ``pipeline_parallel_size``).
+    ``pipeline_parallel_size``); its worker ranks build the model ``load_plan`` (a
+    ``models/load_plan.LoadPlan``: the engine plan's, rank 0's) describes.
 
     Raises:
         ValueError: an unknown executor backend.
@@ -22,8 +23,8 @@ def create_executor(args, model_dir, run_on_exec) -> Executor:
     if world == 1 or backend == "uni":
         return UniProcExecutor()
     if backend == "mp":
-        return MultiprocExecutor(args, model_dir, world, run_on_exec)
+        return MultiprocExecutor(args, model_dir, world, run_on_exec, load_plan)
     if backend == "ray":
         from pagedllm.executor.ray_executor import RayExecutor
-        return RayExecutor(args, model_dir, world, run_on_exec)
+        return RayExecutor(args, model_dir, world, run_on_exec, load_plan)
     raise ValueError(f"--distributed-executor-backend must be mp, ray or uni, got {backend!r}")

@@ -44,13 +44,14 @@ class MultiprocExecutor(Executor):
             TP rank ``r % tp`` of pipeline stage ``r // tp``).
         run_on_exec: runs a function on the core's execution thread and returns its result
             (rank 0 joins the process group there).
+        load_plan: the ``LoadPlan`` every worker builds its shard from (the engine plan's).
     Raises:
         RuntimeError: a worker failed to start (its traceback is in the message).
     """
 
     runner_class = None  # set in __init__: the driver runner (imported lazily, it imports torch.distributed)
 
-    def __init__(self, args, model_dir, world_size: int, run_on_exec) -> None:
+    def __init__(self, args, model_dir, world_size: int, run_on_exec, load_plan) -> None:
         super().__init__()
         from pagedllm.executor import worker_loop as worker
         from pagedllm.distributed.parallel_state import free_port, init_distributed
@@ -64,7 +65,7 @@ class MultiprocExecutor(Executor):
         try:
             for rank in range(1, world_size):
                 parent, child = ctx.Pipe()
-                p = ctx.Process(target=worker.worker_main, args=(rank, world_size, url, args, str(model_dir), child),
+                p = ctx.Process(target=worker.worker_main, args=(rank, world_size, url, args, str(model_dir), child, load_plan),
                                 name=f"pagedllm-tp{rank}", daemon=True)
                 _start_child(p)
                 child.close()

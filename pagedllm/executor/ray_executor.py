@@ -33,11 +33,12 @@ class RayWorker:
     Args:
         rank, world_size, init_method: this rank, the job's size and the rendezvous URL.
         args: the engine's ``EngineArgs``; model_dir: the model directory (on this node).
+        load_plan: the ``LoadPlan`` this rank builds its shard from (the engine plan's).
     """
 
-    def __init__(self, rank: int, world_size: int, init_method: str, args, model_dir: str) -> None:
+    def __init__(self, rank: int, world_size: int, init_method: str, args, model_dir: str, load_plan) -> None:
         self.rank, self.world_size, self.init_method = rank, world_size, init_method
-        self.args, self.model_dir = args, model_dir
+        self.args, self.model_dir, self.load_plan = args, model_dir, load_plan
         self.model = self.runner = None
         self._stop = threading.Event()
 
@@ -54,10 +55,8 @@ class RayWorker:
 
     def load(self) -> None:
         """Load this rank's shard of the model."""
-        from pagedllm.models.registry import load_model
-        a = self.args
-        self.model, _ = load_model(self.model_dir, a.torch_dtype, a.torch_device, a.model_impl, a.quantization,
-                                   a.attention_backend)
+        from pagedllm.models.load import load_model
+        self.model, _ = load_model(self.model_dir, self.load_plan)
 
     def start(self, runner_kwargs: dict) -> None:
         """Build the runner with rank 0's sizes (``ModelRunner`` keyword arguments)."""
@@ -86,13 +85,13 @@ class RayExecutor(Executor):
     """Rank 0 in this process, ranks 1..N-1 as Ray actors placed by a placement group.
 
     Args:
-        args, model_dir, world_size, run_on_exec: as ``MultiprocExecutor``.
+        args, model_dir, world_size, run_on_exec, load_plan: as ``MultiprocExecutor``.
     Raises:
         ImportError: Ray is not installed (``pip install pagedllm[ray]``).
         RuntimeError: an actor failed to start.
     """
 
-    def __init__(self, args, model_dir, world_size: int, run_on_exec) -> None:
+    def __init__(self, args, model_dir, world_size: int, run_on_exec, load_plan) -> None:
         super().__init__()
         try:
             import ray
@@ -119,7 +118,7 @@ class RayExecutor(Executor):
             for rank in range(1, world_size):
                 strategy = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=rank - 1)
                 self.actors.append(cls.options(scheduling_strategy=strategy, name=None).remote(
-                    rank, world_size, url, args, str(model_dir)))
+                    rank, world_size, url, args, str(model_dir), load_plan))
             joined = [a.join.remote() for a in self.actors]
             backend = "nccl" if args.torch_device.type == "cuda" else "gloo"
             run_on_exec(lambda: init_distributed(0, world_size, url, backend,

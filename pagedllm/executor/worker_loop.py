@@ -99,8 +99,9 @@ class WorkerModelRunner(ModelRunner):
             before.result()
 
 
-def worker_main(rank: int, world_size: int, init_method: str, args, model_dir: str, conn) -> None:
-    """A worker process (``rank`` >= 1): join the group, load the shard, run steps from ``conn``.
+def worker_main(rank: int, world_size: int, init_method: str, args, model_dir: str, conn, load_plan) -> None:
+    """A worker process (``rank`` >= 1): join the group, load the shard ``load_plan`` describes (the
+    engine plan's ``LoadPlan``, decided on rank 0), run steps from ``conn``.
 
     Messages on ``conn`` (a ``multiprocessing`` pipe end): in, ``runner kwargs`` (dict) once, then
     a ``SchedulerOutput`` per step, ``None`` to stop; out, ``("joining", None)`` before the
@@ -113,9 +114,8 @@ def worker_main(rank: int, world_size: int, init_method: str, args, model_dir: s
         init_distributed(rank, world_size, init_method, "nccl" if args.torch_device.type == "cuda" else "gloo",
                          pipeline_parallel_size=args.pipeline_parallel_size,
                          pipeline_micro_batches=args.pipeline_micro_batches)
-        from pagedllm.models.registry import load_model
-        model, _ = load_model(model_dir, args.torch_dtype, args.torch_device, args.model_impl, args.quantization,
-                              args.attention_backend)
+        from pagedllm.models.load import load_model
+        model, _ = load_model(model_dir, load_plan)
         kwargs = conn.recv()
         runner = WorkerModelRunner(model, **kwargs)
         conn.send(("ready", None))

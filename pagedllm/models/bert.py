@@ -81,7 +81,7 @@ class BertEncoderModel(EncoderModel):
         return layer.output.LayerNorm(layer.output.dense(h) + x)
 
 
-def load_bert_model(model_dir, dtype: torch.dtype, device: torch.device) -> BertEncoderModel:
+def load_bert_model(model_dir, dtype: torch.dtype, device: torch.device, prepack: bool = True) -> BertEncoderModel:
     """Load ``model_dir`` with ``transformers``' BERT (no random init) and wrap it: ``BertModel``
     for an embedding model, ``BertForSequenceClassification`` (its pooler and classifier kept as
     the head) for a cross-encoder.
@@ -106,6 +106,6 @@ def load_bert_model(model_dir, dtype: torch.dtype, device: torch.device) -> Bert
     finally:
         hf_logging.set_verbosity(level)
     from pagedllm.models.cpu_linear import prepack_available, prepack_linears
-    if prepack_available(device, dtype):
+    if prepack and prepack_available(device, dtype):  # the plan asked, and it applies here
         logger.info("oneDNN-packed weights: %d linear layers", prepack_linears(full))
     return BertEncoderModel(hf, head)

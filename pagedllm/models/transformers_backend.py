@@ -234,7 +234,7 @@ class TransformersCausalLM(nn.Module):
 
 
 def load_transformers_model(model_dir, config, dtype: torch.dtype, device: torch.device,
-                            attention_backend: AttentionBackend) -> TransformersCausalLM:
+                            attention_backend: AttentionBackend, prepack: bool = True) -> TransformersCausalLM:
     """Load ``model_dir`` with ``transformers`` and pagedllm attention through ``attention_backend``.
 
     ``from_pretrained`` builds the model on the meta device and loads the
@@ -272,7 +272,7 @@ def load_transformers_model(model_dir, config, dtype: torch.dtype, device: torch
     _check_modules(hf)
     hf = hf.to(device).eval()
     from pagedllm.models.cpu_linear import prepack_available, prepack_linears
-    if prepack_available(device, dtype):
+    if prepack and prepack_available(device, dtype):  # the plan asked, and it applies here
         # the same oneDNN-packed linears (and batch-1 kernel) as the native models
         prepack_linears(hf)
     return TransformersCausalLM(hf, attention_backend)

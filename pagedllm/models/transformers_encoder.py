@@ -102,7 +102,8 @@ class TransformersEncoderModel(EncoderModel):
         return out
 
 
-def load_transformers_encoder(model_dir, config, dtype: torch.dtype, device: torch.device) -> TransformersEncoderModel:
+def load_transformers_encoder(model_dir, config, dtype: torch.dtype, device: torch.device,
+                              prepack: bool = True) -> TransformersEncoderModel:
     """Load an encoder-only ``model_dir`` with ``transformers`` (``AutoModel``, or
     ``AutoModelForSequenceClassification`` for a cross-encoder) and wrap it.
 
@@ -125,6 +126,6 @@ def load_transformers_encoder(model_dir, config, dtype: torch.dtype, device: tor
     finally:
         hf_logging.set_verbosity(level)
     from pagedllm.models.cpu_linear import prepack_available, prepack_linears
-    if prepack_available(device, dtype):
+    if prepack and prepack_available(device, dtype):  # the plan asked, and it applies here
         logger.info("oneDNN-packed weights: %d linear layers", prepack_linears(hf))
     return TransformersEncoderModel(hf, classifier)

@@ -2,7 +2,7 @@
 
 ``from_pretrained`` reads every tensor whole, so a rank of a TP group would hold the whole
 checkpoint in memory before ``transformers_tp.shard_transformers_model`` drops the other ranks'
-slices. Instead (the same order as the native models' loader, ``registry.load_model``):
+slices. Instead (the same order as the native models' loader, ``load.load_model``):
 
 1. build the model from its config with every *parameter* on the meta device
    (``parameters_on_meta``); buffers are built for real, because they are computed at

@@ -42,8 +42,10 @@ def admin_router(llm: AsyncLLM, metrics: ServerMetrics) -> APIRouter:
     @router.get("/stats")
     async def stats() -> dict:
         """Debugging aid: the engine counters as of the last step (see ``LLMEngine.get_stats``); with
-        data parallelism they are summed over the replicas and ``replicas`` lists each one's."""
+        data parallelism they are summed over the replicas and ``replicas`` lists each one's; ``plan``
+        is the engine plan (``EnginePlan.to_dict``: every decision made at start-up)."""
         out = llm.get_stats().to_dict()
+        out["plan"] = llm.plan.to_dict()
         replicas = llm.replica_stats()
         if replicas:
             out["replicas"] = replicas

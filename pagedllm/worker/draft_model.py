@@ -1,6 +1,6 @@
 """``draft_model`` speculation: a smaller model with the target's vocabulary proposes the drafts.
 
-The draft model is loaded with the target's loader (``models/registry.load_model``; the target's
+The draft model is loaded with the target's loader (``models/load.load_model``; the target's
 dtype and device) and runs through the same paged machinery as the target, in a KV pool of its
 own: a ``core/block_pool.BlockPool`` of ``draft_num_kv_blocks`` blocks (default: as many as the
 target's pool), head-major K/V tensors per layer as ``worker/model_runner.py`` allocates them,
@@ -138,11 +138,13 @@ class DraftModelProposer:
         self.target = target
         self.block_size = target.block_size
         if model is None:
-            from pagedllm.models.registry import load_model
+            from pagedllm.models.hf_config import read_hf_config
+            from pagedllm.models.load import load_model
+            from pagedllm.models.load_plan import plan_load
             draft_dir = resolve_model(config.model)
             check_vocabulary(draft_dir, target)
-            model, cfg = target.run(lambda: load_model(draft_dir, target.dtype, target.device, "auto",
-                                                       config.quantization))
+            plan = plan_load(draft_dir, read_hf_config(draft_dir), target.dtype, target.device, "auto", config.quantization)
+            model, cfg = target.run(lambda: load_model(draft_dir, plan))
             self.max_len = min(target.max_model_len, getattr(cfg, "max_position_embeddings", None) or (1 << 30))
         else:
             self.max_len = target.max_model_len

@@ -326,14 +326,17 @@ def test_a_rank_reads_only_its_slices_of_the_checkpoint(tiny_model_dir, monkeypa
     safetensors slice, never whole, and the elements read are this rank's share (whole heads, half
     the MLP and vocabulary; the norms and the replicated KV heads in full)."""
     from pagedllm.distributed import parallel_state
-    from pagedllm.models import registry
+    from pagedllm.models import load
+    from pagedllm.models.hf_config import read_hf_config
+    from pagedllm.models.load_plan import plan_load
     for key, value in dict(rank=1, world_size=2, tp_rank=1, tp_size=2).items():
         monkeypatch.setitem(parallel_state._STATE, key, value)
     path = tiny_model_dir("llama")
     counting = counting_safe_open
     total = checkpoint_elements(path)
-    monkeypatch.setattr(registry, "safe_open", counting)
-    model, _ = registry.load_model(path, torch.float32, torch.device("cpu"))
+    monkeypatch.setattr(load, "safe_open", counting)
+    plan = plan_load(path, read_hf_config(path), torch.float32, "cpu", tensor_parallel_size=2)
+    model, _ = load.load_model(path, plan)
     assert counting.whole == []
     held = sum(p.numel() for p in model.parameters())
     assert counting.read == held, (counting.read, held)  # each element this rank holds read once, nothing more

@@ -98,14 +98,17 @@ def test_a_rank_reads_only_its_slices_with_the_transformers_backend(tiny_model_d
     from transformers import AutoModelForCausalLM
 
     from pagedllm.distributed import parallel_state
-    from pagedllm.models import registry
+    from pagedllm.models.hf_config import read_hf_config
+    from pagedllm.models.load import load_model
+    from pagedllm.models.load_plan import plan_load
     path = tiny_model_dir("llama")
     full = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     for key, value in dict(rank=1, world_size=2, tp_rank=1, tp_size=2).items():
         monkeypatch.setitem(parallel_state._STATE, key, value)
     counting = counting_safe_open
     monkeypatch.setattr(safetensors, "safe_open", counting)
-    model, _ = registry.load_model(path, torch.float32, torch.device("cpu"), model_impl="transformers")
+    plan = plan_load(path, read_hf_config(path), torch.float32, "cpu", "transformers", tensor_parallel_size=2)
+    model, _ = load_model(path, plan)
     hf = model.hf
     assert counting.whole == []
     held = sum(p.numel() for p in hf.parameters())
