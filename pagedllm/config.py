@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import logging
 import re
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -82,6 +82,10 @@ RUNNERS = ("auto", "generate", "pooling")  # EngineArgs.runner / --runner
 @dataclass
 class EngineArgs:
     """Every knob of the engine, with vLLM's names and (CPU-appropriate) defaults.
+
+    Flat, as vLLM's ``EngineArgs`` is, so every flag keeps its name; ``pagedllm.plan.plan_engine``
+    groups and resolves it (with the model's config) into the engine plan: model, cache,
+    scheduler, parallel and device decisions, made once.
 
     Attributes:
         model: Hugging Face directory or ``.gguf`` file; ``None`` selects the
@@ -201,7 +205,6 @@ class EngineArgs:
     compilation_config: Any = None
     data_parallel_size: int = 1
     runner: str = "auto"
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

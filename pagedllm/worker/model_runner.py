@@ -69,7 +69,7 @@ class ModelRunner:
         cuda_graph_sizes: decode batch buckets to capture (``None``: ``cuda_graphs.default_sizes``).
         graph_capture: the capture mechanism (``None``: ``cuda_graphs.capture_for(device)``, which
             captures only on CUDA); graphs are built only for the Triton backend.
-        pipeline_overlap: with a pipelined model (``supports_step_overlap``), issue each step's
+        pipeline_overlap: with a pipelined model (the engine plan's ``scheduler.pipeline_overlap``), issue each step's
             forward and take its logits only when its result is asked (``step_issuers.OverlappedIssuer``); a
             step with inputs still being sampled has the step before finished first.
     Attributes:
@@ -88,8 +88,8 @@ class ModelRunner:
                  pipeline_overlap: bool = False) -> None:
         self.model = model
         self.encoder_only = bool(getattr(model, "encoder_only", False))  # pooling only; pairs carry token types
-        # several steps in flight across pipeline stages (``step_issuers.OverlappedIssuer``), where the model can
-        self.pipeline_overlap = pipeline_overlap and getattr(model, "supports_step_overlap", False)
+        # several steps in flight across pipeline stages (``step_issuers.OverlappedIssuer``): the engine plan decides
+        self.pipeline_overlap = pipeline_overlap
         backend: AttentionBackend | None = getattr(model, "attention_backend", None)
         self.attention_backend = backend or TorchPagedBackend(device)
         self.block_size = block_size

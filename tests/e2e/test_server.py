@@ -324,3 +324,14 @@ def test_unknown_path_and_wrong_method_get_openai_error_bodies(server_url):
     assert r.status_code == 404 and r.json()["error"]["type"] == "invalid_request_error"
     r = httpx.get(f"{server_url}/v1/completions")
     assert r.status_code == 405 and r.json()["error"]["message"]
+
+
+def test_stats_show_the_engine_plan(server_url):
+    """``/stats`` carries the engine plan the server started with: the embedded SmolLM2 GGUF served
+    natively with its blocks packed, one rank."""
+    plan = stats(server_url)["plan"]
+    assert plan["architecture"] == "LlamaForCausalLM" and plan["runner"] == "generate"
+    assert plan["model"]["impl"] == "native" and plan["model"]["dtype"] == "float32"
+    assert plan["model"]["quantization"] in ("gguf", "none")  # gguf where the C kernels are on
+    assert plan["parallel"] == {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "data_parallel_size": 1,
+                                "executor": "uni", "pipeline_micro_batches": 0}
