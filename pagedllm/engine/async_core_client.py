@@ -2,13 +2,27 @@
 sent something, with no polling loop and no timeout between a request's arrival and its
 submission.
 
-* ``AsyncMPClient``: over a core process (wraps ``MPEngineCoreClient``, whose process and
-  sockets it shares): the output socket is read with ``zmq.asyncio`` on the event loop.
+* ``AsyncEngineCoreClient``: the one interface ``AsyncLLM`` uses, whatever is behind it (the
+  asyncio side of vLLM's ``EngineCoreClient`` / ``AsyncMPClient`` split).
+* ``AsyncMPClient``: over a core process (takes over the process and sockets of the
+  ``MPEngineCoreClient`` that started it): the output socket is read with ``zmq.asyncio`` on
+  the event loop.
 * ``AsyncInprocClient``: over an in-process ``EngineCore``: one thread steps the core (torch
   releases the GIL in its kernels) and sleeps on its inbox when there is no work; outputs are
   handed to the event loop with ``call_soon_threadsafe``.
+* ``AsyncDPClient`` (``engine/dp_client.py``): over the replicas of a ``DPClient``.
 
-Both are used from one event loop (the server's); ``add_request`` and ``abort_requests``
+How a front end gets one: every synchronous client (``InprocClient``, ``MPEngineCoreClient``,
+``DPClient``) has ``make_async()``, which returns its asyncio twin, so ``AsyncLLM`` asks the
+client it has and never tests its type. Imports run one way only: ``core_client`` and
+``dp_client`` import this module, and this module imports neither of them, not even for a type
+hint (``tests/test_layering.py`` counts those edges too, and a lazy import in ``make_async``
+would close a cycle). So a twin is built from the pieces it needs, not from its sync class:
+``AsyncInprocClient`` from the ``EngineCore``, ``AsyncMPClient`` from a
+``CoreProcessConnection`` (the protocol below, met by ``MPEngineCoreClient``'s public
+members), ``AsyncDPClient`` from its ``DPClient`` in the same module.
+
+All are used from one event loop (the server's); ``add_request`` and ``abort_requests``
 never block.
 """
 
@@ -18,13 +32,14 @@ import asyncio
 import logging
 import queue
 import threading
+from typing import Protocol
 
 import msgspec
 import zmq
 import zmq.asyncio
 
 from pagedllm.core.scheduler_output import EngineCoreOutput
-from pagedllm.engine.core_client import InprocClient, MPEngineCoreClient
+from pagedllm.engine.engine_core import EngineCore
 from pagedllm.engine.messages import (FROM_CORE, CoreFailed, CoreOutputs, EngineCoreRequest, EngineDeadError,
                                       FinishRequests)
 from pagedllm.request import RequestStatus
@@ -35,29 +50,96 @@ logger = logging.getLogger(__name__)
 _ALIVE_CHECK_MS = 500  # how often a quiet output socket is checked against a dead core process
 
 
-class AsyncMPClient:
-    """Asyncio client of a core process.
-
-    Args:
-        sync: the ``MPEngineCoreClient`` that started the process; from now on only this
-            object reads its output socket.
+class AsyncEngineCoreClient(Protocol):
+    """How ``AsyncLLM`` talks to its engine core(s) from one event loop: the meaning of
+    ``EngineCoreClient`` (``engine/core_client.py``), with ``get_output`` awaited instead of polled.
+    A synchronous client's ``make_async()`` returns one.
     """
 
-    def __init__(self, sync: MPEngineCoreClient) -> None:
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Send a validated request to the core (never blocks).
+
+        Raises:
+            EngineDeadError: no core is left to take it (data parallelism, every replica dead).
+        """
+
+    def abort_requests(self, request_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
+        """End requests in the core (abort, or stopped by a stop string found in the front end)."""
+
+    async def get_output(self) -> list[EngineCoreOutput]:
+        """The next outputs the core sends (possibly none).
+
+        Raises:
+            EngineDeadError: the core died (with data parallelism: every replica).
+        """
+
+    def get_stats(self) -> SchedulerStats:
+        """The core's counters as of its last message (summed over data-parallel replicas)."""
+
+    def replica_stats(self) -> list[dict]:
+        """Each data-parallel replica's counters and state (``DPClient.replica_stats``); empty with
+        one engine core."""
+
+    def is_alive(self) -> bool:
+        """False once the core has died (with data parallelism: every replica)."""
+
+    def pop_failed_requests(self) -> dict[str, str]:
+        """Requests that failed without their core's output since the last call, each with its
+        error message (``EngineCoreClient.pop_failed_requests``)."""
+
+    def shutdown(self) -> None:
+        """Stop the core (safe to call twice)."""
+
+
+class CoreProcessConnection(Protocol):
+    """What ``AsyncMPClient`` takes over from the synchronous client that started a core
+    process and waited for it to be ready (``MPEngineCoreClient``)."""
+
+    core_pid: int
+
+    @property
+    def output_socket(self) -> zmq.Socket:
+        """The socket the core's messages arrive on."""
+
+    @property
+    def exit_code(self) -> int | None:
+        """The core process's exit code (``None`` while it runs)."""
+
+    def send(self, msg) -> None:
+        """Send one ``TO_CORE`` message to the core."""
+
+    def get_stats(self) -> SchedulerStats:
+        """The core's counters as of its last message."""
+
+    def is_alive(self) -> bool:
+        """True while the core process runs."""
+
+    def shutdown(self) -> None:
+        """Stop the core process and reap it."""
+
+
+class AsyncMPClient:
+    """Asyncio client of a core process (an ``AsyncEngineCoreClient``; vLLM's ``AsyncMPClient``).
+
+    Args:
+        sync: the connection of the client that started the process (``MPEngineCoreClient``);
+            from now on only this object reads its output socket.
+    """
+
+    def __init__(self, sync: CoreProcessConnection) -> None:
         self.sync = sync
         self._out: zmq.asyncio.Socket | None = None  # made on the event loop, at the first read
         self._dec = msgspec.msgpack.Decoder(FROM_CORE)
-        self._enc = msgspec.msgpack.Encoder()
         self.stats: SchedulerStats = sync.get_stats()
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """Send a validated request to the core (PUSH never blocks here)."""
-        self.sync._input.send(self._enc.encode(request))
+        self.sync.send(request)
 
     def abort_requests(self, request_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
         """Abort (or mark stopped) requests in the core."""
         if request_ids:
-            self.sync._input.send(self._enc.encode(FinishRequests(list(request_ids), int(status))))
+            self.sync.send(FinishRequests(list(request_ids), int(status)))
 
     async def get_output(self) -> list[EngineCoreOutput]:
         """The next step outputs the core sends (and any already queued behind them).
@@ -66,14 +148,14 @@ class AsyncMPClient:
             EngineDeadError: the core reported a failure or its process is gone.
         """
         if self._out is None:
-            self._out = zmq.asyncio.Socket.from_socket(self.sync._output)
+            self._out = zmq.asyncio.Socket.from_socket(self.sync.output_socket)
         outs: list[EngineCoreOutput] = []
         while True:
             if not await self._out.poll(0 if outs else _ALIVE_CHECK_MS):
                 if outs:
                     return outs
-                if not self.sync.proc.is_alive():
-                    raise EngineDeadError(f"engine core process exited with code {self.sync.proc.exitcode}")
+                if not self.sync.is_alive():
+                    raise EngineDeadError(f"engine core process exited with code {self.sync.exit_code}")
                 continue
             msg = self._dec.decode(await self._out.recv())
             if isinstance(msg, CoreFailed):
@@ -87,6 +169,10 @@ class AsyncMPClient:
     def get_stats(self) -> SchedulerStats:
         """The core's counters as of its last message, with ``core_pid``."""
         return self.stats
+
+    def replica_stats(self) -> list[dict]:
+        """Empty: one engine core, no data-parallel replicas."""
+        return []
 
     def is_alive(self) -> bool:
         """True while the core process runs."""
@@ -102,14 +188,15 @@ class AsyncMPClient:
 
 
 class AsyncInprocClient:
-    """Asyncio client of an in-process core, stepped by one thread.
+    """Asyncio client of an in-process core, stepped by one thread (an ``AsyncEngineCoreClient``).
 
     Args:
-        sync: the ``InprocClient`` of the core; from now on only this object's thread touches the core.
+        core: the engine core (``InprocClient.core``); from now on only this object's thread
+            touches it.
     """
 
-    def __init__(self, sync: InprocClient) -> None:
-        self.core = sync.core
+    def __init__(self, core: EngineCore) -> None:
+        self.core = core
         self._inbox: queue.Queue = queue.Queue()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._outbox: asyncio.Queue | None = None
@@ -182,6 +269,10 @@ class AsyncInprocClient:
         """The core's counters as of its last step."""
         return self.stats
 
+    def replica_stats(self) -> list[dict]:
+        """Empty: one engine core, no data-parallel replicas."""
+        return []
+
     def is_alive(self) -> bool:
         """False once the core thread has crashed, or a worker process of the core's executor died."""
         return self.error is None and (self._thread is None or self._thread.is_alive()) and self.core.is_healthy()
@@ -197,7 +288,3 @@ class AsyncInprocClient:
             self._thread.join(timeout=10)
         self.core.shutdown()
 
-
-def async_client(sync) -> AsyncMPClient | AsyncInprocClient:
-    """The asyncio client over a synchronous ``EngineCoreClient`` of ``LLMEngine``."""
-    return AsyncMPClient(sync) if isinstance(sync, MPEngineCoreClient) else AsyncInprocClient(sync)

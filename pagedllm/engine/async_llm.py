@@ -1,7 +1,8 @@
 """Asynchronous front door to the engine for the server.
 
-Requests go straight to the core through an asyncio engine-core client (``zmq.asyncio`` to a
-core process, or a thread stepping an in-process core); one asyncio task, the output
+Requests go straight to the core through the ``AsyncEngineCoreClient`` that the
+``LLMEngine``'s client makes (``make_async``: ``zmq.asyncio`` to a core process or to
+data-parallel replicas, or a thread stepping an in-process core); one asyncio task, the output
 handler, awaits the core's outputs, runs them through the ``OutputProcessor``
 (detokenizing, stop strings) and puts each request's delta ``RequestOutput``s on its
 queue. Nothing polls: a request is sent the moment it is made, and outputs are read the
@@ -17,8 +18,7 @@ from typing import AsyncIterator
 
 import msgspec
 
-from pagedllm.engine.async_core_client import async_client
-from pagedllm.engine.dp_client import AsyncDPClient, DPClient
+from pagedllm.engine.async_core_client import AsyncEngineCoreClient
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.messages import EngineCoreRequest, EngineDeadError  # noqa: F401  (the server imports it here)
 from pagedllm.outputs import RequestOutput
@@ -45,8 +45,7 @@ class AsyncLLM:
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        dp = isinstance(engine.client, DPClient)
-        self.client = AsyncDPClient(engine.client) if dp else async_client(engine.client)
+        self.client: AsyncEngineCoreClient = engine.client.make_async()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._lock = threading.Lock()
         self.errored: BaseException | None = None
@@ -125,8 +124,7 @@ class AsyncLLM:
     def replica_stats(self) -> list[dict]:
         """Each data-parallel replica's counters and state (``DPClient.replica_stats``); empty with
         one engine core."""
-        fn = getattr(self.client, "replica_stats", None)
-        return fn() if fn is not None else []
+        return self.client.replica_stats()
 
     def add_finished_callback(self, fn) -> None:
         """Call ``fn(output)`` on the event loop for every request that finishes (not for

@@ -1,4 +1,10 @@
-"""The engine core in its own process, and the front end's client of it (ZMQ + msgspec).
+"""The front end's synchronous clients of an engine core: in this process, or in its own (ZMQ + msgspec).
+
+``EngineCoreClient`` is the interface (vLLM's ``EngineCoreClient``); ``InprocClient`` steps an
+``EngineCore`` here, ``MPEngineCoreClient`` starts the core process (its loop is
+``engine/core_process.py``) and talks to it. Each client's ``make_async()`` returns its asyncio
+twin (``engine/async_core_client.py``: ``AsyncEngineCoreClient``), which this module imports
+and which imports nothing of this module back.
 
 The front end (tokenizer, detokenizer, stop strings, parsers, HTTP) talks to
 the core process over two ZMQ sockets on ``ipc://`` paths: requests, aborts and
@@ -14,7 +20,6 @@ reaps it, leaving no orphan process.
 
 from __future__ import annotations
 
-import logging
 import multiprocessing as mp
 import os
 import tempfile
@@ -27,14 +32,13 @@ import zmq
 
 from pagedllm.config import EngineArgs
 from pagedllm.core.scheduler_output import EngineCoreOutput
+from pagedllm.engine.async_core_client import AsyncEngineCoreClient, AsyncInprocClient, AsyncMPClient
+from pagedllm.engine.core_process import front_end_log_setup, run_engine_core
 from pagedllm.engine.engine_core import EngineCore
-from pagedllm.engine.messages import (FROM_CORE, TO_CORE, CoreFailed, CoreOutputs, CoreReady, EngineCoreRequest,
+from pagedllm.engine.messages import (FROM_CORE, CoreFailed, CoreOutputs, CoreReady, EngineCoreRequest,
                                       EngineDeadError, FinishRequests, Shutdown, UtilityCall, UtilityResult)
-from pagedllm.memory import freeze_startup_heap
 from pagedllm.request import RequestStatus
 from pagedllm.stats import SchedulerStats
-
-logger = logging.getLogger(__name__)
 
 
 class EngineCoreClient(Protocol):
@@ -77,6 +81,10 @@ class EngineCoreClient(Protocol):
 
     def shutdown(self) -> None:
         """Stop the core (safe to call twice)."""
+
+    def make_async(self) -> AsyncEngineCoreClient:
+        """This client's asyncio twin over the same core(s), for ``AsyncLLM``; from then on use
+        this client for nothing but what the twin leaves to it."""
 
 
 class InprocClient:
@@ -137,105 +145,15 @@ class InprocClient:
         """Finish the step in flight and stop the core's execution thread."""
         self.core.shutdown()
 
-
-def _log_setup() -> tuple[int, str | None]:
-    """The front end's root log level and its first handler's format, for the core process (a
-    spawned process starts with logging unconfigured: its start-up lines would be lost)."""
-    root = logging.getLogger()
-    fmt = root.handlers[0].formatter._fmt if root.handlers and root.handlers[0].formatter else None
-    return root.level, fmt
-
-
-def run_engine_core(args: EngineArgs, model_dir: str, max_model_len: int, eos_token_ids: set[int],
-                    input_addr: str, output_addr: str, parent_pid: int,
-                    log_setup: tuple[int, str | None] = (logging.WARNING, None)) -> None:
-    """The core process: load the model, then step whenever there is work.
-
-    Inputs are drained without blocking while requests run, so a slow front end
-    never stalls the step loop; with nothing to do it waits up to 100 ms for input
-    and checks that its parent is still alive.
-
-    SIGINT and SIGTERM are ignored: the front end owns the core's lifetime (a Shutdown
-    message, or its own exit), so a signal to the whole process group (Ctrl-C, systemd's
-    stop) still lets running requests finish within the server's shutdown deadline.
-    """
-    import signal
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    level, fmt = log_setup
-    logging.basicConfig(level=level, **({"format": fmt} if fmt else {}))  # as the front end logs
-    linger_ms = 1000  # a failure report must get out; after Shutdown nobody reads what is left
-    ctx = zmq.Context()
-    inp = ctx.socket(zmq.PULL)
-    inp.connect(input_addr)
-    out = ctx.socket(zmq.PUSH)
-    out.connect(output_addr)
-    enc, dec = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(TO_CORE)
-    core = None
-    try:
-        eos = set(eos_token_ids)  # one set shared by all requests, as in the in-process engine
-        core = EngineCore(args, model_dir, max_model_len, eos)
-        freeze_startup_heap()  # this process lives as long as its engine: start-up objects never die
-        out.send(enc.encode(CoreReady(core.num_blocks, os.getpid())))
-        out.send(enc.encode(CoreOutputs([], core.get_stats())))  # counters exist before the first request
-        next_parent_check = time.monotonic() + 1.0
-        while True:
-            busy = core.has_unfinished_requests()
-            changed = False
-            if busy and time.monotonic() > next_parent_check:
-                next_parent_check = time.monotonic() + 1.0
-                if os.getppid() != parent_pid:
-                    return  # the front end died mid-work: nobody will read these outputs
-            if not busy and not inp.poll(100):
-                if os.getppid() != parent_pid:
-                    return  # the front end is gone: do not linger as an orphan
-                core.check_health()  # a dead worker process ends the core while idle too (WorkerDiedError)
-                continue
-            while inp.poll(0):
-                msg = dec.decode(inp.recv())
-                changed = True
-                if isinstance(msg, Shutdown):
-                    linger_ms = 0
-                    return
-                if isinstance(msg, EngineCoreRequest):
-                    core.add_request(msg)
-                elif isinstance(msg, UtilityCall):
-                    out.send(enc.encode(_run_utility(core, msg)))
-                else:
-                    core.finish_requests(msg.request_ids, RequestStatus(msg.status))
-            if core.has_unfinished_requests():
-                out.send(enc.encode(CoreOutputs(core.step(), core.get_stats())))
-            elif changed:  # aborts freed blocks without a step: let the front end see it
-                out.send(enc.encode(CoreOutputs([], core.get_stats())))
-    except Exception as e:  # report, then exit: the client turns this into EngineDeadError
-        from pagedllm.models.loader import ModelLoadError
-        load_error = isinstance(e, ModelLoadError)
-        if not load_error:  # a broken file is the user's to fix, told once by the front end; a bug keeps its traceback
-            logger.exception("engine core failed")
-        try:
-            out.send(enc.encode(CoreFailed(str(e) if load_error else repr(e), load_error)), flags=zmq.NOBLOCK)
-        except zmq.ZMQError:
-            pass
-    finally:
-        if core is not None:
-            core.executor.shutdown()  # worker processes of a tensor-parallel core go with it
-        out.close(linger=linger_ms)
-        inp.close(linger=0)
-        ctx.term()
-        if linger_ms == 0:  # a clean Shutdown: skip the second of thread-pool and library teardown
-            logging.shutdown()
-            os._exit(0)
-
-
-def _run_utility(core: EngineCore, msg: UtilityCall) -> UtilityResult:
-    try:
-        return UtilityResult(msg.call_id, core.call_utility(msg.name, *msg.args))
-    except Exception as e:  # the caller's error to see, not the core's end
-        return UtilityResult(msg.call_id, error=f"{type(e).__name__}: {e}")
+    def make_async(self) -> AsyncInprocClient:
+        """An ``AsyncInprocClient`` over this core; from then on only its thread steps the core."""
+        return AsyncInprocClient(self.core)
 
 
 class MPEngineCoreClient:
-    """An ``EngineCoreClient`` that starts the core process and talks to it over ZMQ.
+    """An ``EngineCoreClient`` that starts the core process (``core_process.run_engine_core``)
+    and talks to it over ZMQ (vLLM's ``SyncMPClient``). It is also the ``CoreProcessConnection``
+    its asyncio twin ``AsyncMPClient`` takes over: ``send``, ``output_socket``, ``exit_code``.
 
     Args:
         args, model_dir, max_model_len, eos_token_ids: as ``EngineCore``.
@@ -261,7 +179,7 @@ class MPEngineCoreClient:
         self.proc = mp.get_context("spawn").Process(
             target=run_engine_core, name="pagedllm-engine-core", daemon=True,
             args=(args, str(model_dir), max_model_len, set(eos_token_ids), in_addr, out_addr, os.getpid(),
-                  _log_setup()))
+                  front_end_log_setup()))
         self.proc.start()
         self.stats = SchedulerStats()
         self._pending: list[EngineCoreOutput] = []  # outputs read while waiting for a utility answer
@@ -303,17 +221,36 @@ class MPEngineCoreClient:
                 raise EngineDeadError(msg.error if msg.load_error else f"engine core failed: {msg.error}")
             return msg
         if not self.proc.is_alive():
-            raise EngineDeadError(f"engine core process exited with code {self.proc.exitcode}")
+            raise EngineDeadError(f"engine core process exited with code {self.exit_code}")
         return None
+
+    def send(self, msg) -> None:
+        """Send one ``TO_CORE`` message (``engine/messages.py``) to the core; PUSH never blocks here."""
+        self._input.send(self._enc.encode(msg))
+
+    @property
+    def output_socket(self) -> zmq.Socket:
+        """The socket the core's messages arrive on (to poll several cores at once, or to hand
+        over to ``AsyncMPClient``)."""
+        return self._output
+
+    @property
+    def exit_code(self) -> int | None:
+        """The core process's exit code (``None`` while it runs)."""
+        return self.proc.exitcode
+
+    def has_pending_outputs(self) -> bool:
+        """True when step outputs read while waiting for a utility answer wait for ``get_output``."""
+        return bool(self._pending)
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """Send a validated request to the core."""
-        self._input.send(self._enc.encode(request))
+        self.send(request)
 
     def abort_requests(self, request_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
         """Abort (or mark stopped) requests in the core."""
         if request_ids:
-            self._input.send(self._enc.encode(FinishRequests(list(request_ids), int(status))))
+            self.send(FinishRequests(list(request_ids), int(status)))
 
     def _take(self, msg) -> None:
         if isinstance(msg, CoreOutputs):
@@ -350,7 +287,7 @@ class MPEngineCoreClient:
         """
         self._calls += 1
         call_id = self._calls
-        self._input.send(self._enc.encode(UtilityCall(call_id, name, list(args))))
+        self.send(UtilityCall(call_id, name, list(args)))
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             msg = self._recv(100)
@@ -372,6 +309,10 @@ class MPEngineCoreClient:
     def pop_failed_requests(self) -> dict[str, str]:
         """Always empty: one core fails as a whole (``EngineCoreClient.pop_failed_requests``)."""
         return {}
+
+    def make_async(self) -> AsyncMPClient:
+        """An ``AsyncMPClient`` over this core process; from then on only it reads the outputs."""
+        return AsyncMPClient(self)
 
     def shutdown(self) -> None:
         """Stop the core process and reap it (SIGKILL after 5 s); safe to call twice."""

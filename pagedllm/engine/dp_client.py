@@ -3,7 +3,8 @@
 Each replica is an engine core in its own process (``MPEngineCoreClient``) with its own copy of
 the weights and its own KV pool of ``--kv-cache-memory``; the front end (tokenizer, output
 processor, HTTP) is one. ``DPClient`` (synchronous, for ``LLMEngine``) and ``AsyncDPClient``
-(asyncio, for ``AsyncLLM``) implement the ``EngineCoreClient`` meaning over the replicas:
+(asyncio, for ``AsyncLLM``: ``DPClient.make_async()``) implement the ``EngineCoreClient`` and
+``AsyncEngineCoreClient`` meanings over the replicas (vLLM's ``DPAsyncMPClient``):
 
 * ``add_request`` asks the ``PrefixRouter`` (``engine/router.py``) for a replica: the one that
   was sent the longest prefix of the prompt's KV blocks beyond the prefix most recent prompts
@@ -32,7 +33,6 @@ import zmq
 
 from pagedllm.config import EngineArgs
 from pagedllm.core.scheduler_output import EngineCoreOutput
-from pagedllm.engine.async_core_client import AsyncMPClient
 from pagedllm.engine.core_client import MPEngineCoreClient
 from pagedllm.engine.dp_stats import merge_stats, replica_entry
 from pagedllm.engine.messages import EngineCoreRequest, EngineDeadError
@@ -57,7 +57,7 @@ class _DPBase:
     """The bookkeeping both DP clients share: routing, the request -> replica map, dead replicas.
 
     Args:
-        replicas: one client per replica (``MPEngineCoreClient`` or ``AsyncMPClient``).
+        replicas: one client per replica (``MPEngineCoreClient``, or its ``make_async()``).
         router: the routing policy and its per-replica state.
         block_size: tokens per KV block (for the prompt's block hashes).
         prefix_caching: whether the cores cache prefixes (else routing is by load only).
@@ -75,7 +75,7 @@ class _DPBase:
         self.num_blocks = num_blocks
         self.owner: dict[str, int] = {}  # live request id -> replica index
         self.errors: list[str | None] = [None] * len(replicas)
-        self._failed: dict[str, str] = {}
+        self.failed: dict[str, str] = {}  # request id -> error, until pop_failed_requests
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(self, request: EngineCoreRequest) -> None:
@@ -125,7 +125,7 @@ class _DPBase:
         lost = [rid for rid, owner in self.owner.items() if owner == r]
         for rid in lost:
             del self.owner[rid]
-            self._failed[rid] = msg
+            self.failed[rid] = msg
         live = sum(self.router.alive)
         logger.error("%s; %d requests failed, %d of %d replicas left", msg, len(lost), live, len(self.replicas))
         if not live:
@@ -133,7 +133,7 @@ class _DPBase:
 
     def pop_failed_requests(self) -> dict[str, str]:
         """Requests whose replica died since the last call, each with the error message."""
-        out, self._failed = self._failed, {}
+        out, self.failed = self.failed, {}
         return out
 
     # ---- state ---------------------------------------------------------------------------------
@@ -209,10 +209,10 @@ class DPClient(_DPBase):
         live = [i for i in range(len(self.replicas)) if self.router.alive[i]]
         if not live:
             raise EngineDeadError("every data-parallel replica has died")
-        if not any(self.replicas[i]._pending for i in live):  # outputs kept by call_utility come first
+        if not any(self.replicas[i].has_pending_outputs() for i in live):  # outputs kept by call_utility come first
             poller = zmq.Poller()
             for i in live:
-                poller.register(self.replicas[i]._output, zmq.POLLIN)
+                poller.register(self.replicas[i].output_socket, zmq.POLLIN)
             poller.poll(timeout_ms)
         outs: list[EngineCoreOutput] = []
         for i in live:
@@ -240,19 +240,24 @@ class DPClient(_DPBase):
         """Drop every cached block no request holds, in every live replica; returns how many in all."""
         return sum(int(n) for n in self.call_utility("reset_prefix_cache"))
 
+    def make_async(self) -> AsyncDPClient:
+        """An ``AsyncDPClient`` over these replicas (it takes over their output sockets)."""
+        return AsyncDPClient(self)
+
 
 class AsyncDPClient(_DPBase):
-    """The asyncio client over a ``DPClient``'s replicas (``AsyncLLM``'s); it takes over their
-    output sockets and the router, so use the ``DPClient`` no more for outputs.
+    """The asyncio client over a ``DPClient``'s replicas (``AsyncLLM``'s, an
+    ``AsyncEngineCoreClient``); it takes over their output sockets (each replica's
+    ``make_async()``) and the router, so use the ``DPClient`` no more for outputs.
 
     Args:
         sync: the ``DPClient`` that started the replicas.
     """
 
     def __init__(self, sync: DPClient) -> None:
-        super().__init__([AsyncMPClient(r) for r in sync.replicas], sync.router, sync.block_size,
+        super().__init__([r.make_async() for r in sync.replicas], sync.router, sync.block_size,
                          sync.prefix_caching, sync.pids, sync.num_blocks)
-        self.owner, self.errors, self._failed = sync.owner, sync.errors, sync._failed
+        self.owner, self.errors, self.failed = sync.owner, sync.errors, sync.failed
         self._reads: dict[int, asyncio.Task] = {}
 
     async def get_output(self) -> list[EngineCoreOutput]:
