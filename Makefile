@@ -53,10 +53,17 @@ serve: install
 	$(BIN)/pagedllm serve --host $(HOST) --port $(PORT) $(ARGS)
 
 # the whole suite runs with the defaults (async scheduling, C CPU kernels, oneDNN-packed linears);
-# the engine-level and model tests run again on the reference path: async scheduling off and
-# torch ops only, as on a device without our CPU kernels (REF_PASS= skips that second pass);
-# only folders whose outcome depends on those switches (tests/core builds no engine: not rerun)
-REF_PASS ?= tests/worker tests/engine tests/models tests/attention
+# the tests whose outcome depends on those switches run again on the reference path: async
+# scheduling off and torch ops only, as on a device without our CPU kernels (REF_PASS= skips it).
+# Not rerun: what builds no engine or names its backend itself (the Triton tests, the core
+# process, data parallelism, the router, the detokenizer, the offline API's shapes, the loader).
+REF_PASS ?= tests/engine/test_async_scheduling.py tests/engine/test_greedy_equivalence.py \
+	tests/engine/test_prefix_caching.py tests/engine/test_sampling_features.py tests/engine/test_soak.py \
+	tests/engine/test_structured_outputs.py tests/engine/test_engine_requests.py \
+	tests/models/test_gemma3.py tests/models/test_hybrid.py tests/models/test_qwen_coder.py \
+	tests/models/test_transformers_backend.py tests/worker/test_input_batch.py tests/worker/test_sampler.py \
+	tests/worker/test_spec_verify.py tests/worker/test_scripted.py tests/worker/test_upload.py \
+	tests/attention/test_backends.py
 test: install-test
 	$(BIN)/python -m pytest -q --durations=25 $(ARGS)
 	$(if $(REF_PASS),PAGEDLLM_ASYNC_SCHEDULING=0 PAGEDLLM_CPU_KERNELS=0 PAGEDLLM_CPU_PREPACK=0 \
