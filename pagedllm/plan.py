@@ -105,17 +105,15 @@ class EnginePlan:
 
     def to_dict(self) -> dict:
         """The plan as JSON-ready nested dicts (``/stats``'s ``plan``): dtypes and devices as strings."""
-        def plain(v):
-            return str(v).removeprefix("torch.") if isinstance(v, (torch.dtype, torch.device)) else v
         out = dataclasses.asdict(self)
-        out["model"] = {k: plain(v) for k, v in out["model"].items()}
+        out["model"] = {k: _plain(v) for k, v in out["model"].items()}
         return out
 
     def describe(self) -> str:
         """One log line: the choices a user asks about first."""
         m, p, s = self.model, self.parallel, self.scheduler
         ranks = f"tp {p.tensor_parallel_size} x pp {p.pipeline_parallel_size} x dp {p.data_parallel_size} ({p.executor})"
-        return (f"{self.architecture} {self.runner} via {m.impl}; {plain_dtype(m.dtype)} on {m.device}; attention "
+        return (f"{self.architecture} {self.runner} via {m.impl}; {_plain(m.dtype)} on {m.device}; attention "
                 f"{m.attention_backend}; CPU kernels {m.kernel_isa or 'off'}; weights {m.quantization}"
                 f"{' (int8 activations)' if m.int8_activations else ''}"
                 f"{'; float linears oneDNN-prepacked' if m.prepack else ''}; {ranks}; async scheduling "
@@ -124,9 +122,9 @@ class EnginePlan:
                 f"speculative {self.speculative}; state layers {self.cache.state_layers}")
 
 
-def plain_dtype(dtype: torch.dtype) -> str:
-    """``torch.float32`` -> ``float32``."""
-    return str(dtype).removeprefix("torch.")
+def _plain(value):
+    """A dtype or device as its name (``torch.float32`` -> ``float32``); anything else as it is."""
+    return str(value).removeprefix("torch.") if isinstance(value, (torch.dtype, torch.device)) else value
 
 
 def plan_engine(args: EngineArgs, model_dir: str | Path, config=None) -> EnginePlan:
@@ -140,7 +138,6 @@ def plan_engine(args: EngineArgs, model_dir: str | Path, config=None) -> EngineP
     """
     from pagedllm.models.hf_config import read_hf_config
     from pagedllm.models.hybrid import hybrid_family, state_layer_indices
-    from pagedllm.models.layers.compiled import resolve_compilation
     config = read_hf_config(model_dir) if config is None else config
     tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
     model = plan_load(model_dir, config, args.torch_dtype, args.torch_device, args.model_impl, args.quantization,
@@ -148,10 +145,9 @@ def plan_engine(args: EngineArgs, model_dir: str | Path, config=None) -> EngineP
     if model.encoder_only and args.runner == "generate":
         raise ValueError(f"{getattr(config, 'architectures', None)} is an encoder-only model: it serves pooling "
                          "only (--runner pooling or auto)")
-    runner = "encoder-only" if model.encoder_only else "pooling" if args.runner == "pooling" else "generate"
     state_layers = len(state_layer_indices(config)) if hybrid_family(config) is not None else 0
-    return _assemble(args, (getattr(config, "architectures", None) or ["?"])[0], runner, model, state_layers,
-                     resolve_compilation(args.compilation_config, args.device, args.enforce_eager))
+    return _assemble(args, (getattr(config, "architectures", None) or ["?"])[0], model.encoder_only, model,
+                     state_layers)
 
 
 def plan_prebuilt(args: EngineArgs, model) -> EnginePlan:
@@ -163,15 +159,14 @@ def plan_prebuilt(args: EngineArgs, model) -> EnginePlan:
     load = LoadPlan("prebuilt", args.torch_dtype, args.torch_device, name,
                     bool(backend is not None and backend.uses_cpu_kernels), "", False, "none", False)
     spec = model.state_cache_spec() if hasattr(model, "state_cache_spec") else {}
-    runner = "encoder-only" if encoder_only else "pooling" if args.runner == "pooling" else "generate"
-    from pagedllm.models.layers.compiled import resolve_compilation
-    return _assemble(args, type(model).__name__, runner, load, len(spec),
-                     resolve_compilation(args.compilation_config, args.device, args.enforce_eager))
+    return _assemble(args, type(model).__name__, encoder_only, load, len(spec))
 
 
-def _assemble(args: EngineArgs, architecture: str, runner: str, model: LoadPlan, state_layers: int,
-              compile_pieces: bool) -> EnginePlan:
+def _assemble(args: EngineArgs, architecture: str, encoder_only: bool, model: LoadPlan,
+              state_layers: int) -> EnginePlan:
     """The parts every plan shares, from the arguments and the model half already decided."""
+    from pagedllm.models.layers.compiled import resolve_compilation
+    runner = "encoder-only" if encoder_only else "pooling" if args.runner == "pooling" else "generate"
     tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
     world = tp * pp
     executor = "uni" if world == 1 else (args.distributed_executor_backend or "mp")
@@ -190,4 +185,4 @@ def _assemble(args: EngineArgs, architecture: str, runner: str, model: LoadPlan,
         scheduler=SchedulerPlan(args.max_num_seqs, args.max_num_batched_tokens, args.enable_chunked_prefill,
                                 bool(args.async_scheduling), overlap, pp if overlap else 1),
         parallel=ParallelPlan(tp, pp, args.data_parallel_size, executor, args.pipeline_micro_batches),
-        compile=compile_pieces, cuda_graphs=graphs, speculative=speculative)
+        compile=resolve_compilation(args.compilation_config, args.device, args.enforce_eager), cuda_graphs=graphs, speculative=speculative)
