@@ -57,7 +57,7 @@ serve: install
 # scheduling off and torch ops only, as on a device without our CPU kernels (REF_PASS= skips it).
 # Not rerun: what builds no engine or names its backend itself (the Triton tests, the core
 # process, data parallelism, the router, the detokenizer, the offline API's shapes, the loader).
-REF_PASS ?= tests/engine/test_async_scheduling.py tests/engine/test_greedy_equivalence.py \
+REF_PASS ?= tests/engine/test_greedy_equivalence.py \
 	tests/engine/test_prefix_caching.py tests/engine/test_sampling_features.py tests/engine/test_soak.py \
 	tests/engine/test_structured_outputs.py tests/engine/test_engine_requests.py \
 	tests/models/test_gemma3.py tests/models/test_hybrid.py tests/models/test_qwen_coder.py \

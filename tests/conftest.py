@@ -216,13 +216,46 @@ def assert_no_leaks():
 GREEDY_GAP_TOL = 1e-3  # a greedy pick may flip only where the reference's top-2 logits are this close
 
 
+def _reference_file(model, prompt: list[int], max_new: int) -> Path | None:
+    """Where ``hf_greedy``'s answer for a model saved on disk is kept: under the cache, keyed by the
+    weight files (name, size, mtime), the prompt, ``max_new`` and the torch / transformers versions, so
+    the reference pass (a second pytest run, ``make test``) reuses the main pass's oracle instead of
+    generating it again. ``None`` (no caching) for a model not loaded from a directory."""
+    import hashlib
+    import transformers
+    from pagedllm.cache import cache_root
+    src = Path(str(getattr(model.config, "_name_or_path", "") or ""))
+    weights = sorted(src.glob("*.safetensors")) if src.is_dir() else []
+    if not weights:
+        return None
+    key = repr([(w.name, w.stat().st_size, w.stat().st_mtime_ns) for w in weights] + [
+        str(src.resolve()), prompt, max_new, torch.__version__, transformers.__version__])
+    return cache_root() / "test-references" / (hashlib.sha256(key.encode()).hexdigest() + ".pt")
+
+
 def hf_greedy(model, prompt: list[int], max_new: int) -> tuple[list[int], torch.Tensor]:
     """transformers float32 greedy ``generate`` of exactly ``max_new`` tokens, EOS disabled
-    (neither stops nor is suppressed: the engine's ``ignore_eos``).
+    (neither stops nor is suppressed: the engine's ``ignore_eos``). Kept on disk per model and
+    prompt (``_reference_file``): the oracle is deterministic, generating it is the slow part.
 
     Returns:
         ``(token_ids, logits)`` with ``logits`` ``[max_new, vocab]`` float32: the scores each token was picked from.
     """
+    cached = _reference_file(model, prompt, max_new)
+    if cached is not None and cached.is_file():
+        ids, logits = torch.load(cached)
+        return ids, logits
+    ids, logits = _hf_generate(model, prompt, max_new)
+    if cached is not None:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cached.with_suffix(f".tmp{os.getpid()}")
+        torch.save((ids, logits), tmp)
+        os.replace(tmp, cached)
+    return ids, logits
+
+
+def _hf_generate(model, prompt: list[int], max_new: int) -> tuple[list[int], torch.Tensor]:
+    """The uncached ``hf_greedy``."""
     saved = model.generation_config
     model.generation_config = copy.deepcopy(saved)
     model.generation_config.eos_token_id = None  # a None argument would fall back to the model's EOS
