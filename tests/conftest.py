@@ -218,7 +218,8 @@ GREEDY_GAP_TOL = 1e-3  # a greedy pick may flip only where the reference's top-2
 
 def _reference_file(model, prompt: list[int], max_new: int) -> Path | None:
     """Where ``hf_greedy``'s answer for a model saved on disk is kept: under the cache, keyed by the
-    weight files (name, size, mtime), the prompt, ``max_new`` and the torch / transformers versions, so
+    weight files (name, size, mtime), the model's config as it is now, the prompt, ``max_new`` and the
+    torch / transformers versions (a test that changes the loaded model's config gets its own entry), so
     the reference pass (a second pytest run, ``make test``) reuses the main pass's oracle instead of
     generating it again. ``None`` (no caching) for a model not loaded from a directory."""
     import hashlib
@@ -229,7 +230,7 @@ def _reference_file(model, prompt: list[int], max_new: int) -> Path | None:
     if not weights:
         return None
     key = repr([(w.name, w.stat().st_size, w.stat().st_mtime_ns) for w in weights] + [
-        str(src.resolve()), prompt, max_new, torch.__version__, transformers.__version__])
+        str(src.resolve()), model.config.to_json_string(), prompt, max_new, torch.__version__, transformers.__version__])
     return cache_root() / "test-references" / (hashlib.sha256(key.encode()).hexdigest() + ".pt")
 
 
@@ -243,8 +244,7 @@ def hf_greedy(model, prompt: list[int], max_new: int) -> tuple[list[int], torch.
     """
     cached = _reference_file(model, prompt, max_new)
     if cached is not None and cached.is_file():
-        ids, logits = torch.load(cached)
-        return ids, logits
+        return tuple(torch.load(cached))
     ids, logits = _hf_generate(model, prompt, max_new)
     if cached is not None:
         cached.parent.mkdir(parents=True, exist_ok=True)
