@@ -13,12 +13,14 @@ is decided in ``models/resolve.py``, above this module and ``real_models.py``.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import json
 import logging
 import os
 import shutil
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -245,15 +247,51 @@ def _write_model_transformers(gguf_path: Path, out: Path, arch: str | None, chat
     _write_tokenizer_files(gguf_path, out, config, chat_template)
 
 
+_PARSE_LOCK = threading.Lock()  # one conversion at a time owns the shared reader below
+
+
+@contextlib.contextmanager
+def _one_header_parse(gguf_path: Path):
+    """Within the block, ``gguf.GGUFReader(gguf_path)`` returns one reader parsed once.
+
+    ``transformers`` builds a new reader for the config, the tensors and the
+    tokenizer (twice), and parsing a header with a 150-260k-token vocabulary
+    takes 8-18 s of Python each time; the conversion shares one (readers are
+    read-only views of a memory map). Other paths and modes get their own.
+    """
+    import gguf
+
+    original = gguf.GGUFReader
+    with _PARSE_LOCK:
+        shared = original(str(gguf_path))
+        wanted = gguf_path.resolve()
+
+        class _SharedReader(original):
+            def __new__(cls, path, mode="r"):
+                if mode == "r" and Path(path).resolve() == wanted:
+                    return shared
+                return original(path, mode)
+
+        gguf.GGUFReader = _SharedReader
+        try:
+            yield shared
+        finally:
+            gguf.GGUFReader = original
+
+
 def _write_model(gguf_path: Path, out: Path) -> None:
     """Write config, weights, tokenizer and generation config for ``gguf_path`` into ``out``."""
+    with _one_header_parse(gguf_path) as reader:
+        _write_model_from(reader, gguf_path, out)
+
+
+def _write_model_from(reader, gguf_path: Path, out: Path) -> None:
+    """``_write_model`` on an already parsed ``reader`` of ``gguf_path``."""
     import numpy as np
     import torch
-    from gguf import GGUFReader
     from gguf.quants import dequantize
     from safetensors.torch import save_file
 
-    reader = GGUFReader(str(gguf_path))
     arch_field = reader.fields.get("general.architecture")
     arch = arch_field.contents() if arch_field is not None else None
     template_field = reader.fields.get("tokenizer.chat_template")
