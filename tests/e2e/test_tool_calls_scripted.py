@@ -147,9 +147,12 @@ ALL_SCRIPTS = sorted({c[2] for c in ONE_CALL + TWO_CALLS} | {c[3] for c in REASO
 
 
 @pytest.fixture(scope="module")
-def stack(smollm2_tokenizer, thread_server):
+def stack(smollm2_tokenizer, thread_server, tiny_model_dir):
     """One scripted engine and ``AsyncLLM`` for the module; ``url(reasoning, tools, auto)`` serves an app
-    of that parser configuration (started on first use); ``script(text)`` sets the next outputs."""
+    of that parser configuration (started on first use); ``script(text)`` sets the next outputs.
+
+    The scripted tokens replace whatever the model draws, so the model is the random tiny Llama with
+    SmolLM2's tokenizer and chat template: the same text path at a tenth of the forward cost."""
     from pagedllm.config import EngineArgs
     from pagedllm.engine.async_llm import AsyncLLM
     from pagedllm.engine.llm_engine import LLMEngine
@@ -160,7 +163,8 @@ def stack(smollm2_tokenizer, thread_server):
     servers: dict[tuple, object] = {}
     llm = None
     try:
-        llm = AsyncLLM(LLMEngine(EngineArgs(num_kv_blocks=NUM_KV_BLOCKS), scripted_output=scripted))
+        llm = AsyncLLM(LLMEngine(EngineArgs(model=str(tiny_model_dir("llama")), num_kv_blocks=NUM_KV_BLOCKS),
+                                 scripted_output=scripted))
 
         def url(reasoning: str | None = None, tools: str | None = None, auto: bool = True,
                 template: str | None = None) -> str:
