@@ -55,6 +55,7 @@ class LLMEngine:
     def __init__(self, args: EngineArgs, scripted_output=None) -> None:
         from pagedllm.models.resolve import default_served_model_name, resolve_model
         from pagedllm.models.hf_config import read_generation_config, read_hf_config
+        from pagedllm.models.load import check_safetensors
         self.args = args
         self.model_dir = Path(resolve_model(args.model))
         self.served_model_name = args.served_model_name or default_served_model_name(args.model)
@@ -63,6 +64,8 @@ class LLMEngine:
         self.tokenizer = None if args.skip_tokenizer_init else _load_tokenizer(args.tokenizer or self.model_dir)
         # every decision, once (pagedllm/plan.py): an unservable model fails here, before any loading
         self.plan = plan_engine(args, self.model_dir, self.hf_config)
+        # a truncated weights file is named here, not after a core process has started and failed
+        check_safetensors(sorted(self.model_dir.glob("*.safetensors")))
         self.encoder_only = self.plan.encoder_only
         self.pooler_config = self._pooler_config()
         self.generation_config = read_generation_config(self.model_dir)
