@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 import pagedllm.envs as envs
+from pagedllm.kernels.cpu_features import prefill_dtype
 from pagedllm.kernels.cpu_build import ISA_DOT, ISA_FLAGS, ISAS, _cpu_flags, _x86, build, compile_library  # noqa: F401
 
 logger = logging.getLogger(__name__)
@@ -59,6 +60,11 @@ QGEMM_MAX_ROWS = 16  # rows up to which float32 activations multiply packed tile
 # 64 rows, even at 128 and 0.8-0.9x at 256-512 (SmolLM2's shapes, per-thread CPU time, 1 thread);
 # AVX-VNNI is unmeasured and takes AVX2's; AVX-512 VNNI keeps every row (issue 18's measurements)
 INT8_MAX_ROWS = {"avx2": 128, "avxvnni": 128, "avx512vnni": 1 << 62}
+# where AMX makes the dequantized products bfloat16 (cpu_features.prefill_dtype) they win above about
+# 256 rows even against AVX-512 VNNI: on a Sapphire Rapids (2 threads) the int8 tiles took 5.4 ms
+# against 4.1 at 256 rows and 11.7 against 6.2 at 512 of a Q4_K 896 x 4864 product, SmolLM2's
+# 512-token prefill ran 1,305 against 1,833 tokens/s (results/cpu_isa-2026-12-05-spr.json)
+AMX_INT8_MAX_ROWS = 256
 QUANT_LAYOUTS = {"U4M": 0, "S8": 1, "S6": 2, "S8H": 3, "S8M": 4}  # pl_qgemm's tile layout codes (models/gguf_blocks.py)
 QUANT_TILE = 16  # output rows per tile (quant_kernels.c QT)
 _lib: ctypes.CDLL | None = None
@@ -116,8 +122,17 @@ _int8_cache: tuple[ctypes.CDLL, bool] | None = None
 def int8_max_rows() -> int:
     """Rows up to which a product of packed weights uses the int8-activation tiles when
     ``int8_activations()``; longer inputs (prefill chunks) multiply a float32 dequantization with
-    oneDNN (``INT8_MAX_ROWS``, by the loaded build)."""
-    return INT8_MAX_ROWS.get(isa(), 0)
+    oneDNN (``INT8_MAX_ROWS``, by the loaded build; at most ``AMX_INT8_MAX_ROWS`` where those
+    products run in bfloat16 on AMX)."""
+    global _max_rows_cache
+    key = (_lib, envs.PAGEDLLM_PREFILL_BF16)
+    if _max_rows_cache is None or _max_rows_cache[0] != key:  # asked per product: computed once
+        rows = INT8_MAX_ROWS.get(isa(), 0)
+        _max_rows_cache = (key, min(rows, AMX_INT8_MAX_ROWS) if prefill_dtype() == torch.bfloat16 else rows)
+    return _max_rows_cache[1]
+
+
+_max_rows_cache: tuple[tuple, int] | None = None
 
 
 def set_int8_activations(on: bool) -> None:

@@ -11,7 +11,8 @@ repacked once at load (rows in the order our fused layers use, then into tiles o
 
 * int8 activations (default where the kernels' build is AVX2 or above: AVX-512 VNNI, AVX-VNNI or
   AVX2's vpmaddubsw): every product of up to ``int8_max_rows()`` rows (all of them on AVX-512
-  VNNI; 128 on AVX2 and AVX-VNNI, where longer prefill chunks are faster as below) quantizes its
+  VNNI; 128 on AVX2 and AVX-VNNI, 256 where AMX is usable: longer prefill chunks are faster as
+  below there) quantizes its
   input rows to int8 per 32-block in two levels (value and rounding residual) and multiplies the
   packed bytes with byte dot products; such a row's result does not depend on its batch; logprobs
   within about 0.001 of float32;
@@ -35,6 +36,7 @@ from torch import nn
 
 from pagedllm.kernels import cpu as cpu_kernels
 from pagedllm.kernels.cpu_features import prefill_dtype
+from pagedllm.models.cpu_linear import pad_rows
 from pagedllm.models.gguf_blocks import GGUF_LAYOUT, TILE, quantize_int8, repack, to_tiles, unpermute_rows
 
 logger = logging.getLogger(__name__)
@@ -93,7 +95,14 @@ class GGUFLinear(nn.Module):
         rows = x.shape[0]
         if rows <= cpu_kernels.QGEMM_MAX_ROWS or (cpu_kernels.int8_activations() and rows <= cpu_kernels.int8_max_rows()):
             return cpu_kernels.qgemm(self.fmt, x.contiguous(), self.qs, self.d, self.m, self.bias, self.out_features)
-        # prefill: dequantize row chunks of at most _CHUNK floats into a reused buffer, multiply each
+        # prefill: dequantize row chunks of at most _CHUNK floats into a reused buffer, multiply each;
+        # the rows padded to a few bucket sizes (cpu_linear.row_bucket: oneDNN caches a primitive per shape)
+        padded = pad_rows(x)
+        y = self._forward_dequantized(padded)
+        return y if padded is x else y[:rows]
+
+    def _forward_dequantized(self, x: torch.Tensor) -> torch.Tensor:
+        """``[rows, k]`` -> ``[rows, n]`` through the dequantized weight (prefill-sized inputs)."""
         if self.prefill_dtype != torch.float32:
             return self._forward_low_precision(x)
         n, k = self.out_features, self.in_features
