@@ -20,7 +20,8 @@ What it does
     * ``disconnects``: 50 streams closed after their first token;
     * ``baseline`` then ``hostile`` (issue 35): ``--streams`` (50) normal chat streams for
       ``--window`` seconds alone, then the same beside every input of ``hostile_inputs.py``
-      (sent four at a time, the list repeated until the window ends); the streams' median TPOT
+      (sent four at a time from a child process at nice 10, bodies encoded once, the list
+      repeated until the window ends); the streams' median TPOT
       with the hostile inputs must stay within 1.2x of the baseline's;
     * the ``burst`` runs with the normal streams beside it too.
 
@@ -31,7 +32,7 @@ What it does
 
 Reported per phase: answers by status, unexpected answers (a status the phase does not
 expect, a transport error, any 5xx), ``/health`` latency p50 / p99 / max and failures, canary
-latency p50 / max. The JSON goes to ``benchmarks/results/hostile_soak-<date>.json`` with the
+latency p50 / max, and the CPU seconds each server process and this client spent in it. The JSON goes to ``benchmarks/results/hostile_soak-<date>.json`` with the
 machine's CPU model and flags. Exit status 1 when any answer was unexpected, ``/health``
 failed or its p99 passed 1 s, or the pool check failed.
 
@@ -45,6 +46,8 @@ import asyncio
 import datetime
 import json
 import multiprocessing
+import os
+import resource
 import sys
 import time
 from dataclasses import dataclass, field
@@ -55,7 +58,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from api_soak import start_server, stop_server  # noqa: E402
 from hostile_inputs import cases as hostile_cases  # noqa: E402
-from soak_streams import StreamLoad, rss_of_tree  # noqa: E402
+from soak_streams import StreamLoad, cpu_of_tree, rss_of_tree  # noqa: E402
 
 from pagedllm.bench.metrics import machine_facts  # noqa: E402
 
@@ -74,6 +77,7 @@ class Phase:
     health_failures: int = 0
     canary_s: list = field(default_factory=list)
     canary_failures: int = 0
+    cpu_s: dict = field(default_factory=dict)
 
     def record(self, what: str, status: int | None, expected: set[int], detail: str = "") -> None:
         """Count one answer; keep it as unexpected when its status is not one of ``expected``."""
@@ -234,26 +238,54 @@ async def disconnects(url: str, phase: Phase) -> None:
         await asyncio.gather(*[one(i) for i in range(50)])
 
 
+def _encoded_cases() -> list[tuple[str, str, str, bytes, set[int]]]:
+    """``hostile_cases()`` with every body encoded once (an attacker does not pay the server's
+    CPU to re-encode a 1 MB body per request, and neither should this machine's share)."""
+    return [(name, method, path, body if isinstance(body, bytes) else json.dumps(body).encode(), expected)
+            for name, method, path, body, expected in hostile_cases()]
+
+
+def _hostile_process(url: str, window_s: float, conn) -> None:
+    """In a child process at nice 10: every hostile input, four at a time, repeated until
+    ``window_s`` passed; send back ``(statuses, unexpected)``. A process of its own, so building and
+    reading megabyte bodies does not delay the normal streams' client (whose timings are the
+    measurement), and niced, so on a small machine the sender takes only the CPU the server leaves
+    (an attacker elsewhere costs the server none of its own CPU)."""
+    os.nice(10)
+    todo, phase = _encoded_cases(), Phase("hostile")
+    headers = {**AUTH, "Content-Type": "application/json"}
+
+    async def run() -> None:
+        t_end = time.perf_counter() + window_s
+        async with httpx.AsyncClient(base_url=url, timeout=600, headers=headers) as http:
+            async def worker(queue: list) -> None:
+                while queue:
+                    name, method, path, body, expected = queue.pop()
+                    try:
+                        r = await http.request(method, path, content=body)
+                        phase.record(name, r.status_code, expected, r.text)
+                    except httpx.HTTPError as e:
+                        phase.record(name, None, expected, repr(e))
+            while True:
+                queue = list(reversed(todo))
+                await asyncio.gather(*[worker(queue) for _ in range(4)])
+                if time.perf_counter() >= t_end:
+                    return
+    asyncio.run(run())
+    conn.send((phase.statuses, phase.unexpected))
+
+
 async def hostile(url: str, phase: Phase, window_s: float) -> None:
-    """Every hostile input of ``hostile_inputs.py``, four at a time, repeated until ``window_s`` passed."""
-    todo = hostile_cases()
-    t_end = time.perf_counter() + window_s
-    async with httpx.AsyncClient(base_url=url, timeout=600, headers=AUTH) as http:
-        async def worker(queue: list) -> None:
-            while queue:
-                name, method, path, body, expected = queue.pop()
-                kw = ({"content": body, "headers": {"Content-Type": "application/json"}} if isinstance(body, bytes)
-                      else {"json": body})
-                try:
-                    r = await http.request(method, path, **kw)
-                    phase.record(name, r.status_code, expected, r.text)
-                except httpx.HTTPError as e:
-                    phase.record(name, None, expected, repr(e))
-        while True:
-            queue = list(reversed(todo))
-            await asyncio.gather(*[worker(queue) for _ in range(4)])
-            if time.perf_counter() >= t_end:
-                return
+    """Every hostile input of ``hostile_inputs.py`` (``_hostile_process``), merged into ``phase``."""
+    parent, child = multiprocessing.get_context("fork").Pipe()
+    proc = multiprocessing.get_context("fork").Process(target=_hostile_process, args=(url, window_s, child),
+                                                       daemon=True)
+    proc.start()
+    statuses, unexpected = await asyncio.to_thread(parent.recv)
+    proc.join()
+    for k, n in statuses.items():
+        phase.statuses[k] = phase.statuses.get(k, 0) + n
+    phase.unexpected += unexpected
 
 
 async def normal_constraints(url: str) -> None:
@@ -287,16 +319,29 @@ async def idle_rss(url: str, pid: int) -> dict:
     return rss_of_tree(pid)
 
 
-async def run_phase(url: str, name: str, body) -> Phase:
+def _client_cpu_s() -> float:
+    """CPU time (s) of this client and of its children already waited for (prober, hostile sender)."""
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+async def run_phase(url: str, name: str, body, pid: int) -> Phase:
+    """Run ``body(phase)`` with the ``/health`` prober and the canary beside it; the CPU seconds the
+    server's processes and this client spent meanwhile go to ``phase.cpu_s`` (where the machine's
+    time went: on 2 cores the client's share slows the server)."""
     phase = Phase(name)
     stop = asyncio.Event()
     probes = [asyncio.create_task(_probe(url, phase, stop)), asyncio.create_task(_canary(url, phase, stop))]
-    t0 = time.perf_counter()
+    t0, cpu0, client0 = time.perf_counter(), cpu_of_tree(pid), _client_cpu_s()
     await body(phase)
     stop.set()
     await asyncio.gather(*probes)
+    cpu1 = cpu_of_tree(pid)
+    phase.cpu_s = {"wall": round(time.perf_counter() - t0, 1), "client": round(_client_cpu_s() - client0, 1),
+                   **{k: round(v - cpu0.get(k, 0.0), 1) for k, v in cpu1.items() if v - cpu0.get(k, 0.0) >= 0.1}}
     print(f"{name:<12} {time.perf_counter() - t0:6.1f} s  statuses {phase.statuses}  unexpected "
-          f"{len(phase.unexpected)}  /health max {max(phase.health_s, default=0) * 1000:.0f} ms", flush=True)
+          f"{len(phase.unexpected)}  /health max {max(phase.health_s, default=0) * 1000:.0f} ms  "
+          f"CPU s {phase.cpu_s}", flush=True)
     return phase
 
 
@@ -323,19 +368,19 @@ async def soak(url: str, args, pid: int) -> dict:
 
     async def baseline_phase(p: Phase) -> None:
         streams["baseline"] = await with_streams(url, args, lambda: asyncio.sleep(args.window))
-    phases.append(await run_phase(url, "baseline", baseline_phase))
+    phases.append(await run_phase(url, "baseline", baseline_phase, pid))
 
     async def hostile_phase(p: Phase) -> None:
         streams["hostile"] = await with_streams(url, args, lambda: hostile(url, p, args.window))
-    phases.append(await run_phase(url, "hostile", hostile_phase))
+    phases.append(await run_phase(url, "hostile", hostile_phase, pid))
     rss["after_hostile"] = await idle_rss(url, pid)
     for name, fn in (("big_bodies", big_bodies), ("choice_bomb", choice_bomb), ("surrogates", surrogates),
                      ("integers", integers), ("disconnects", disconnects)):
-        phases.append(await run_phase(url, name, lambda p, fn=fn: fn(url, p)))
+        phases.append(await run_phase(url, name, lambda p, fn=fn: fn(url, p), pid))
 
     async def burst_phase(p: Phase) -> None:
         streams["burst"] = await with_streams(url, args, lambda: burst(url, p, args.burst))
-    phases.append(await run_phase(url, "burst", burst_phase))
+    phases.append(await run_phase(url, "burst", burst_phase, pid))
     rss["after_all"] = await idle_rss(url, pid)
     pool = await pool_check(url)
     async with httpx.AsyncClient(timeout=10) as http:
@@ -389,7 +434,7 @@ def main() -> int:
                     "health_p50_ms": _ms(_pct(ph.health_s, 0.5)), "health_p99_ms": _ms(_pct(ph.health_s, 0.99)),
                     "health_max_ms": _ms(max(ph.health_s, default=None)), "health_failures": ph.health_failures,
                     "canary_p50_s": _pct(ph.canary_s, 0.5), "canary_max_s": max(ph.canary_s, default=None),
-                    "canary_failures": ph.canary_failures} for ph in phases],
+                    "canary_failures": ph.canary_failures, "cpu_s": ph.cpu_s} for ph in phases],
         "num_5xx": sum(n for ph in phases for s, n in ph.statuses.items() if s.isdigit() and int(s) >= 500),
         "num_unexpected": sum(len(ph.unexpected) for ph in phases),
         "health_max_ms": _ms(max(health, default=None)), "health_p99_ms": _ms(_pct(health, 0.99)),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -104,6 +105,21 @@ def _children(pid: int) -> list[int]:
         except OSError:
             pass
     return out
+
+
+def cpu_of_tree(pid: int) -> dict[str, float]:
+    """CPU time (user + system, s) of ``pid`` and each descendant so far, keyed as ``rss_of_tree``."""
+    tick, found, todo = os.sysconf("SC_CLK_TCK"), {}, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            cmd = Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:
+            continue
+        found[f"{p} {cmd[:60]}"] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+        todo += _children(p)
+    return found
 
 
 def rss_of_tree(pid: int) -> dict[str, float]:

@@ -40,7 +40,7 @@ def _serve(a: argparse.Namespace) -> int:
     from pagedllm.engine.async_llm import AsyncLLM
     from pagedllm.engine.llm_engine import LLMEngine
     from pagedllm.server.app import build_app
-    from pagedllm.server.lifecycle import run_server
+    from pagedllm.server.lifecycle import run_server, yield_cpu_to_engine_core
     if a.max_waiting_requests is not None and a.max_waiting_requests < 0:
         raise ValueError(f"--max-waiting-requests must be >= 0, got {a.max_waiting_requests}")
     if a.max_request_body_bytes < 1:
@@ -54,6 +54,8 @@ def _serve(a: argparse.Namespace) -> int:
         p = Path(a.chat_template)
         template = p.read_text() if p.exists() else a.chat_template
     llm = AsyncLLM(engine)
+    if engine.multiprocess:  # the core already runs at the priority the server was started with
+        yield_cpu_to_engine_core(envs.PAGEDLLM_API_SERVER_NICE)
     # an empty PAGEDLLM_API_KEY counts as unset, so `PAGEDLLM_API_KEY= pagedllm serve` stays open
     env_key = envs.PAGEDLLM_API_KEY
     app = build_app(llm, engine.served_model_name, template, api_key=a.api_key or ([env_key] if env_key else None),

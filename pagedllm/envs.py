@@ -45,6 +45,9 @@ VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
                                   "0: packed weights multiply float32 activations (no int8 quantization)"),
     "PAGEDLLM_PREFILL_BF16": (lambda: os.environ.get("PAGEDLLM_PREFILL_BF16"),
                               "1 / 0: force bfloat16 / float32 for large dequantized products (default: AMX)"),
+    "PAGEDLLM_API_SERVER_NICE": (lambda: int(os.environ.get("PAGEDLLM_API_SERVER_NICE", "7")),
+                                 "niceness the API server adds to itself once its engine core process runs "
+                                 "(default 7; 0: none)"),
     "PAGEDLLM_NATIVE_MIXERS": (_on_unless_zero("PAGEDLLM_NATIVE_MIXERS"),
                                "0: hybrid models' state mixers in torch instead of the C kernels"),
     "PAGEDLLM_DEVICE_INPUTS": (_on_unless_zero("PAGEDLLM_DEVICE_INPUTS"),

@@ -25,15 +25,23 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _nice(pid: int) -> int:
+    """The process's niceness (field 19 of ``/proc/PID/stat``)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[16])
+
+
 def test_killed_core_ends_the_stream_with_an_error_and_fails_health(tmp_path, start_server_process):
     """SIGKILL of the core mid-stream: the stream ends with an error event, /health answers 503
     with the gauges at 0, and then the server exits with status 1 (for a supervisor to restart
-    it), leaving no ipc socket files."""
+    it), leaving no ipc socket files. While it runs, the API server has lowered its priority by
+    ``PAGEDLLM_API_SERVER_NICE`` (7) and the core has not."""
     ipc = _private_tmp(tmp_path)
     before = _ipc_sockets(ipc)
     with start_server_process(tmp_path, (), {"TMPDIR": ipc}) as (url, proc):
         pid = httpx.get(f"{url}/stats").json()["core_pid"]
         assert pid != os.getpid() and _alive(pid)
+        assert (_nice(proc.pid), _nice(pid)) == (min(19, os.nice(0) + 7), os.nice(0))
         body = {"prompt": "Tell me a long story.", "max_tokens": 2000, "ignore_eos": True, "stream": True}
         events = []
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
