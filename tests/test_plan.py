@@ -74,7 +74,10 @@ def test_runner_speculation_and_state(tiny_model_dir, tiny_encoders):
 
 
 def test_refusals_come_from_the_plan(tiny_model_dir):
-    """Packed weights with the Transformers backend are refused while planning, before any load."""
+    """Packed weights where the C kernels do not run (bfloat16 here) are refused while planning,
+    before any load; the Transformers backend plans packed weights like the native path."""
     path = tiny_model_dir("llama")
-    with pytest.raises(ValueError, match="native implementation only"):
-        plan_engine(EngineArgs(model=str(path), model_impl="transformers", quantization="int8"), path)
+    with pytest.raises(ValueError, match="needs the C CPU kernels"):
+        plan_engine(EngineArgs(model=str(path), model_impl="transformers", quantization="int8", dtype="bfloat16"), path)
+    plan = plan_engine(EngineArgs(model=str(path), model_impl="transformers", quantization="int8"), path)
+    assert (plan.model.impl, plan.model.quantization) == ("transformers", "int8")

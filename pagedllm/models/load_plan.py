@@ -75,8 +75,8 @@ def plan_load(model_dir: str | Path, config, dtype: torch.dtype, device: torch.d
         attention_backend: ``EngineArgs.attention_backend`` or ``None`` (choose by device and dtype).
     Raises:
         ValueError: no implementation serves the architecture; an attention backend that does not
-            support the device and dtype; packed weights with the Transformers backend or with
-            several ranks; pipeline ranks with the Transformers backend.
+            support the device and dtype; packed weights without the C kernels or with several
+            ranks; pipeline ranks with the Transformers backend.
     """
     from pagedllm.attention.selector import select_attention_backend
     from pagedllm.kernels import cpu as cpu_kernels
@@ -94,9 +94,9 @@ def plan_load(model_dir: str | Path, config, dtype: torch.dtype, device: torch.d
         quantization = resolve_quantization(quantization, Path(model_dir), impl, kernels_on)
     else:
         quantization = check_tensor_parallel(impl, quantization, world, pipeline_parallel_size)
-    if quantization in ("gguf", "int8") and impl == "transformers":
-        raise ValueError(f"quantization={quantization!r} serves the native implementation only; use "
-                         "model_impl='native' or quantization='none'")
+    if quantization in ("gguf", "int8") and not kernels_on:
+        raise ValueError(f"quantization={quantization!r} needs the C CPU kernels (float32 on the CPU, a C "
+                         "compiler, PAGEDLLM_CPU_KERNELS not 0); use quantization='none'")
     prepack = impl == "native" and world == 1 and prepack_available(device, dtype)
     isa = cpu_kernels.isa() if kernels_on else ""
     int8 = quantization in ("gguf", "int8") and cpu_kernels.int8_activations()
@@ -105,13 +105,13 @@ def plan_load(model_dir: str | Path, config, dtype: torch.dtype, device: torch.d
 
 
 def resolve_quantization(quantization: str, model_dir: Path, impl: str, kernels_on: bool) -> str:
-    """``auto`` -> ``gguf`` when the model was converted from a GGUF file that is still there, is
-    served natively and the C kernels are on (keep the file's quantization, as llama.cpp, ollama
-    and vLLM do), else ``none``; other values are returned as they are."""
+    """``auto`` -> ``gguf`` when the model was converted from a GGUF file that is still there and the
+    C kernels are on, natively or through the Transformers backend (keep the file's quantization, as
+    llama.cpp, ollama and vLLM do), else ``none``; other values are returned as they are."""
     if quantization != "auto":
         return quantization
     from pagedllm.models.quant_linear import gguf_source
-    return "gguf" if impl == "native" and kernels_on and gguf_source(model_dir) is not None else "none"
+    return "gguf" if kernels_on and gguf_source(model_dir) is not None else "none"
 
 
 def check_tensor_parallel(impl: str, quantization: str, world: int, pipeline_parallel_size: int = 1) -> str:

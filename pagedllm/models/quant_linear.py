@@ -241,11 +241,8 @@ def quantize_from_gguf(model, gguf_path: Path, config) -> dict[str, int]:
         ``{GGUF formats: layers}`` of the replaced layers (``"Q5_0+Q8_0"`` for a fused layer of two;
         ``float32`` counts the ones kept).
     """
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(gguf_path))
-    arch = reader.fields["general.architecture"].contents()
-    tensors = {t.name: t for t in reader.tensors}
+    from pagedllm.models.gguf_index import read_tensor_index
+    arch, tensors = read_tensor_index(gguf_path)  # no metadata parse (gguf's reader: seconds, ~450 MB)
     counts: dict[str, int] = {}
 
     def rows_of(t) -> tuple[int, int]:

@@ -234,7 +234,8 @@ class TransformersCausalLM(nn.Module):
 
 
 def load_transformers_model(model_dir, config, dtype: torch.dtype, device: torch.device,
-                            attention_backend: AttentionBackend, prepack: bool = True) -> TransformersCausalLM:
+                            attention_backend: AttentionBackend, prepack: bool = True,
+                            quantization: str = "none") -> TransformersCausalLM:
     """Load ``model_dir`` with ``transformers`` and pagedllm attention through ``attention_backend``.
 
     ``from_pretrained`` builds the model on the meta device and loads the
@@ -243,7 +244,9 @@ def load_transformers_model(model_dir, config, dtype: torch.dtype, device: torch
     On a rank of a tensor-parallel group the loaded model is split by its ``tp_plan``
     (``transformers_tp.shard_transformers_model``) before any weight is read: built with its
     parameters on the meta device, split, then filled with this rank's slices only
-    (``transformers_tp_load.load_sharded``); it runs plain torch linears.
+    (``transformers_tp_load.load_sharded``); it runs plain torch linears. With ``quantization``
+    ``gguf`` or ``int8`` (one rank, C kernels on) the linear layers, embedding and LM head are served
+    packed instead (``packed_transformers``).
 
     Raises:
         ValueError: see ``check_supported``, ``_check_modules`` and, with several tensor-parallel
@@ -268,11 +271,49 @@ def load_transformers_model(model_dir, config, dtype: torch.dtype, device: torch
         load_sharded(hf, model_dir, device)  # this rank's slices only (transformers_tp_load.py)
         hf = hf.to(device).eval()
         return TransformersCausalLM(hf, attention_backend, (shard.q_heads, shard.kv_heads))
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation=ATTN_NAME)
-    _check_modules(hf)
+    formats = None
+    if quantization in ("gguf", "int8"):  # packed layers built from the files, never in float32
+        from pagedllm.models.transformers_tp_load import load_sharded, parameters_on_meta
+        with parameters_on_meta():
+            hf = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=ATTN_NAME)
+        _check_modules(hf)
+        formats = _serve_packed(hf, model_dir, quantization)
+        load_sharded(hf, model_dir, device)  # the parameters left (norms, float layers), whole
+    else:
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation=ATTN_NAME)
+        _check_modules(hf)
     hf = hf.to(device).eval()
     from pagedllm.models.cpu_linear import prepack_available, prepack_linears
     if prepack and prepack_available(device, dtype):  # the plan asked, and it applies here
         # the same oneDNN-packed linears (and batch-1 kernel) as the native models
         prepack_linears(hf)
-    return TransformersCausalLM(hf, attention_backend)
+    model = TransformersCausalLM(hf, attention_backend)
+    if formats is not None:
+        model.quantization = formats  # ``/stats`` ``weight_formats``
+    return model
+
+
+def _serve_packed(hf: nn.Module, model_dir, quantization: str) -> dict[str, int]:
+    """Swap the linears (and embedding, LM head) of ``hf``, built on meta, for packed ones read from
+    ``model_dir`` (and its GGUF source); ``{format: layers}``.
+
+    Raises:
+        ValueError: ``gguf`` for a directory that was not converted from a GGUF file still on disk.
+    """
+    from pagedllm.memory import return_freed_memory
+    from pagedllm.models import packed_transformers as packed
+    from pagedllm.models.quant_linear import gguf_source, quantized_kernels
+    if quantization == "gguf":
+        src = gguf_source(model_dir)
+        if src is None:
+            raise ValueError(f"quantization='gguf': {model_dir} was not converted from a GGUF file (or the file "
+                             "moved); use quantization='none'")
+        counts, nbytes = packed.pack_from_gguf(hf, model_dir, src, _text_config(hf.config))
+        what = f"GGUF blocks served packed from {src.name}"
+    else:
+        counts, nbytes = packed.pack_int8(hf, model_dir)
+        what = "int8 weights (per output channel)"
+    return_freed_memory()  # the GGUF reader's and the quantizer's scratch
+    logger.info("%s (Transformers backend): %s; kernels: %s", what, packed.describe(counts, nbytes),
+                quantized_kernels())
+    return counts
