@@ -43,12 +43,13 @@ def prompts(n: int, length: int, seed: int) -> list[list[int]]:
     return torch.randint(100, 30000, (n, length), generator=g).tolist()
 
 
-def measure(model: str | None, path: str, threads: int, repeats: int, batch64: bool) -> dict:
-    """Decode and prefill tokens/s (and batch 64 output tokens/s) of one model, path and thread count."""
+def measure(model: str | None, path: str, threads: int, repeats: int, batch64: bool, model_impl: str = "auto") -> dict:
+    """Decode and prefill tokens/s (and batch 64 output tokens/s) of one model, path and thread count
+    (``model_impl`` as ``LLM``'s: ``auto``, ``native`` or ``transformers``)."""
     torch.set_num_threads(threads)
     cpu.set_int8_activations(path == "int8")
     llm = LLM(model, quantization="none" if path == "none" else "auto", max_num_seqs=64,
-              kv_cache_memory="1GiB", enable_prefix_caching=False)
+              kv_cache_memory="1GiB", enable_prefix_caching=False, model_impl=model_impl)
     eng = llm.llm_engine
     llm.generate(prompts(1, 8, 99), SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
     decode, prefill = [], []

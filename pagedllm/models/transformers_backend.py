@@ -235,7 +235,7 @@ class TransformersCausalLM(nn.Module):
 
 def load_transformers_model(model_dir, config, dtype: torch.dtype, device: torch.device,
                             attention_backend: AttentionBackend, prepack: bool = True,
-                            quantization: str = "none") -> TransformersCausalLM:
+                            quantization: str = "none", kernel_norms: bool = False) -> TransformersCausalLM:
     """Load ``model_dir`` with ``transformers`` and pagedllm attention through ``attention_backend``.
 
     ``from_pretrained`` builds the model on the meta device and loads the
@@ -246,7 +246,8 @@ def load_transformers_model(model_dir, config, dtype: torch.dtype, device: torch
     parameters on the meta device, split, then filled with this rank's slices only
     (``transformers_tp_load.load_sharded``); it runs plain torch linears. With ``quantization``
     ``gguf`` or ``int8`` (one rank, C kernels on) the linear layers, embedding and LM head are served
-    packed instead (``packed_transformers``).
+    packed instead (``packed_transformers``); with ``kernel_norms`` (the C kernels on) its RMSNorms
+    run on the C kernel where it reproduces them (``transformers_norms``).
 
     Raises:
         ValueError: see ``check_supported``, ``_check_modules`` and, with several tensor-parallel
@@ -288,6 +289,10 @@ def load_transformers_model(model_dir, config, dtype: torch.dtype, device: torch
         # the same oneDNN-packed linears (and batch-1 kernel) as the native models
         prepack_linears(hf)
     model = TransformersCausalLM(hf, attention_backend)
+    if kernel_norms:  # after the hybrid mixers are installed: they keep their own (gated) norms
+        from pagedllm.models.transformers_norms import install_kernel_norms
+        replaced, kept = install_kernel_norms(hf)
+        logger.info("RMSNorm modules on the C kernel: %d (%d kept: no match)", replaced, kept)
     if formats is not None:
         model.quantization = formats  # ``/stats`` ``weight_formats``
     return model

@@ -160,3 +160,41 @@ def test_packed_layers_refuse_a_row_order_they_cannot_match():
     held = _permuted(raw.reshape(64, -1), 4).reshape(-1)  # a Llama file's q rows (Q8_0 rows are independent)
     lin = _packed_like(GGUFTensor("q.weight", T.Q8_0, (64, 64), held), (64, 64), (ids, deq), None, (4,))
     assert lin is not None and torch.equal(lin.dequantize(), deq)
+
+
+def test_rms_norms_move_to_the_kernel_only_where_they_match():
+    """Llama's and Gemma's (``1 + w``) RMSNorms run on the C kernel with the modules' own outputs
+    (any leading shape: Gemma's q/k norms see ``[1, T, heads, head_dim]``); a norm with another
+    formula, or one that takes a gate, keeps its own code."""
+    from torch import nn
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from pagedllm.models.transformers_norms import KernelRMSNorm, install_kernel_norms
+    if not cpu.available():
+        pytest.skip("needs the C CPU kernels")
+
+    class OddRMSNorm(nn.Module):  # no normalization at all
+        def __init__(self, h):
+            super().__init__()
+            self.weight, self.eps = nn.Parameter(torch.randn(h)), 1e-6
+
+        def forward(self, x):
+            return x * self.weight
+
+    class GatedRMSNorm(LlamaRMSNorm):
+        def forward(self, x, gate=None):
+            return super().forward(x if gate is None else x * gate)
+
+    mods = nn.ModuleDict({"llama": LlamaRMSNorm(16, 1e-5), "gemma": Gemma3RMSNorm(16, 1e-6),
+                          "odd": OddRMSNorm(16), "gated": GatedRMSNorm(16, 1e-5)})
+    with torch.no_grad():
+        for m in mods.values():
+            m.weight.copy_(torch.randn(16))
+    x = torch.randn(1, 5, 2, 16)
+    want = {k: m(x) for k, m in mods.items()}
+    assert install_kernel_norms(mods) == (2, 2)
+    assert isinstance(mods["llama"], KernelRMSNorm) and isinstance(mods["gemma"], KernelRMSNorm)
+    assert type(mods["odd"]) is OddRMSNorm and type(mods["gated"]) is GatedRMSNorm
+    for k in ("llama", "gemma"):
+        torch.testing.assert_close(mods[k](x), want[k], rtol=0, atol=1e-5)
