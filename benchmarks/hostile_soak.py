@@ -32,8 +32,8 @@ What it does
 
 Reported per phase: answers by status, unexpected answers (a status the phase does not
 expect, a transport error, any 5xx), ``/health`` latency p50 / p99 / max and failures, canary
-latency p50 / max, and the CPU seconds each server process and this client spent in it. The JSON goes to ``benchmarks/results/hostile_soak-<date>.json`` with the
-machine's CPU model and flags. Exit status 1 when any answer was unexpected, ``/health``
+latency p50 / max, and the CPU seconds each server process and this client spent in it. The
+JSON goes to ``benchmarks/results/hostile_soak-<date>.json`` with the machine's CPU model and flags. Exit status 1 when any answer was unexpected, ``/health``
 failed or its p99 passed 1 s, or the pool check failed.
 
 Usage: python benchmarks/hostile_soak.py [--burst 600 --streams 50 --window 40 --json-out PATH]

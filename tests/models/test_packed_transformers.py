@@ -198,3 +198,63 @@ def test_rms_norms_move_to_the_kernel_only_where_they_match():
     assert type(mods["odd"]) is OddRMSNorm and type(mods["gated"]) is GatedRMSNorm
     for k in ("llama", "gemma"):
         torch.testing.assert_close(mods[k](x), want[k], rtol=0, atol=1e-5)
+
+
+def _write_family(path: Path, arch: str, rng) -> None:
+    """A 2-layer GGUF of ``arch`` (``qwen3``: q/k norms; ``phi3``: fused qkv and gate_up tensors) with
+    Q8_0 weights, a Q8_0 embedding and an untied Q8_0 head, read by ``transformers``' GGUF loader.
+    Qwen3 heads are 128 wide: ``transformers`` 5.23 does not read ``key_length`` and assumes
+    Qwen3's 128 (what its real checkpoints have)."""
+    import gguf
+    from gguf import GGMLQuantizationType as T
+    hd = 128 if arch == "qwen3" else HD
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(LAYERS), w.add_context_length(128), w.add_embedding_length(HID)
+    w.add_feed_forward_length(FF), w.add_head_count(N_HEAD), w.add_head_count_kv(N_KV)
+    w.add_rope_freq_base(1e4), w.add_layer_norm_rms_eps(1e-5)
+    if arch == "qwen3":
+        w.add_key_length(hd), w.add_value_length(hd)
+    else:
+        w.add_rope_dimension_count(hd)
+    w.add_tokenizer_model("gpt2"), w.add_tokenizer_pre("default"), w.add_token_list(TOKENS)
+    w.add_token_types([1] * (VOCAB - 2) + [3, 3]), w.add_token_merges(["a b"])
+    w.add_bos_token_id(VOCAB - 2), w.add_eos_token_id(VOCAB - 1)
+    w.add_pad_token_id(VOCAB - 1)  # Phi-3's default, 32000, is past this vocabulary
+
+    def put(name, rows, cols=0):
+        if not cols:
+            w.add_tensor(name, (1 + 0.1 * rng.standard_normal(rows)).astype(np.float32))
+            return
+        x = (0.3 * rng.standard_normal((rows, cols))).astype(np.float32)
+        w.add_tensor(name, gguf.quants.quantize(x, T.Q8_0), raw_dtype=T.Q8_0)
+
+    put("token_embd.weight", VOCAB, HID), put("output_norm.weight", HID), put("output.weight", VOCAB, HID)
+    for i in range(LAYERS):
+        b = f"blk.{i}."
+        if arch == "phi3":
+            put(b + "attn_qkv.weight", (N_HEAD + 2 * N_KV) * hd, HID), put(b + "ffn_up.weight", 2 * FF, HID)
+        else:
+            put(b + "attn_q.weight", N_HEAD * hd, HID), put(b + "attn_k.weight", N_KV * hd, HID)
+            put(b + "attn_v.weight", N_KV * hd, HID), put(b + "attn_q_norm.weight", hd)
+            put(b + "attn_k_norm.weight", hd), put(b + "ffn_gate.weight", FF, HID), put(b + "ffn_up.weight", FF, HID)
+        put(b + "attn_output.weight", HID, N_HEAD * hd), put(b + "ffn_down.weight", HID, FF)
+        put(b + "attn_norm.weight", HID), put(b + "ffn_norm.weight", HID)
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+
+
+@pytest.mark.parametrize("arch,formats", [("qwen3", {"Q8_0": 16}), ("phi3", {"Q8_0": 10})])
+def test_other_families_load_packed(tmp_path, arch, formats):
+    """Families only ``transformers`` reads from GGUF (Qwen3; Phi-3, whose q/k/v and gate/up are one
+    tensor each in the file and in the module) load with every linear, the embedding and the head
+    packed, and answer as the same backend on the dequantized weights."""
+    path = tmp_path / f"tiny-{arch}.gguf"
+    _write_family(path, arch, np.random.default_rng(7))
+    prompts = [np.random.default_rng(8).integers(0, VOCAB - 2, size=n).tolist() for n in (4, 11)]
+    ref = LLM(str(path), model_impl="transformers", quantization="none", num_kv_blocks=32, block_size=4)
+    want, want_lp = _tokens(ref, prompts)
+    del ref
+    llm = LLM(str(path), model_impl="transformers", num_kv_blocks=32, block_size=4)
+    assert llm.llm_engine.get_stats().weight_formats == formats
+    got, got_lp = _tokens(llm, prompts)
+    assert got == want
+    assert max(abs(a - b) for x, y in zip(got_lp, want_lp) for a, b in zip(x, y)) < 1e-4
