@@ -12,9 +12,10 @@ rearranges them into the tiles of 16 rows the kernels multiply (``quant_kernels.
 layout   arrays (weight matrix ``[N, K]``)           GGUF formats served by it (exactly)
 =======  ==========================================  ======================================
 ``U4M``  qs uint8 [N, K/2], d, m float32 [N, K/32]   Q4_1, Q4_K      (``w = q d + m``)
-``S8``   qs int8 [N, K], d float32 [N, K/32]         Q8_0, Q5_0 (q - 16), int8 per channel
+``S8``   qs int8 [N, K], d float32 [N, K/32]         Q8_0, Q5_0 (q - 16), int8 per channel,
+                                                     IQ4_NL, IQ4_XS, MXFP4 (codebook values)
 ``U4``   qs uint8 [N, K/2], d float32 [N, K/32]      Q4_0            (``w = (q - 8) d``)
-``S8H``  qs int8 [N, K], d float32 [N, K/16]         Q6_K            (``w = q d``, q - 32)
+``S8H``  qs int8 [N, K], d float32 [N, K/16]         Q6_K (q - 32), Q3_K (q - 4; ``w = q d``)
 ``S8M``  qs int8 [N, K], d, m float32 [N, K/32]      Q5_1, Q5_K      (``w = q d + m``)
 =======  ==========================================  ======================================
 
@@ -45,9 +46,15 @@ def unpermute_rows(w, n_head: int):
 LAYOUTS = {"U4M": 0, "S8": 1, "S6": 2, "S8H": 3, "S8M": 4}  # pl_qgemm's tile layout codes (U4 tiles as U4M)
 TILE = 16  # output rows per tile
 GGUF_LAYOUT = {"Q4_0": "U4", "Q4_1": "U4M", "Q8_0": "S8", "Q5_0": "S8", "Q5_1": "S8M",
-               "Q4_K": "U4M", "Q5_K": "S8M", "Q6_K": "S8H"}
+               "Q4_K": "U4M", "Q5_K": "S8M", "Q6_K": "S8H", "Q3_K": "S8H",
+               "IQ4_NL": "S8", "IQ4_XS": "S8", "MXFP4": "S8"}
 _BLOCK = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34), "Q5_0": (32, 22), "Q5_1": (32, 24),
-          "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}  # weights, bytes per block
+          "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210), "Q3_K": (256, 110),
+          "IQ4_NL": (32, 18), "IQ4_XS": (256, 136), "MXFP4": (32, 17)}  # weights, bytes per block
+_GROUP16 = ("Q6_K", "Q3_K")  # one scale per 16 weights (S8H)
+# the non-linear 4-bit codebooks: IQ4_NL / IQ4_XS's, and MXFP4's e2m1 values doubled (so integers)
+_IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
+_E2M1_X2 = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=np.int8)
 
 
 def _f16(b: np.ndarray) -> np.ndarray:
@@ -120,6 +127,8 @@ def decode(kind: str, raw: np.ndarray, n: int, k: int):
             high = (b[:, 16:48][:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1
             q = q | (high << 4)
         q = q.astype(np.int8)
+    elif kind in ("Q3_K", "IQ4_NL", "IQ4_XS", "MXFP4"):
+        q, d = _decode_more(kind, b, nblk)
     else:  # Q6_K: ql [128], qh [64], int8 scales [16], fp16 d
         ql, qh = b[:, 0:128].reshape(nblk, 2, 64), b[:, 128:192].reshape(nblk, 2, 32)
         # weight 32 i + l of a half: i = 0, 1: low nibbles of ql[l], ql[l + 32]; 2, 3: their high
@@ -128,12 +137,50 @@ def decode(kind: str, raw: np.ndarray, n: int, k: int):
         two = (qh[:, :, None, :] >> np.array([0, 2, 4, 6], dtype=np.uint8)[None, None, :, None]) & 3
         q = ((low | (two << 4)).astype(np.int16) - 32).astype(np.int8).reshape(nblk, 256)
         d = _f16(b[:, 208:210])[:, None] * b[:, 192:208].view(np.int8).astype(np.float32)  # [B, 16]
-    group = 16 if kind == "Q6_K" else 32
+    group = 16 if kind in _GROUP16 else 32
     q = np.ascontiguousarray(q).reshape(n, k)
     d = np.ascontiguousarray(d, dtype=np.float32).reshape(n, k // group)
     if m is not None:
         m = np.ascontiguousarray(m, dtype=np.float32).reshape(n, k // 32)
     return q, d, m, group
+
+
+def _decode_more(kind: str, b: np.ndarray, nblk: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(q int8 [B, block], d float32 [B, groups])`` of the formats added for issue 39 (blocks ``b``
+    ``[B, bytes]``), every weight exactly ``q d``:
+
+    * ``IQ4_NL``: fp16 d, 16 bytes of 4-bit indices into ``_IQ4_VALUES`` (byte j: weights j, j + 16);
+    * ``IQ4_XS``: per 256: fp16 d, 16-bit high and 4 bytes of low scale bits (6-bit scales, minus 32,
+      one per 32), 128 bytes of indices as IQ4_NL's; scale ``d (s - 32)``;
+    * ``MXFP4``: an e8m0 exponent byte, 16 bytes of e2m1 codes (as IQ4_NL's); the values doubled to
+      integers, so the scale is ``2 ** (e - 128)``;
+    * ``Q3_K``: per 256: 32 bytes of high bits, 64 of 2-bit lows, 12 of 6-bit scales (minus 32, one
+      per 16), fp16 d; weight ``128 h + 32 j + l`` is bits ``2j`` of low byte ``32 h + l`` minus 4
+      when bit ``4h + j`` of high byte ``l`` is clear.
+    """
+    if kind in ("IQ4_NL", "MXFP4"):
+        off = 2 if kind == "IQ4_NL" else 1
+        table = _IQ4_VALUES if kind == "IQ4_NL" else _E2M1_X2
+        q = table[_nibbles(b[:, off:]).reshape(nblk, 32)]
+        if kind == "IQ4_NL":
+            return q, _f16(b[:, 0:2])[:, None]
+        return q, np.ldexp(np.float32(1), b[:, 0:1].astype(np.int32) - 128).astype(np.float32)
+    if kind == "IQ4_XS":
+        high = np.ascontiguousarray(b[:, 2:4]).view(np.uint16)  # [B, 1]
+        low = _nibbles(b[:, 4:8]).transpose(0, 2, 1).reshape(nblk, 8)  # scale 2i: low nibble of byte i
+        sc = low | (((high >> (2 * np.arange(8, dtype=np.uint16))) & 3).astype(np.uint8) << 4)
+        d = _f16(b[:, 0:2])[:, None] * (sc.astype(np.float32) - 32)
+        return _IQ4_VALUES[_nibbles(b[:, 8:].reshape(nblk, 8, 16)).reshape(nblk, 256)], d
+    # Q3_K
+    s = b[:, 96:108]
+    low = _nibbles(s[:, 0:8]).reshape(nblk, 16)  # scale i: nibble i // 8 of byte i % 8
+    high = (s[:, 8:12][:, None, :] >> (2 * np.arange(4, dtype=np.uint8))[None, :, None]) & 3  # [B, shift, byte]
+    sc = (low | (high.reshape(nblk, 16) << 4)).astype(np.float32) - 32  # scale i: byte 8 + i % 4, shift i // 4
+    d = _f16(b[:, 108:110])[:, None] * sc
+    lows = (b[:, 32:96].reshape(nblk, 2, 1, 32) >> (2 * np.arange(4, dtype=np.uint8))[None, None, :, None]) & 3
+    hbit = (b[:, 0:32][:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1  # [B, bit, l]
+    q = lows.reshape(nblk, 256).astype(np.int8) - 4 * (1 - hbit.reshape(nblk, 256).astype(np.int8))
+    return q, d
 
 
 def _pack_nibbles(q: np.ndarray) -> np.ndarray:

@@ -1,5 +1,5 @@
 """Linear layers that keep quantized weights packed in memory: a GGUF file's blocks
-(Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) or int8 per output channel.
+(``gguf_blocks.GGUF_LAYOUT``: Q4_0 ... Q6_K, Q3_K, IQ4_NL, IQ4_XS, MXFP4) or int8 per output channel.
 
 A GGUF-born model (its converted directory records the source file in ``gguf_source.json``)
 served with ``quantization`` ``auto`` or ``gguf`` replaces each linear layer whose GGUF tensors

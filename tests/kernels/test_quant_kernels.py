@@ -61,6 +61,8 @@ def _random_blocks(kind: str, n: int, k: int, rng) -> np.ndarray:
         scales = rng.uniform(0.001, 0.05, (raw.shape[0], 2)).astype(np.float16).view(np.uint8)
         if kind == "Q6_K":
             raw[:, 208:210] = scales[:, 0:2]
+        elif kind == "Q3_K":
+            raw[:, 108:110] = scales[:, 0:2]
         else:
             raw[:, 0:4] = scales
         return raw.reshape(n, -1)

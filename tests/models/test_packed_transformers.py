@@ -201,8 +201,9 @@ def test_rms_norms_move_to_the_kernel_only_where_they_match():
 
 
 def _write_family(path: Path, arch: str, rng) -> None:
-    """A 2-layer GGUF of ``arch`` (``qwen3``: q/k norms; ``phi3``: fused qkv and gate_up tensors) with
-    Q8_0 weights, a Q8_0 embedding and an untied Q8_0 head, read by ``transformers``' GGUF loader.
+    """A 2-layer GGUF of ``arch`` (``qwen3``: q/k norms, MXFP4 MLP weights; ``phi3``: fused qkv and
+    gate_up tensors) with Q8_0 weights otherwise, a Q8_0 embedding and an untied Q8_0 head, read by
+    ``transformers``' GGUF loader.
     Qwen3 heads are 128 wide: ``transformers`` 5.23 does not read ``key_length`` and assumes
     Qwen3's 128 (what its real checkpoints have)."""
     import gguf
@@ -226,7 +227,8 @@ def _write_family(path: Path, arch: str, rng) -> None:
             w.add_tensor(name, (1 + 0.1 * rng.standard_normal(rows)).astype(np.float32))
             return
         x = (0.3 * rng.standard_normal((rows, cols))).astype(np.float32)
-        w.add_tensor(name, gguf.quants.quantize(x, T.Q8_0), raw_dtype=T.Q8_0)
+        kind = T.MXFP4 if arch == "qwen3" and ".ffn_" in name else T.Q8_0  # gpt-oss's expert format
+        w.add_tensor(name, gguf.quants.quantize(x, kind), raw_dtype=kind)
 
     put("token_embd.weight", VOCAB, HID), put("output_norm.weight", HID), put("output.weight", VOCAB, HID)
     for i in range(LAYERS):
@@ -242,11 +244,11 @@ def _write_family(path: Path, arch: str, rng) -> None:
     w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
 
 
-@pytest.mark.parametrize("arch,formats", [("qwen3", {"Q8_0": 16}), ("phi3", {"Q8_0": 10})])
+@pytest.mark.parametrize("arch,formats", [("qwen3", {"Q8_0": 10, "MXFP4": 6}), ("phi3", {"Q8_0": 10})])
 def test_other_families_load_packed(tmp_path, arch, formats):
-    """Families only ``transformers`` reads from GGUF (Qwen3; Phi-3, whose q/k/v and gate/up are one
-    tensor each in the file and in the module) load with every linear, the embedding and the head
-    packed, and answer as the same backend on the dequantized weights."""
+    """Families only ``transformers`` reads from GGUF (Qwen3, here with MXFP4 MLPs; Phi-3, whose q/k/v
+    and gate/up are one tensor each in the file and in the module) load with every linear, the
+    embedding and the head packed, and answer as the same backend on the dequantized weights."""
     path = tmp_path / f"tiny-{arch}.gguf"
     _write_family(path, arch, np.random.default_rng(7))
     prompts = [np.random.default_rng(8).integers(0, VOCAB - 2, size=n).tolist() for n in (4, 11)]
