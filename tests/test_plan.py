@@ -74,10 +74,14 @@ def test_runner_speculation_and_state(tiny_model_dir, tiny_encoders):
 
 
 def test_refusals_come_from_the_plan(tiny_model_dir):
-    """Packed weights where the C kernels do not run (bfloat16 here) are refused while planning,
-    before any load; the Transformers backend plans packed weights like the native path."""
+    """Packed weights where the C kernels do not run (bfloat16 here), or for a hybrid model, are
+    refused while planning, before any load; the Transformers backend plans packed weights like the
+    native path otherwise."""
     path = tiny_model_dir("llama")
     with pytest.raises(ValueError, match="needs the C CPU kernels"):
         plan_engine(EngineArgs(model=str(path), model_impl="transformers", quantization="int8", dtype="bfloat16"), path)
     plan = plan_engine(EngineArgs(model=str(path), model_impl="transformers", quantization="int8"), path)
     assert (plan.model.impl, plan.model.quantization) == ("transformers", "int8")
+    hybrid = tiny_model_dir("lfm2")  # its state mixers read their projections' float weights
+    with pytest.raises(ValueError, match="hybrid models"):
+        plan_engine(EngineArgs(model=str(hybrid), quantization="int8"), hybrid)

@@ -91,12 +91,15 @@ def plan_load(model_dir: str | Path, config, dtype: torch.dtype, device: torch.d
     if impl in ENCODER_IMPLS:
         quantization = "none"
     elif world == 1:
-        quantization = resolve_quantization(quantization, Path(model_dir), impl, kernels_on)
+        quantization = resolve_quantization(quantization, Path(model_dir), impl, kernels_on, _hybrid(config))
     else:
         quantization = check_tensor_parallel(impl, quantization, world, pipeline_parallel_size)
     if quantization in ("gguf", "int8") and not kernels_on:
         raise ValueError(f"quantization={quantization!r} needs the C CPU kernels (float32 on the CPU, a C "
                          "compiler, PAGEDLLM_CPU_KERNELS not 0); use quantization='none'")
+    if quantization in ("gguf", "int8") and impl == "transformers" and _hybrid(config):
+        raise ValueError(f"quantization={quantization!r}: the state mixers of hybrid models "
+                         f"({config.model_type}) read their projections' float weights; use quantization='none'")
     prepack = impl == "native" and world == 1 and prepack_available(device, dtype)
     isa = cpu_kernels.isa() if kernels_on else ""
     int8 = quantization in ("gguf", "int8") and cpu_kernels.int8_activations()
@@ -104,14 +107,25 @@ def plan_load(model_dir: str | Path, config, dtype: torch.dtype, device: torch.d
                     tensor_parallel_size, pipeline_parallel_size)
 
 
-def resolve_quantization(quantization: str, model_dir: Path, impl: str, kernels_on: bool) -> str:
+def resolve_quantization(quantization: str, model_dir: Path, impl: str, kernels_on: bool,
+                         hybrid: bool = False) -> str:
     """``auto`` -> ``gguf`` when the model was converted from a GGUF file that is still there and the
     C kernels are on, natively or through the Transformers backend (keep the file's quantization, as
-    llama.cpp, ollama and vLLM do), else ``none``; other values are returned as they are."""
+    llama.cpp, ollama and vLLM do; not for a ``hybrid`` model through the backend, whose state
+    mixers read float weights), else ``none``; other values are returned as they are."""
     if quantization != "auto":
         return quantization
     from pagedllm.models.quant_linear import gguf_source
+    if impl == "transformers" and hybrid:
+        return "none"
     return "gguf" if kernels_on and gguf_source(model_dir) is not None else "none"
+
+
+def _hybrid(config) -> bool:
+    """A hybrid family's model (state layers beside attention: ``models/hybrid.py``)."""
+    from pagedllm.models.hybrid import hybrid_family
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return hybrid_family(text) is not None
 
 
 def check_tensor_parallel(impl: str, quantization: str, world: int, pipeline_parallel_size: int = 1) -> str:
