@@ -266,5 +266,6 @@ def pack_int8(hf: nn.Module, model_dir: str | Path) -> tuple[dict[str, int], dic
 
 def describe(counts: dict[str, int], nbytes: dict[str, int]) -> str:
     """One log line's worth: ``Q5_0: 81 layers, 95.1 MiB; ...; 280.3 MiB of weights in these layers``."""
-    parts = [f"{k}: {counts[k]} layer{'s' * (counts[k] != 1)}, {nbytes.get(k, 0) / 2**20:.1f} MiB" for k in sorted(counts)]
+    parts = [f"{k}: {counts[k]} layer{'s' * (counts[k] != 1)}, {nbytes.get(k, 0) / 2**20:.1f} MiB"
+             for k in sorted(counts)]
     return "; ".join(parts + [f"{sum(nbytes.values()) / 2**20:.1f} MiB of weights in these layers"])
