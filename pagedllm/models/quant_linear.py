@@ -90,16 +90,19 @@ class GGUFLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[..., k]`` -> ``[..., n]`` (leading dimensions flattened into rows)."""
-        if x.dim() != 2:
-            return self.forward(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], self.out_features)
+        shape = x.shape
+        if len(shape) != 2:  # the Transformers backend's [1, T, k]; no second call (per-token Python)
+            x = x.reshape(-1, shape[-1])
         rows = x.shape[0]
         if rows <= cpu_kernels.QGEMM_MAX_ROWS or (cpu_kernels.int8_activations() and rows <= cpu_kernels.int8_max_rows()):
-            return cpu_kernels.qgemm(self.fmt, x.contiguous(), self.qs, self.d, self.m, self.bias, self.out_features)
-        # prefill: dequantize row chunks of at most _CHUNK floats into a reused buffer, multiply each;
-        # the rows padded to a few bucket sizes (cpu_linear.row_bucket: oneDNN caches a primitive per shape)
-        padded = pad_rows(x)
-        y = self._forward_dequantized(padded)
-        return y if padded is x else y[:rows]
+            y = cpu_kernels.qgemm(self.fmt, x.contiguous(), self.qs, self.d, self.m, self.bias, self.out_features)
+        else:
+            # prefill: dequantize row chunks of at most _CHUNK floats into a reused buffer, multiply each;
+            # the rows padded to a few bucket sizes (cpu_linear.row_bucket: oneDNN caches a primitive per shape)
+            padded = pad_rows(x)
+            y = self._forward_dequantized(padded)
+            y = y if padded is x else y[:rows]
+        return y if len(shape) == 2 else y.view(*shape[:-1], self.out_features)
 
     def _forward_dequantized(self, x: torch.Tensor) -> torch.Tensor:
         """``[rows, k]`` -> ``[rows, n]`` through the dequantized weight (prefill-sized inputs)."""

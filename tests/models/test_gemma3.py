@@ -286,10 +286,12 @@ def test_native_impl_is_refused(gemma_dir):
 @pytest.mark.parametrize("budget", [2048, 200])
 def test_greedy_matches_transformers(prompts, refs, greedy_ref, assert_no_leaks, budget):
     """Budget 2048 prefills the long prompt at once; 200 in chunks, one of them across the window edge.
-    The GGUF's blocks serve every linear layer and the (tied) embedding packed, by default (issue 39);
-    with float32 activations (the suite's setting) the answers are those of the dequantized model."""
+    The GGUF's blocks serve every linear layer and the (tied) embedding packed, by default where the C
+    kernels run (issue 39); with float32 activations (the suite's setting) the answers are those of
+    the dequantized model."""
     llm = LLM(ALIAS, model_impl="transformers", num_kv_blocks=128, max_num_batched_tokens=budget)
-    assert llm.llm_engine.get_stats().weight_formats == PACKED_FORMATS
+    stats = llm.llm_engine.get_stats()  # the reference pass runs without the C kernels: float32 then
+    assert stats.weight_formats == (PACKED_FORMATS if stats.cpu_kernels else {})
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=0),
                         use_tqdm=False)
     for k, (out, (ref_ids, ref_logits)) in enumerate(zip(outs, refs)):
