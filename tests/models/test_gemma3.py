@@ -308,7 +308,8 @@ def test_int8_activations_keep_the_logprobs(prompts, refs):
     if not cpu.available() or cpu._lib.pl_isa() == 0:
         pytest.skip("the kernels' build has no int8-activation path")
     llm = LLM(ALIAS, model_impl="transformers", num_kv_blocks=128)
-    seqs = [{"prompt_token_ids": p + ref_ids} for p, (ref_ids, _) in zip(prompts, refs)]
+    # the three short prompts (the long one adds 20 s and no other product shape)
+    seqs = [{"prompt_token_ids": p + ref_ids} for p, (ref_ids, _) in zip(prompts[:3], refs[:3])]
     params = SamplingParams(max_tokens=1, prompt_logprobs=0)
 
     def scored() -> np.ndarray:
