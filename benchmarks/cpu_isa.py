@@ -133,12 +133,19 @@ def main() -> int:
                 print(f"{name} t{nt} {p:7s} decode {r['decode_tok_s']:7.1f} prefill {r['prefill_tok_s']:7.1f}{b64}{ratio}")
             if lc:
                 print(f"{name} t{nt} llama.cpp tg128 {lc['tg128']:7.1f} pp512 {lc['pp512']:7.1f}")
+    write_result("cpu_isa", results, args.json_out)
+    return 0
+
+
+def write_result(name: str, results: dict, json_out: str | None) -> Path:
+    """Record the idle state at the end and write ``results`` to ``json_out`` or
+    ``results/<name>-<date>.json``; the path written."""
     results["end"] = idle()
-    out = Path(args.json_out or Path(__file__).resolve().parent / "results" / f"cpu_isa-{time.strftime('%Y-%m-%d')}.json")
+    out = Path(json_out or Path(__file__).resolve().parent / "results" / f"{name}-{time.strftime('%Y-%m-%d')}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2))
     print(f"wrote {out}")
-    return 0
+    return out
 
 
 if __name__ == "__main__":

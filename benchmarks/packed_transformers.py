@@ -20,14 +20,12 @@ Usage: ``python benchmarks/packed_transformers.py [--threads 1 2] [--repeats 3]`
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cpu_isa import gguf_file, idle, llama_bench, measure  # noqa: E402
+from cpu_isa import gguf_file, idle, llama_bench, measure, write_result  # noqa: E402
 
 from pagedllm.bench.metrics import machine_facts  # noqa: E402
 from pagedllm.kernels import cpu  # noqa: E402
@@ -88,12 +86,7 @@ def main() -> int:
                   f"{gp['decode_tok_s'] / lc['tg128']:.2f}x / {gp['prefill_tok_s'] / lc['pp512']:.2f}x")
         print(f"t{nt} qwen transformers / native: decode {qt['decode_tok_s'] / qn['decode_tok_s']:.2f}x, "
               f"prefill {qt['prefill_tok_s'] / qn['prefill_tok_s']:.2f}x")
-    res["end"] = idle()
-    out = Path(args.json_out or Path(__file__).resolve().parent / "results" /
-               f"packed_transformers-{time.strftime('%Y-%m-%d')}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=2))
-    print(f"wrote {out}")
+    write_result("packed_transformers", res, args.json_out)
     return 0
 
 
