@@ -28,6 +28,15 @@ TINY_KINDS = {
     "qwen2": ("Qwen2Config", dict(num_hidden_layers=4, tie_word_embeddings=True)),
     # one KV head (multi-query): tensor parallelism replicates it on every rank
     "llama_mqa": ("LlamaConfig", dict(num_hidden_layers=2, tie_word_embeddings=False, num_key_value_heads=1)),
+    # the Transformers backend's C decode stack (models/transformers_stack.py): windows of 8 tokens,
+    # q/k head norms, Gemma's sandwich norms / two rotary tables / GELU, Phi-3's fused products
+    "mistral": ("MistralConfig", dict(num_hidden_layers=2, sliding_window=8, head_dim=32)),
+    "qwen3": ("Qwen3Config", dict(num_hidden_layers=2, head_dim=32, use_sliding_window=True, sliding_window=8,
+                                  max_window_layers=1)),
+    "gemma3_text": ("Gemma3TextConfig", dict(num_hidden_layers=3, head_dim=24, sliding_window=8,
+                                             query_pre_attn_scalar=32, layer_types=[
+                                                 "sliding_attention", "full_attention", "sliding_attention"])),
+    "phi3": ("Phi3Config", dict(num_hidden_layers=2, tie_word_embeddings=False)),
     # hybrid: gated short convolutions (state: the last conv_L_cache - 1 inputs) around two attention layers
     "lfm2": ("Lfm2Config", dict(num_hidden_layers=5, full_attn_idxs=[1, 3], conv_L_cache=3, norm_eps=1e-5,
                                 block_multiple_of=32, tie_word_embeddings=True)),

@@ -42,7 +42,7 @@ _SIGNATURES = {
     "pl_write_kv": [_P, _L, _L, _P, _L, _L, _P, _P, _P, _L, _L, _L, _L],
     "pl_silu_mul": [_P, _P, _L, _L, _I],
     "pl_gemv": [_P, _P, _P, _P, _L, _L, _I],
-    "pl_decode_stack": [_L, _L, _P, _P, _P, _L, _L, _L, _L, _L, _F, _P, _P, _L, _L, _P, _L, _F, _I],
+    "pl_decode_stack": [_L, _L, _P, _P, _P, _L, _L, _L, _L, _L, _F, _P, _P, _L, _L, _P, _L, _F, _I, _F, _I],
     "pl_decode_attention": [_P, _L, _L, _P, _P, _L, _P, _P, _P, _L, _L, _L, _L, _L, _L, _F, _L, _F, _P, _I],
     "pl_apply_bitmask": [_P, _L, _P, _L, _P, _L, _L, _I],
     "pl_qgemm": [_I, _P, _L, _P, _P, _P, _P, _P, _L, _L, _I],
@@ -304,62 +304,90 @@ def decode_attention(out: torch.Tensor, query: torch.Tensor, rows: torch.Tensor,
                              torch.get_num_threads())
 
 
-# columns of pl_decode_stack's per-layer address table (the enum in cpu_kernels.c)
-STACK_COLUMNS = ("in_norm", "qkv_w", "qkv_b", "o_w", "o_b", "post_norm", "gate_up_w", "gate_up_b", "down_w",
-                 "down_b", "key_cache", "value_cache", "quant")
+# pl_decode_stack's per-layer table (the enums in cpu_kernels.c): norm weights, then the cache,
+# rotary kind and window, then {fmt, weight, d, m, bias} per matrix product
+STACK_NORMS = ("in_norm", "post_attn_norm", "pre_ff_norm", "post_ff_norm", "q_norm", "k_norm")
+STACK_MATMULS = ("q", "k", "v", "o", "gate", "up", "down")
+STACK_ACTIVATIONS = ("silu", "gelu_tanh")
+MATMUL_ABSENT, MATMUL_FLOAT32 = -2, -1
 
 
-def stack_table(rows: list[dict[str, torch.Tensor | None]]) -> torch.Tensor:
-    """The ``[num_layers, 12]`` int64 address table of ``decode_stack`` from one dict per layer
-    (keys ``STACK_COLUMNS``; a missing bias is ``None``). ``quant`` is ``None`` or an int64 ``[16]``
-    tensor of ``{fmt, qs, d, m}`` addresses for the qkv, o, gate_up and down weights (fmt -1: that
-    weight is the float32 tensor of its column; ``models/quant_linear.stack_descriptor``). The
-    tensors must stay alive and in place while the table is used.
+def _address(t: torch.Tensor | None, dtype: torch.dtype | None, name: str) -> int:
+    if t is None:
+        return 0
+    if not (t.is_cpu and t.is_contiguous() and (dtype is None or t.dtype == dtype)):
+        raise ValueError(f"{name} must be a contiguous {dtype or ''} CPU tensor".replace("  ", " "))
+    return t.data_ptr()
+
+
+def stack_table(rows: list[dict]) -> torch.Tensor:
+    """The ``[num_layers, 45]`` int64 table of ``decode_stack`` from one dict per layer.
+
+    Each dict has ``STACK_NORMS`` (``[H]`` or, for the q/k head norms, ``[head_dim]`` float32 effective
+    weights, or ``None`` where the layer has no such norm; ``in_norm`` and ``pre_ff_norm`` always),
+    ``key_cache`` / ``value_cache`` (the layer's paged cache), ``rope`` (index of its rotary table in
+    ``decode_stack``'s ``cos``/``sin``), ``window`` (sliding window in tokens, 0: none) and ``matmuls``:
+    for each of ``STACK_MATMULS`` ``None`` (absent: ``q`` then holds the fused q|k|v rows, ``gate`` the
+    fused gate|up rows) or ``(fmt, weight, d, m, bias)``: ``fmt`` a ``QUANT_LAYOUTS`` code with the
+    packed ``qs``/``d``/``m`` tensors, or ``MATMUL_FLOAT32`` with the ``[N, K]`` float32 weight (``d``,
+    ``m`` ``None``); ``bias`` ``[N]`` float32 or ``None``. The tensors must stay alive and in place
+    while the table is used.
 
     Raises:
-        ValueError: a tensor is not contiguous float32 on the CPU.
+        ValueError: a tensor is not contiguous (float32 where it must be) on the CPU.
     """
     out = []
     for row in rows:
-        for name in STACK_COLUMNS:
-            t = row[name]
-            want = torch.int64 if name == "quant" else torch.float32
-            if t is not None and not (t.dtype == want and t.is_cpu and t.is_contiguous()):
-                raise ValueError(f"{name} must be a contiguous {want} CPU tensor")
-        out.append([0 if row[n] is None else row[n].data_ptr() for n in STACK_COLUMNS])
+        cols = [_address(row[n], torch.float32, n) for n in STACK_NORMS]
+        cols += [_address(row["key_cache"], torch.float32, "key_cache"),
+                 _address(row["value_cache"], torch.float32, "value_cache"), int(row["rope"]), int(row["window"])]
+        for name in STACK_MATMULS:
+            mm = row["matmuls"].get(name)
+            if mm is None:
+                cols += [MATMUL_ABSENT, 0, 0, 0, 0]
+                continue
+            fmt, w, d, m, b = mm
+            cols += [int(fmt), _address(w, torch.float32 if fmt == MATMUL_FLOAT32 else None, name),
+                     _address(d, None, name), _address(m, None, name), _address(b, torch.float32, name + " bias")]
+        out.append(cols)
     return torch.tensor(out, dtype=torch.int64)
 
 
 def decode_stack(table: torch.Tensor, x: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
-                 intermediate: int, eps: float, cos_rows: torch.Tensor, sin_rows: torch.Tensor, block_size: int,
-                 num_slots: int, block_table: torch.Tensor, seq_len: int, scale: float) -> torch.Tensor:
-    """The last ``T`` tokens of one sequence through every decoder layer of a Llama-family model in
-    one C call: batch-1 decode (``T = 1``) and the verification of speculative drafts (``T`` up to
-    16), without a return to Python between operations.
+                 intermediate: int, eps: float, cos: torch.Tensor, sin: torch.Tensor, block_size: int,
+                 num_slots: int, block_table: torch.Tensor, seq_len: int, scale: float, activation: str = "silu",
+                 softcap: float | None = None) -> torch.Tensor:
+    """The last ``T`` tokens of one sequence through every layer of a pre-norm decoder (Llama,
+    Mistral, Qwen2/3, Phi-3, Gemma 3) in one C call: batch-1 decode (``T = 1``) and the verification
+    of speculative drafts (``T`` up to 16), without a return to Python between operations.
 
     Args:
-        table: ``stack_table`` of the layers, ``[num_layers, 12]`` int64.
+        table: ``stack_table`` of the layers, ``[num_layers, 45]`` int64.
         x: ``[T, hidden]`` float32 contiguous, the tokens' embeddings; overwritten with the last
-            layer's MLP output.
-        cos_rows, sin_rows: ``[T, head_dim]`` contiguous rotary tables at the tokens' positions
-            (``seq_len - T`` .. ``seq_len - 1``).
+            layer's MLP output (after its post-MLP norm, if any).
+        eps: the RMSNorms' epsilon (one for all of them).
+        cos, sin: ``[R, T, head_dim]`` (or ``[T, head_dim]`` for one kind) contiguous rotary tables at
+            the tokens' positions (``seq_len - T`` .. ``seq_len - 1``), one per rotary kind (a layer's
+            ``rope``), rotate-half convention.
         block_table: ``[>= ceil(seq_len / block_size)]`` int64 block ids of the sequence, contiguous.
         seq_len: context length in tokens, these included (their K/V are written here); token ``t``
-            attends to the first ``seq_len - T + t + 1``.
+            attends to the first ``seq_len - T + t + 1`` (the last ``window`` of them, if set).
+        scale: softmax scale; ``activation``: ``STACK_ACTIVATIONS``; ``softcap``: score capping or ``None``.
     Returns:
         The residual stream ``[T, hidden]``; the final hidden state is ``residual + x``.
     Raises:
         MemoryError: scratch memory could not be allocated.
         ValueError: ``T`` is above 16.
+    Source: the decoder layers of transformers' ``modeling_llama`` / ``modeling_gemma3``.
     """
     rows = x.shape[0] if x.dim() > 1 else 1
     if rows > 16:
         raise ValueError(f"decode_stack takes at most 16 tokens, got {rows}")
     residual = torch.empty_like(x)
     rc = _lib.pl_decode_stack(table.shape[0], rows, table.data_ptr(), x.data_ptr(), residual.data_ptr(), x.shape[-1],
-                              num_heads, num_kv_heads, head_dim, intermediate, eps, cos_rows.data_ptr(),
-                              sin_rows.data_ptr(), num_slots, block_size, block_table.data_ptr(), seq_len, scale,
-                              torch.get_num_threads())
+                              num_heads, num_kv_heads, head_dim, intermediate, eps, cos.data_ptr(), sin.data_ptr(),
+                              num_slots, block_size, block_table.data_ptr(), seq_len, scale,
+                              STACK_ACTIVATIONS.index(activation), softcap or 0.0, torch.get_num_threads())
     if rc != 0:
         raise MemoryError("pl_decode_stack: no scratch memory")
     return residual

@@ -309,14 +309,20 @@ void pl_gemv(const float *x, const float *W, const float *b, float *y, long N, l
     }
 }
 
-/* ---- batch-1 decode through a whole Llama-family decoder stack in one call ---------------- */
+/* ---- batch-1 decode through a whole decoder stack in one call --------------------------------- */
 
-/* columns of the per-layer address table handed to pl_decode_stack (0 = no bias) */
-enum { L_IN_NORM, L_QKV_W, L_QKV_B, L_O_W, L_O_B, L_POST_NORM, L_GU_W, L_GU_B, L_DOWN_W, L_DOWN_B, L_KC, L_VC,
-       L_QUANT, L_COUNT };
-/* L_QUANT: 0 (every weight float32), or the address of int64 [4][4]: for the qkv, o, gate_up and down
- * weights in that order, {fmt (-1: float32, the weight column then holds it), qs, d, m} (pl_qgemm) */
-enum { Q_QKV, Q_O, Q_GU, Q_DOWN };
+/* columns of the per-layer table handed to pl_decode_stack: six norm weights (0 = the layer has no
+ * such norm), the layer's K/V cache, its rotary table index and sliding window, then MM_COLS columns
+ * for each of seven matrix products */
+enum { L_IN_NORM, L_POST_ATTN_NORM, L_PRE_FF_NORM, L_POST_FF_NORM, L_Q_NORM, L_K_NORM, L_KC, L_VC, L_ROPE,
+       L_WINDOW, L_MM };
+/* the matrix products: q (with k and v absent: the fused q|k|v rows), k, v, o, gate (with up absent:
+ * the fused gate|up rows), up, down; each {fmt, weight, d, m, bias}: fmt >= 0 a pl_qgemm layout with
+ * its qs / d / m arrays in the weight / d / m columns; fmt -1 a float32 [N, K] weight; fmt -2 absent */
+enum { MM_Q, MM_K, MM_V, MM_O, MM_GATE, MM_UP, MM_DOWN, MM_COUNT };
+enum { MM_FMT, MM_W, MM_D, MM_M, MM_B, MM_COLS };
+#define L_COUNT (L_MM + MM_COUNT * MM_COLS)
+enum { ACT_SILU, ACT_GELU_TANH };
 static inline const float *addr(const int64_t *row, int col) { return (const float *)(intptr_t)row[col]; }
 
 void pl_qgemm(int fmt, const float *x, long M, const uint8_t *qs, const float *d, const float *mn,
@@ -364,20 +370,30 @@ static void gemm_rows(const float *x, long M, const float *W, const float *b, fl
     }
 }
 
-/* y [M, N] = x [M, K] W^T (+ b): the layer's packed weight (pl_qgemm) or its float32 one */
-static void layer_matmul(const int64_t *p, int which, int wcol, int bcol, const float *x, long M, float *y, long N,
-                         long K, int nt) {
-    const int64_t *q = (const int64_t *)(intptr_t)p[L_QUANT];
-    if (q && q[which * 4] >= 0)
-        pl_qgemm((int)q[which * 4], x, M, (const uint8_t *)(intptr_t)q[which * 4 + 1],
-                 (const float *)(intptr_t)q[which * 4 + 2], (const float *)(intptr_t)q[which * 4 + 3],
-                 addr(p, bcol), y, N, K, nt);
+/* y [M, N] = x [M, K] W^T (+ b) by matrix product `which` of the layer (packed or float32) */
+static void layer_matmul(const int64_t *p, int which, const float *x, long M, float *y, long N, long K, int nt) {
+    const int64_t *c = p + L_MM + which * MM_COLS;
+    const float *w = addr(c, MM_W), *b = addr(c, MM_B);
+    if (c[MM_FMT] >= 0)
+        pl_qgemm((int)c[MM_FMT], x, M, (const uint8_t *)w, addr(c, MM_D), addr(c, MM_M), b, y, N, K, nt);
     else if (M > 1 && K % VEC_LEN == 0)
-        gemm_rows(x, M, addr(p, wcol), addr(p, bcol), y, N, K, nt);
+        gemm_rows(x, M, w, b, y, N, K, nt);
     else
-        for (long m = 0; m < M; m++) pl_gemv(x + m * K, addr(p, wcol), addr(p, bcol), y + m * N, N, K, nt);
+        for (long m = 0; m < M; m++) pl_gemv(x + m * K, w, b, y + m * N, N, K, nt);
 }
 
+/* product `which` into columns [col0, col0 + N) of y [M, ld]; through tmp [M, N] when M > 1 */
+static void matmul_cols(const int64_t *p, int which, const float *x, long M, float *y, long ld, long col0, long N,
+                        long K, float *tmp, int nt) {
+    if (M == 1) {
+        layer_matmul(p, which, x, 1, y + col0, N, K, nt);
+        return;
+    }
+    layer_matmul(p, which, x, M, tmp, N, K, nt);
+    for (long m = 0; m < M; m++) memcpy(y + m * ld + col0, tmp + m * N, sizeof(float) * N);
+}
+
+static inline int absent(const int64_t *p, int which) { return p[L_MM + which * MM_COLS + MM_FMT] == -2; }
 
 static void norm_row(const float *src, const float *w, float *out, long H, float eps) {
     float ss = 0.0f;
@@ -393,21 +409,62 @@ static void add_row(float *acc, const float *x, long H) {
     for (long h = 0; h < H; h++) acc[h] += x[h];
 }
 
-/* The last T (<= QGEMM_MAX_ROWS) tokens of one sequence through n_layers decoder layers (pre-norm,
- * rotary, grouped-query attention over the paged cache, SwiGLU MLP), the same math as
- * LlamaDecoderLayer with the kernels above, without returning to Python between operations:
+/* out[t, i] = gelu_tanh(gu[t, i]) * gu[t, I + i] (transformers' gelu_pytorch_tanh: Gemma) */
+static void gelu_tanh_mul(const float *gu, float *out, long T, long I) {
+    const float c = 0.7978845608028654f; /* sqrt(2 / pi) */
+    for (long t = 0; t < T; t++) {
+        const float *g = gu + t * 2 * I, *u = g + I;
+        float *o = out + t * I;
+        for (long i = 0; i < I; i++) o[i] = 0.5f * g[i] * (1.0f + tanhf(c * (g[i] + 0.044715f * g[i] * g[i] * g[i]))) * u[i];
+    }
+}
+
+/* q|k|v of T tokens: the layer's products, q/k head norms (Qwen3, Gemma 3), rotary, and K/V into the cache */
+static void layer_qkv(const int64_t *p, const float *h, float *qkv, float *tmp, long T, long H, long NH, long KVH,
+                      long D, float eps, const float *cos_rows, const float *sin_rows, const int64_t *rows,
+                      const int64_t *slots, long num_slots, int nt) {
+    long nqkv = (NH + 2 * KVH) * D;
+    if (absent(p, MM_K)) {
+        layer_matmul(p, MM_Q, h, T, qkv, nqkv, H, nt);
+    } else {
+        matmul_cols(p, MM_Q, h, T, qkv, nqkv, 0, NH * D, H, tmp, nt);
+        matmul_cols(p, MM_K, h, T, qkv, nqkv, NH * D, KVH * D, H, tmp, nt);
+        matmul_cols(p, MM_V, h, T, qkv, nqkv, (NH + KVH) * D, KVH * D, H, tmp, nt);
+    }
+    const float *qn = addr(p, L_Q_NORM), *kn = addr(p, L_K_NORM);
+    for (long t = 0; t < T; t++)
+        for (long j = 0; j < NH + KVH; j++) {
+            const float *w = j < NH ? qn : kn;
+            float *v = qkv + t * nqkv + j * D;
+            if (w) norm_row(v, w, v, D, eps);
+        }
+    long r = p[L_ROPE];
+    pl_rope(qkv, nqkv, NH + KVH, rows, cos_rows + r * T * D, sin_rows + r * T * D, T, D, 1);
+    float *kc = (float *)addr(p, L_KC), *vc = (float *)addr(p, L_VC);
+    for (long t = 0; t < T; t++)
+        for (long g = 0; g < KVH; g++) {
+            memcpy(kc + (g * num_slots + slots[t]) * D, qkv + t * nqkv + (NH + g) * D, sizeof(float) * D);
+            memcpy(vc + (g * num_slots + slots[t]) * D, qkv + t * nqkv + (NH + KVH + g) * D, sizeof(float) * D);
+        }
+}
+
+/* The last T (<= QGEMM_MAX_ROWS) tokens of one sequence through n_layers pre-norm decoder layers
+ * (Llama, Mistral, Qwen2/3, Phi-3, Gemma 3: optional q/k head norms and post-attention / post-MLP
+ * "sandwich" norms, SiLU or tanh-GELU gated MLP, a rotary table and sliding window per layer,
+ * grouped-query attention over the paged cache), without returning to Python between operations:
  * batch-1 decode (T = 1) and the verification of speculative draft tokens (T = 1 + drafts).
- * x [T, H]: in, the tokens' embeddings; out, the last layer's MLP output. residual [T, H]: out, the
- * residual stream, so the final hidden state is residual + x. layers: [n_layers, L_COUNT]
- * addresses. cos_rows, sin_rows [T, D]: the rotary tables at the tokens' positions, seq_len - T ..
- * seq_len - 1. table: the sequence's block table; the tokens' K/V go to their slots, and token t
- * attends to the first seq_len - T + t + 1 positions (causal).
+ * x [T, H]: in, the tokens' embeddings; out, the last layer's (normed) MLP output. residual [T, H]:
+ * out, the residual stream, so the final hidden state is residual + x. layers: [n_layers, L_COUNT].
+ * cos_rows, sin_rows [R, T, D]: the rotary tables at the tokens' positions (seq_len - T ..
+ * seq_len - 1), one per rotary kind a layer's L_ROPE picks. table: the sequence's block table; the
+ * tokens' K/V go to their slots; token t attends to the first seq_len - T + t + 1 positions (the
+ * last L_WINDOW of them when that is > 0). act: ACT_SILU or ACT_GELU_TANH. softcap > 0: score capping.
  * Returns 0, or -1 when scratch memory could not be allocated (nothing written then). */
 int pl_decode_stack(long n_layers, long T, const int64_t *layers, float *x, float *residual, long H, long NH, long KVH,
                     long D, long I, float eps, const float *cos_rows, const float *sin_rows, long num_slots,
-                    long block_size, const int64_t *table, long seq_len, float scale, int nt) {
-    long G = NH / KVH, nqkv = (NH + 2 * KVH) * D, pos0 = seq_len - T;
-    float *h = malloc(sizeof(float) * (T * (H + nqkv + NH * D + 3 * I) + KVH * G * seq_len));
+                    long block_size, const int64_t *table, long seq_len, float scale, int act, float softcap, int nt) {
+    long G = NH / KVH, nqkv = (NH + 2 * KVH) * D, pos0 = seq_len - T, wide = nqkv > 2 * I ? nqkv : 2 * I;
+    float *h = malloc(sizeof(float) * (T * (H + nqkv + NH * D + 3 * I + wide) + KVH * G * seq_len));
     int64_t *slots = malloc(sizeof(int64_t) * 2 * T);
     if (!h || !slots) {
         free(h);
@@ -420,8 +477,8 @@ int pl_decode_stack(long n_layers, long T, const int64_t *layers, float *x, floa
         slots[t] = table[pos / block_size] * block_size + pos % block_size;
         rows[t] = t;
     }
-    float *qkv = h + T * H, *attn = qkv + T * nqkv, *gu = attn + T * NH * D, *act = gu + T * 2 * I,
-          *scores = act + T * I;
+    float *qkv = h + T * H, *attn = qkv + T * nqkv, *gu = attn + T * NH * D, *mlp = gu + T * 2 * I,
+          *tmp = mlp + T * I, *scores = tmp + T * wide;
     for (long l = 0; l < n_layers; l++) {
         const int64_t *p = layers + l * L_COUNT;
         for (long t = 0; t < T; t++) {
@@ -431,30 +488,35 @@ int pl_decode_stack(long n_layers, long T, const int64_t *layers, float *x, floa
                 add_row(residual + t * H, x + t * H, H);
             norm_row(residual + t * H, addr(p, L_IN_NORM), h + t * H, H, eps);
         }
-        layer_matmul(p, Q_QKV, L_QKV_W, L_QKV_B, h, T, qkv, nqkv, H, nt);
-        pl_rope(qkv, nqkv, NH + KVH, rows, cos_rows, sin_rows, T, D, 1);
+        layer_qkv(p, h, qkv, tmp, T, H, NH, KVH, D, eps, cos_rows, sin_rows, rows, slots, num_slots, nt);
         float *kc = (float *)addr(p, L_KC), *vc = (float *)addr(p, L_VC);
-        for (long t = 0; t < T; t++)
-            for (long g = 0; g < KVH; g++) {
-                memcpy(kc + (g * num_slots + slots[t]) * D, qkv + t * nqkv + (NH + g) * D, sizeof(float) * D);
-                memcpy(vc + (g * num_slots + slots[t]) * D, qkv + t * nqkv + (NH + KVH + g) * D, sizeof(float) * D);
-            }
         for (long t = 0; t < T; t++) {
-            long L = pos0 + t + 1;
-#pragma omp parallel for num_threads(nt) schedule(static) if (L * NH * D >= PAR_MIN_WORK && KVH > 1)
+            long L = pos0 + t + 1, first = (p[L_WINDOW] > 0 && L > p[L_WINDOW]) ? L - p[L_WINDOW] : 0;
+#pragma omp parallel for num_threads(nt) schedule(static) if ((L - first) * NH * D >= PAR_MIN_WORK && KVH > 1)
             for (long g = 0; g < KVH; g++)
-                decode_task(qkv + t * nqkv + g * G * D, D, table, 0, L, kc + g * num_slots * D,
-                            vc + g * num_slots * D, block_size, D, G, scale, 0.0f, scores + g * G * seq_len,
+                decode_task(qkv + t * nqkv + g * G * D, D, table, first, L, kc + g * num_slots * D,
+                            vc + g * num_slots * D, block_size, D, G, scale, softcap, scores + g * G * seq_len,
                             attn + t * NH * D + g * G * D, D);
         }
-        layer_matmul(p, Q_O, L_O_W, L_O_B, attn, T, x, H, NH * D, nt);
+        layer_matmul(p, MM_O, attn, T, x, H, NH * D, nt);
         for (long t = 0; t < T; t++) {
+            if (addr(p, L_POST_ATTN_NORM)) norm_row(x + t * H, addr(p, L_POST_ATTN_NORM), x + t * H, H, eps);
             add_row(residual + t * H, x + t * H, H);
-            norm_row(residual + t * H, addr(p, L_POST_NORM), h + t * H, H, eps);
+            norm_row(residual + t * H, addr(p, L_PRE_FF_NORM), h + t * H, H, eps);
         }
-        layer_matmul(p, Q_GU, L_GU_W, L_GU_B, h, T, gu, 2 * I, H, nt);
-        pl_silu_mul(gu, act, T, I, 1);
-        layer_matmul(p, Q_DOWN, L_DOWN_W, L_DOWN_B, act, T, x, H, I, nt);
+        if (absent(p, MM_UP)) {
+            layer_matmul(p, MM_GATE, h, T, gu, 2 * I, H, nt);
+        } else {
+            matmul_cols(p, MM_GATE, h, T, gu, 2 * I, 0, I, H, tmp, nt);
+            matmul_cols(p, MM_UP, h, T, gu, 2 * I, I, I, H, tmp, nt);
+        }
+        if (act == ACT_GELU_TANH)
+            gelu_tanh_mul(gu, mlp, T, I);
+        else
+            pl_silu_mul(gu, mlp, T, I, 1);
+        layer_matmul(p, MM_DOWN, mlp, T, x, H, I, nt);
+        if (addr(p, L_POST_FF_NORM))
+            for (long t = 0; t < T; t++) norm_row(x + t * H, addr(p, L_POST_FF_NORM), x + t * H, H, eps);
     }
     free(h);
     free(slots);

@@ -20,7 +20,7 @@ from pagedllm.attention.backend import AttentionBackend
 from pagedllm.attention.selector import select_attention_backend
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.distributed.parallel_state import get_pp_size, get_tp_rank, get_tp_size
-from pagedllm.kernels import cpu as cpu_kernels
+from pagedllm.models.decode_stack import DecodeStack, matmul_entry, one_sequence
 from pagedllm.models.layers import (RMSNorm, RotaryEmbedding, RotaryStep, build_rms_norm, build_rotary,
                                     build_silu_and_mul)
 from pagedllm.models.layers.pipeline import (holds_ends, pipeline_finish, pipeline_forward, pipeline_launch, stage_layers,
@@ -192,7 +192,7 @@ class LlamaForCausalLM(nn.Module):
         self.packed_head = parallel_logits  # set by ``prepack`` (tensor parallel: gathers the vocabulary shards)
         # batch-1 decode runs the whole stack in one C call (only on the kernel path, see ``forward``)
         self.fused_decode = True
-        self._stack_table, self._stack_key = None, None
+        self._stack: DecodeStack | None = None
 
     def kv_cache_spec(self) -> tuple[int, int, int]:
         """``(num_layers, num_kv_heads, head_dim)`` of the KV cache this model needs."""
@@ -240,7 +240,7 @@ class LlamaForCausalLM(nn.Module):
         if self.pp_size > 1:
             return pipeline_forward(self, input_ids, positions, kv_caches, meta, logits_indices)
         x = self.embed_tokens(input_ids)
-        one = (self._one_sequence(x.shape[0], meta, kv_caches[0][0].shape[2])
+        one = (one_sequence(x.shape[0], meta, kv_caches[0][0].shape[2])
                if self.cpu_kernels and self.fused_decode else None)
         if one is not None:
             residual = self._decode_stack(x, int(positions[0]), kv_caches, *one)
@@ -265,47 +265,33 @@ class LlamaForCausalLM(nn.Module):
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(x, w).float()
 
-    @staticmethod
-    def _one_sequence(num_tokens: int, meta: AttentionMetadata, bs: int) -> tuple[torch.Tensor, int] | None:
-        """``(block table, context length)`` when the step is the last ``num_tokens`` <= 16 tokens of
-        one sequence (a decode, or a decode with its draft tokens), else ``None``. Read from the
-        fields every backend's metadata has (``AttentionMetadata``)."""
-        if num_tokens == 1 and meta.decode_token_idx.numel() == 1:
-            return meta.decode_block_tables[0], int(meta.decode_seq_lens[0])
-        if 1 < num_tokens <= 16 and meta.decode_token_idx.numel() == 0 and len(meta.prefills) == 1:
-            seq = meta.prefills[0]
-            slots = seq.gather_slots
-            if seq.q_end - seq.q_start == num_tokens:
-                return (slots[::bs] // bs).contiguous(), int(slots.shape[0])
-        return None
-
     def _decode_stack(self, x: torch.Tensor, position: int, kv_caches, block_table: torch.Tensor,
                       seq_len: int) -> torch.Tensor:
         """The last ``T`` tokens of one sequence through all layers in one C call
-        (``cpu_kernels.decode_stack``); ``x`` ``[T, hidden]`` becomes the last MLP output; returns
+        (``models/decode_stack``); ``x`` ``[T, hidden]`` becomes the last MLP output; returns
         the residual stream ``[T, hidden]``. ``position``: the first token's. The C call writes the
         tokens' K/V itself.
         """
-        key = (kv_caches[0][0].data_ptr(), id(self.layers[0].self_attn.qkv_proj))
-        if self._stack_key != key:  # addresses change only if the cache or the weights are replaced
-            from pagedllm.models.quant_linear import stack_descriptor
-            rows, self._stack_quant = [], []
-            for layer, (kc, vc) in zip(self.layers, kv_caches):
-                a, m = layer.self_attn, layer.mlp
-                quant = stack_descriptor((a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj))
-                self._stack_quant.append(quant)  # kept alive: the table holds its address
-                rows.append({"in_norm": layer.input_layernorm.weight, "qkv_w": a.qkv_proj.weight,
-                             "qkv_b": a.qkv_proj.bias, "o_w": a.o_proj.weight, "o_b": a.o_proj.bias,
-                             "post_norm": layer.post_attention_layernorm.weight, "gate_up_w": m.gate_up_proj.weight,
-                             "gate_up_b": m.gate_up_proj.bias, "down_w": m.down_proj.weight,
-                             "down_b": m.down_proj.bias, "key_cache": kc, "value_cache": vc, "quant": quant})
-            self._stack_table, self._stack_key = cpu_kernels.stack_table(rows), key
-        attn, kc = self.layers[0].self_attn, kv_caches[0][0]
+        if self._stack is None:
+            attn, mlp = self.layers[0].self_attn, self.layers[0].mlp
+            # addresses change only if the cache or the weights are replaced
+            self._stack = DecodeStack(self._stack_rows, lambda kv: (kv[0][0].data_ptr(), id(attn.qkv_proj)),
+                                      (attn.num_heads, attn.num_kv_heads, attn.head_dim, mlp.inter,
+                                       self.layers[0].input_layernorm.eps, attn.scale, "silu", None))
         rows = slice(position, position + x.shape[0])
-        return cpu_kernels.decode_stack(
-            self._stack_table, x.contiguous(), attn.num_heads, attn.num_kv_heads, attn.head_dim,
-            self.layers[0].mlp.inter, self.layers[0].input_layernorm.eps, self.rotary.cos[rows],
-            self.rotary.sin[rows], kc.shape[2], kc.shape[1] * kc.shape[2], block_table, seq_len, attn.scale)
+        return self._stack.run(x, kv_caches, self.rotary.cos[rows], self.rotary.sin[rows], block_table, seq_len)
+
+    def _stack_rows(self, kv_caches) -> list[dict]:
+        """``kernels.cpu.stack_table``'s rows of the layers: fused q|k|v and gate|up products."""
+        rows = []
+        for layer, (kc, vc) in zip(self.layers, kv_caches):
+            a, m = layer.self_attn, layer.mlp
+            mms = {"q": a.qkv_proj, "o": a.o_proj, "gate": m.gate_up_proj, "down": m.down_proj}
+            rows.append({"in_norm": layer.input_layernorm.weight, "pre_ff_norm": layer.post_attention_layernorm.weight,
+                         "post_attn_norm": None, "post_ff_norm": None, "q_norm": None, "k_norm": None,
+                         "key_cache": kc, "value_cache": vc, "rope": 0, "window": 0,
+                         "matmuls": {k: matmul_entry(v) for k, v in mms.items()}})
+        return rows
 
     def prepack(self) -> int:
         """Give every linear layer, the LM head included, a oneDNN-packed weight

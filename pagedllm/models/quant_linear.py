@@ -77,7 +77,7 @@ class GGUFLinear(nn.Module):
         self.bias = bias
         self.prefill_dtype = prefill_dtype()  # bfloat16 where AMX is usable
 
-    weight = None  # no float32 weight: the batch-1 decode stack reads ``stack_descriptor`` instead
+    weight = None  # no float32 weight: the batch-1 decode stack reads the packed arrays (decode_stack.matmul_entry)
 
     @property
     def nbytes(self) -> int:
@@ -195,20 +195,6 @@ def quantized_kernels() -> str:
         return f"{span}: int8 activations x packed tiles ({isa}: {cpu_kernels.ISA_DOT[isa]}){rest}"
     big = "bfloat16 (AMX)" if prefill_dtype() == torch.bfloat16 else "float32"
     return f"1-16 rows: float32 activations x packed tiles ({isa} build); prefill: dequantized chunks, oneDNN {big}"
-
-
-def stack_descriptor(modules) -> torch.Tensor | None:
-    """The ``quant`` column of ``kernels.cpu.stack_table`` for one layer's qkv, o, gate_up and down
-    modules: ``None`` when none is a ``GGUFLinear``, else int64 ``[16]`` of ``{fmt, qs, d, m}``."""
-    if not any(isinstance(m, GGUFLinear) for m in modules):
-        return None
-    out = []
-    for m in modules:
-        if isinstance(m, GGUFLinear):
-            out += [m.fmt, m.qs.data_ptr(), m.d.data_ptr(), 0 if m.m is None else m.m.data_ptr()]
-        else:
-            out += [-1, 0, 0, 0]
-    return torch.tensor(out, dtype=torch.int64)
 
 
 def _cat(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

@@ -31,6 +31,7 @@ from torch import nn
 from pagedllm.attention.backend import AttentionBackend
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.state import StateBatch
+from pagedllm.models.decode_stack import one_sequence
 from pagedllm.models.hf_config import num_kv_heads
 from pagedllm.models.hybrid import (attention_layer_indices, hybrid_family, install_mixers, layer_kinds,
                                     state_cache_spec)
@@ -184,6 +185,7 @@ class TransformersCausalLM(nn.Module):
             self.kv_index[i] = j
         self.num_kv_layers = len(attn)
         self._state_spec = state_cache_spec(cfg)
+        self.decode_stack = None  # set by ``load_transformers_model`` where the C stack applies
         if self._state_spec:
             install_mixers(hf_model, cfg, self._step_state)
 
@@ -220,6 +222,10 @@ class TransformersCausalLM(nn.Module):
             ``hidden_indices``, ``(logits, [N, hidden] float32)``.
         """
         global _current
+        if self.decode_stack is not None and hidden_indices is None and state is None:
+            one = one_sequence(input_ids.shape[0], meta, kv_caches[0][0].shape[2])
+            if one is not None:  # batch-1 decode: the whole stack in one C call (transformers_stack)
+                return self.decode_stack.logits(input_ids, positions, kv_caches, logits_indices, *one)
         _current = _StepContext(self.attention_backend, kv_caches, meta, self.kv_index, state)
         want_hidden = hidden_indices is not None
         try:
@@ -293,6 +299,11 @@ def load_transformers_model(model_dir, config, dtype: torch.dtype, device: torch
         from pagedllm.models.transformers_norms import install_kernel_norms
         replaced, kept = install_kernel_norms(hf)
         logger.info("RMSNorm modules on the C kernel: %d (%d kept: no match)", replaced, kept)
+        if not model._state_spec and model.num_kv_layers == model.num_layers:
+            from pagedllm.models.transformers_stack import plan_decode_stack
+            model.decode_stack = plan_decode_stack(hf, (model.num_heads, model.num_kv_heads, model.head_dim))
+            logger.info("batch-1 decode: %s", "one C call over the layers (transformers_stack)"
+                        if model.decode_stack is not None else "the model's own modules, layer by layer")
     if formats is not None:
         model.quantization = formats  # ``/stats`` ``weight_formats``
     return model

@@ -45,8 +45,13 @@ def test_fused_decode_matches_layers_and_transformers(kind, tiny_model_dir, gree
 
 
 def test_stack_table_rejects_non_float32():
-    with pytest.raises(ValueError, match="qkv_w"):
-        cpu_kernels.stack_table([{n: None for n in cpu_kernels.STACK_COLUMNS} | {"qkv_w": torch.zeros(2, dtype=torch.int32)}])
+    row = {n: None for n in cpu_kernels.STACK_NORMS} | {"key_cache": None, "value_cache": None, "rope": 0,
+                                                         "window": 0, "matmuls": {}}
+    with pytest.raises(ValueError, match="in_norm"):
+        cpu_kernels.stack_table([row | {"in_norm": torch.zeros(2, dtype=torch.int32)}])
+    with pytest.raises(ValueError, match="^q "):
+        cpu_kernels.stack_table([row | {"matmuls": {"q": (cpu_kernels.MATMUL_FLOAT32, torch.zeros(2, 2).t(),
+                                                          None, None, None)}}])
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
@@ -72,3 +77,45 @@ def test_fused_stack_takes_up_to_16_tokens_of_one_sequence(kind, tiny_model_dir,
     before = len(calls)
     prompt_lps(True, PROMPT[:17])  # past 16 tokens: the per-layer path
     assert len(calls) == before
+
+
+STACK_KINDS = ["llama_bias_tied", "qwen2", "mistral", "qwen3", "gemma3_text", "phi3"]
+
+
+@pytest.mark.parametrize("kind", STACK_KINDS)
+def test_transformers_backend_stack_matches_its_layers(kind, tiny_model_dir, monkeypatch):
+    """The Transformers backend's batch-1 steps run the same C stack over the module's own weights
+    (``models/transformers_stack.py``) and give the per-layer path's tokens and logprobs: decodes
+    past the sliding window (8), and prompts of 2-16 tokens as one call (prompt logprobs)."""
+    from pagedllm.models.transformers_stack import TransformersDecodeStack
+    calls = []
+    real = cpu_kernels.decode_stack
+    monkeypatch.setattr(cpu_kernels, "decode_stack", lambda *a, **k: calls.append(a[1].shape[0]) or real(*a, **k))
+    llm = LLM(str(tiny_model_dir(kind)), model_impl="transformers", enable_prefix_caching=False)
+    model = llm.engine.core.runner.model
+    stack = model.decode_stack
+    assert isinstance(stack, TransformersDecodeStack)
+
+    def run(on: bool, prompt: list[int], params: SamplingParams):
+        model.decode_stack = stack if on else None
+        return llm.generate([prompt], params, use_tqdm=False)[0]
+
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
+    fused, layers = run(True, PROMPT, params).outputs[0], run(False, PROMPT, params).outputs[0]
+    assert calls == [1] * 23
+    assert fused.token_ids == layers.token_ids
+    torch.testing.assert_close(torch.tensor([lp[t].logprob for lp, t in zip(fused.logprobs, fused.token_ids)]),
+                               torch.tensor([lp[t].logprob for lp, t in zip(layers.logprobs, layers.token_ids)]),
+                               rtol=0, atol=1e-4)
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    for n in (2, 16):
+        lps = [[next(iter(d.values())).logprob for d in run(on, PROMPT[:n], params).prompt_logprobs[1:]]
+               for on in (True, False)]
+        assert calls[-1] == n
+        torch.testing.assert_close(torch.tensor(lps[0]), torch.tensor(lps[1]), rtol=0, atol=1e-4)
+
+
+def test_transformers_stack_only_for_families_it_has_read(tiny_model_dir):
+    """A layer class outside the table (hybrid LFM2 here) keeps the model's own modules."""
+    llm = LLM(str(tiny_model_dir("lfm2")), model_impl="transformers", enable_prefix_caching=False)
+    assert llm.engine.core.runner.model.decode_stack is None

@@ -1,0 +1,202 @@
+"""Batch-1 decode of Transformers-backend models in one C call (issue 39, item 4: native where it pays).
+
+Through the backend a decoded token runs every layer's ``transformers`` modules in Python: seven
+linear calls, norms, rotary, attention, residual adds, ~100 small operations a layer. On 2 cores that
+cost Qwen2.5-Coder-0.5B a quarter of its decode speed against the native path, which runs the stack
+in one C call (``kernels.cpu.decode_stack``). The decoder layers of the families below have the
+same shape (pre-norm attention and gated MLP, optional q/k head norms and Gemma's sandwich norms), so
+their batch-1 steps run that C call over the module's own weights: packed ``GGUFLinear`` or float32.
+
+Which families, and where each keeps its pieces, is a table of ours keyed by the decoder layer's
+class (a layer class we have not read keeps the ``transformers`` path). A model qualifies only when
+every norm is a ``transformers_norms.KernelRMSNorm`` (its effective weight checked against the
+module), the activation is checked numerically (SiLU or tanh-GELU), every rotary table is full-width
+and every layer holds attention; anything else keeps the per-layer path. Embedding, final norm, LM
+head and final logit soft-capping stay the module's own.
+
+Source: the decoder layers of transformers 5's ``modeling_llama``, ``_mistral``, ``_qwen2``,
+``_qwen3``, ``_phi3`` and ``_gemma3``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from pagedllm.models.decode_stack import DecodeStack, matmul_entry
+from pagedllm.models.transformers_norms import KernelRMSNorm
+
+
+@dataclass(frozen=True)
+class StackFamily:
+    """Where a decoder layer keeps what the C stack needs.
+
+    Args:
+        norms: stack norm name (``kernels.cpu.STACK_NORMS``) -> attribute path on the layer; the
+            optional ones (q/k head norms) may be missing.
+        matmuls: stack product name (``kernels.cpu.STACK_MATMULS``) -> attribute path.
+        act: attribute path of the MLP's activation module.
+        window_in_config: the sliding window is the config's for every layer (Mistral, Phi-3),
+            not the attention module's ``sliding_window``.
+    """
+
+    norms: dict[str, str]
+    matmuls: dict[str, str]
+    act: str = "mlp.act_fn"
+    window_in_config: bool = False
+
+
+_PRE_NORM = {"in_norm": "input_layernorm", "pre_ff_norm": "post_attention_layernorm",
+             "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm"}
+_SPLIT = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
+          "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
+_LLAMA = StackFamily(_PRE_NORM, _SPLIT)
+FAMILIES: dict[str, StackFamily] = {
+    "LlamaDecoderLayer": _LLAMA,
+    "Qwen2DecoderLayer": _LLAMA,
+    "Qwen3DecoderLayer": _LLAMA,
+    "MistralDecoderLayer": StackFamily(_PRE_NORM, _SPLIT, window_in_config=True),
+    "Phi3DecoderLayer": StackFamily(_PRE_NORM, {"q": "self_attn.qkv_proj", "o": "self_attn.o_proj",
+                                                "gate": "mlp.gate_up_proj", "down": "mlp.down_proj"},
+                                    act="mlp.activation_fn", window_in_config=True),
+    "Gemma3DecoderLayer": StackFamily({"in_norm": "input_layernorm", "post_attn_norm": "post_attention_layernorm",
+                                       "pre_ff_norm": "pre_feedforward_layernorm",
+                                       "post_ff_norm": "post_feedforward_layernorm", "q_norm": "self_attn.q_norm",
+                                       "k_norm": "self_attn.k_norm"}, _SPLIT),
+}
+_REQUIRED_NORMS = ("in_norm", "pre_ff_norm")
+
+
+def _get(obj, path: str):
+    for part in path.split("."):
+        obj = getattr(obj, part, None)
+    return obj
+
+
+def _activation(module: nn.Module) -> str | None:
+    """``"silu"`` or ``"gelu_tanh"`` when ``module`` computes it on a random input, else ``None``."""
+    x = torch.linspace(-6, 6, 97)
+    with torch.no_grad():
+        try:
+            y = module(x)
+        except Exception:  # an activation with other arguments: not one the stack has
+            return None
+    gelu = 0.5 * x * (1 + torch.tanh(0.7978845608028654 * (x + 0.044715 * x ** 3)))
+    for name, want in (("silu", x * torch.sigmoid(x)), ("gelu_tanh", gelu)):
+        if torch.allclose(y, want, rtol=0, atol=1e-5):
+            return name
+    return None
+
+
+class TransformersDecodeStack:
+    """The batch-1 C stack over a ``transformers`` causal LM's decoder (see the module docstring).
+
+    Args:
+        hf: the causal LM (``model.embed_tokens`` / ``layers`` / ``norm`` / ``rotary_emb``, ``lm_head``).
+        family: its layers' ``StackFamily``.
+        rope_kinds: the rotary module's layer types (``[None]``: one table for every layer).
+        dims: ``DecodeStack``'s ``(heads, KV heads, head_dim, intermediate, eps, scale, act, softcap)``.
+    """
+
+    def __init__(self, hf: nn.Module, family: StackFamily, rope_kinds: list, dims: tuple) -> None:
+        self.hf, self.inner, self.family, self.rope_kinds = hf, hf.model, family, rope_kinds
+        cfg = hf.config
+        types = getattr(cfg, "layer_types", None)
+        self.layer_rope = [rope_kinds.index(types[i]) if rope_kinds != [None] else 0
+                           for i in range(len(self.inner.layers))]
+        self.windows = [self._window(layer) for layer in self.inner.layers]
+        self.final_softcap = getattr(cfg, "final_logit_softcapping", None)
+        self.stack = DecodeStack(self._rows, lambda kv: (kv[0][0].data_ptr(), id(self.inner.layers[0])), dims)
+
+    def _window(self, layer: nn.Module) -> int:
+        w = (getattr(self.hf.config, "sliding_window", None) if self.family.window_in_config
+             else getattr(layer.self_attn, "sliding_window", None))
+        return int(w or 0)
+
+    def _rows(self, kv_caches) -> list[dict]:
+        rows = []
+        for i, (layer, (kc, vc)) in enumerate(zip(self.inner.layers, kv_caches)):
+            row = {n: None for n in ("in_norm", "post_attn_norm", "pre_ff_norm", "post_ff_norm", "q_norm", "k_norm")}
+            row.update({n: _get(layer, path).weight for n, path in self.family.norms.items()
+                        if _get(layer, path) is not None})
+            row.update({"key_cache": kc, "value_cache": vc, "rope": self.layer_rope[i], "window": self.windows[i],
+                        "matmuls": {n: matmul_entry(_get(layer, p)) for n, p in self.family.matmuls.items()}})
+            rows.append(row)
+        return rows
+
+    def rotary(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[R, T, head_dim]`` cos and sin at ``positions`` ``[T]`` from the model's rotary module
+        (its own scaling: YaRN, longrope, dynamic), one per rotary kind."""
+        pos = positions.unsqueeze(0)
+        pairs = [self.inner.rotary_emb(x, pos) if k is None else self.inner.rotary_emb(x, pos, k)
+                 for k in self.rope_kinds]
+        return torch.cat([c for c, _ in pairs]).float(), torch.cat([s for _, s in pairs]).float()
+
+    def logits(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, logits_indices: torch.Tensor,
+               block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+        """``[R, vocab]`` float32 logits of the step's last ``T`` tokens of one sequence
+        (``input_ids``, ``positions`` ``[T]`` int64); their K/V are written to the cache.
+
+        Raises:
+            MemoryError: as ``kernels.cpu.decode_stack``.
+        """
+        x = self.inner.embed_tokens(input_ids.unsqueeze(0))
+        cos, sin = self.rotary(x, positions)
+        x = x[0].float().contiguous()
+        residual = self.stack.run(x, kv_caches, cos, sin, block_table, seq_len)
+        h = self.inner.norm((residual + x).index_select(0, logits_indices))
+        logits = self.hf.lm_head(h).float()
+        if self.final_softcap:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits
+
+
+def plan_decode_stack(hf: nn.Module, heads: tuple[int, int, int]) -> TransformersDecodeStack | None:
+    """The C decode stack for ``hf`` when its decoder qualifies (module docstring), else ``None``.
+
+    Args:
+        hf: a loaded ``transformers`` causal LM, its norms already swapped (``install_kernel_norms``).
+        heads: ``(query heads, KV heads, head_dim)``.
+    """
+    inner = getattr(hf, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is None or not len(layers) or getattr(inner, "rotary_emb", None) is None:
+        return None
+    family = FAMILIES.get(type(layers[0]).__name__)
+    if family is None or any(type(layer) is not type(layers[0]) for layer in layers):
+        return None
+    cfg = hf.config
+    if getattr(cfg, "attn_logit_softcapping", None) or not isinstance(getattr(inner, "norm", None), KernelRMSNorm):
+        return None
+    eps, scales, acts = {inner.norm.eps}, set(), set()
+    for layer in layers:
+        for name, path in family.norms.items():
+            norm = _get(layer, path)
+            if norm is None and name not in _REQUIRED_NORMS:
+                continue
+            if not isinstance(norm, KernelRMSNorm):
+                return None
+            eps.add(norm.eps)
+        if any(matmul_entry(_get(layer, p)) is None for p in family.matmuls.values()):
+            return None
+        scales.add(getattr(layer.self_attn, "scaling", None))
+        act = _get(layer, family.act)
+        acts.add(_activation(act) if isinstance(act, nn.Module) else None)
+    if len(eps) != 1 or len(scales) != 1 or None in scales or len(acts) != 1 or None in acts:
+        return None
+    rope_kinds = [None]
+    if "layer_type" in inspect.signature(inner.rotary_emb.forward).parameters:
+        rope_kinds = sorted(set(cfg.layer_types))
+    nh, kvh, hd = heads
+    probe = torch.zeros(1, 1, cfg.hidden_size)
+    with torch.no_grad():
+        cos = inner.rotary_emb(probe, torch.zeros(1, 1, dtype=torch.long), *([rope_kinds[0]] * (rope_kinds != [None])))[0]
+    if cos.shape[-1] != hd:  # partial rotary: the C stack rotates whole heads
+        return None
+    down = _get(layers[0], family.matmuls["down"])
+    inter = getattr(down, "in_features", None) or down.weight.shape[1]
+    return TransformersDecodeStack(hf, family, rope_kinds, (nh, kvh, hd, int(inter), eps.pop(), float(scales.pop()),
+                                                            acts.pop(), None))
