@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import gc
+import os
 
 
 @functools.lru_cache(maxsize=1)
@@ -41,3 +42,46 @@ def freeze_startup_heap() -> None:
     ``LLM`` (which a program may make and drop several times) does not call it."""
     gc.collect()
     gc.freeze()
+
+
+RUNTIME_BYTES = 512 << 20  # the Python runtime, torch and the tokenizer: what a served core holds besides
+# its weights and pools (the bound issue 39 measures against)
+
+
+def weight_bytes(model) -> int:
+    """Bytes of every tensor a model holds (parameters, buffers and plain tensor attributes such as a
+    packed layer's blocks), each storage counted once (tied weights, shared tables); meta tensors
+    are skipped."""
+    import torch
+    seen, total = set(), 0
+    for mod in model.modules():
+        tensors = list(mod._parameters.values()) + list(mod._buffers.values())
+        tensors += [v for v in vars(mod).values() if isinstance(v, torch.Tensor)]
+        for t in tensors:
+            if t is None or t.device.type == "meta":
+                continue
+            try:
+                key, size = t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
+            except NotImplementedError:  # an opaque tensor (oneDNN's prepacked weight): its own bytes
+                key, size = id(t), t.numel() * t.element_size()
+            if key not in seen:
+                seen.add(key)
+                total += size
+    return total
+
+
+def resident_bytes() -> int:
+    """This process's resident memory in bytes (``/proc/self/statm``), 0 where there is none."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def expected_resident_mib(model, pool_bytes: int, runtime_bytes: int = 0) -> float:
+    """The resident memory (MiB) a process serving ``model`` with ``pool_bytes`` of KV (and state)
+    pool should settle at: its weights + the pool + the runtime: ``runtime_bytes`` (what the
+    process held before the model was loaded: interpreter, torch, tokenizer) or at least
+    ``RUNTIME_BYTES``."""
+    return (weight_bytes(model) + pool_bytes + max(runtime_bytes, RUNTIME_BYTES)) / 2**20

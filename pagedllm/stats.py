@@ -69,6 +69,8 @@ class SchedulerStats(_Indexable):
             empty when none are packed.
         weight_formats: layers per weight format, e.g. ``{"Q4_1": 120, "Q8_0": 1}`` with
             ``quantization="gguf"``; empty when every weight is in the model's dtype.
+        expected_rss_mib: the resident memory the core should settle at, MiB: its weights, the KV
+            (and state) pool and ~512 MiB for the runtime (``memory.expected_resident_mib``).
         step_timings: the per-phase times.
         core_pid: the core process's pid (``None`` in process).
         block_states: one character per KV block: ``0`` free, ``1`` held by a request, ``2`` free
@@ -96,6 +98,7 @@ class SchedulerStats(_Indexable):
     cpu_kernels: bool = False
     weight_formats: dict[str, int] = msgspec.field(default_factory=dict)
     weight_kernels: str = ""
+    expected_rss_mib: float = 0.0
     step_timings: StepTimings = msgspec.field(default_factory=StepTimings)
     core_pid: int | None = None
     block_states: str = ""

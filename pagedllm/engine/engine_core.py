@@ -39,7 +39,7 @@ from pagedllm.request import Request, RequestStatus
 from pagedllm.spec_decode.config import TargetInfo
 from pagedllm.spec_decode.scheduler import SpecDecoding
 from pagedllm.stats import SchedulerStats, StepTimings
-from pagedllm.memory import return_freed_memory
+from pagedllm.memory import expected_resident_mib, resident_bytes, return_freed_memory
 from pagedllm.models.quant_linear import quantized_kernels
 from pagedllm.plan import EnginePlan, plan_engine, plan_prebuilt
 from pagedllm.structured_output.manager import StructuredOutputManager
@@ -130,6 +130,7 @@ class EngineCore:
         """Load the model, size the KV pool, build the scheduler and every rank's runner."""
         from pagedllm.models.load import load_model
         eos_token_ids, dtype, device, plan = self.eos_token_ids, args.torch_dtype, args.torch_device, self.plan
+        runtime = resident_bytes()  # before the weights: interpreter, torch, tokenizer
         if model is None:
             model, _ = self._exec.submit(load_model, model_dir, plan.model).result()
         elif not isinstance(self.executor, UniProcExecutor):
@@ -179,6 +180,9 @@ class EngineCore:
         self.cpu_kernels = self.runner.attention_backend.uses_cpu_kernels
         self.weight_formats = dict(getattr(self.runner.model, "quantization", None) or {})
         self.weight_kernels = quantized_kernels() if self.weight_formats else ""
+        self.expected_rss_mib = round(expected_resident_mib(model, num_blocks * per_block + state_bytes,
+                                                            runtime), 1)
+        logger.info("expected resident memory: %.0f MiB (weights + KV pool + runtime)", self.expected_rss_mib)
         self._tokenizer_path = args.tokenizer or model_dir
         self._structured: StructuredOutputManager | None = None  # made with the first constrained request
 
@@ -376,6 +380,7 @@ class EngineCore:
                               num_generation_tokens=self.num_generation_tokens, num_steps=self.num_steps,
                               max_num_running=self.max_num_running, cpu_kernels=self.cpu_kernels,
                               weight_formats=self.weight_formats, weight_kernels=self.weight_kernels,
+                              expected_rss_mib=self.expected_rss_mib,
                               step_timings=self.timer.summary(), block_states=kv.block_states(),
                               **self._spec_stats())
 

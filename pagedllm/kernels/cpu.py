@@ -42,6 +42,7 @@ _SIGNATURES = {
     "pl_write_kv": [_P, _L, _L, _P, _L, _L, _P, _P, _P, _L, _L, _L, _L],
     "pl_silu_mul": [_P, _P, _L, _L, _I],
     "pl_gemv": [_P, _P, _P, _P, _L, _L, _I],
+    "pl_gemm16": [_P, _L, _P, _I, _P, _P, _L, _L, _I],
     "pl_decode_stack": [_L, _L, _P, _P, _P, _L, _L, _L, _L, _L, _F, _P, _P, _L, _L, _P, _L, _F, _I, _F, _I],
     "pl_decode_attention": [_P, _L, _L, _P, _P, _L, _P, _P, _P, _L, _L, _L, _L, _L, _L, _F, _L, _F, _P, _I],
     "pl_apply_bitmask": [_P, _L, _P, _L, _P, _L, _L, _I],
@@ -53,7 +54,7 @@ _SIGNATURES = {
     "pl_causal_conv": [_P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _L, _L, _L, _I, _I],
     "pl_ssd_scan": [_P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _L, _L, _L, _L, _L, _I],
 }
-_INT_RESULT = {"pl_decode_stack", "pl_isa"}
+_INT_RESULT = {"pl_decode_stack", "pl_isa", "pl_gemm16"}
 QGEMM_MAX_ROWS = 16  # rows up to which float32 activations multiply packed tiles (more: dequantize, oneDNN)
 # rows up to which int8 activations multiply packed tiles, per build (more: dequantize, oneDNN, as with
 # float32 activations): on a Zen 3 (AVX2) the int8 tiles were 1.1-1.4x the dequantized product at
@@ -208,6 +209,26 @@ def qgemm(fmt: int, x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch
     y = torch.empty(rows, n, dtype=torch.float32)
     _lib.pl_qgemm(fmt, x.data_ptr(), rows, qs.data_ptr(), d.data_ptr(), _ptr(m), _ptr(bias), y.data_ptr(), n, k,
                   torch.get_num_threads())
+    return y
+
+
+def gemm16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x W^T (+ bias)`` for a 16-bit weight, exact in float32 (``pl_gemm16``).
+
+    Args:
+        x: ``[M, K]`` float32 contiguous (meant for ``M <= QGEMM_MAX_ROWS``).
+        weight: ``[N, K]`` ``torch.float16`` or ``torch.bfloat16``, contiguous; bias: ``[N]`` float32 or ``None``.
+    Returns:
+        ``[M, N]`` float32.
+    Raises:
+        MemoryError: no row buffer could be allocated.
+    """
+    rows, k = x.shape
+    n = weight.shape[0]
+    y = torch.empty(rows, n, dtype=torch.float32)
+    if _lib.pl_gemm16(x.data_ptr(), rows, weight.data_ptr(), int(weight.dtype == torch.bfloat16), _ptr(bias),
+                      y.data_ptr(), n, k, torch.get_num_threads()) != 0:
+        raise MemoryError("pl_gemm16: no row buffer")
     return y
 
 

@@ -309,6 +309,44 @@ void pl_gemv(const float *x, const float *W, const float *b, float *y, long N, l
     }
 }
 
+/* y [M, N] = x [M, K] W^T (+ b) for a 16-bit weight W (bfloat16 when bf16, else IEEE half), M small:
+ * each weight row is converted to float32 once (a thread's buffer) and multiplied by every input row.
+ * The half conversion is the compiler's (F16C's vcvtph2ps in the builds that have it).
+ * Returns 0, or -1 when a thread's row buffer could not be allocated (y incomplete then). */
+int pl_gemm16(const float *x, long M, const uint16_t *W, int bf16, const float *b, float *y, long N, long K, int nt) {
+    int failed = 0;
+#pragma omp parallel num_threads(nt) if (N * K >= PAR_MIN_WORK)
+    {
+        float *row = malloc(sizeof(float) * K);
+        if (!row) failed = 1; /* every writer stores the same value */
+#pragma omp for schedule(static)
+        for (long n = 0; n < N; n++) {
+            const uint16_t *w = W + n * K;
+            if (!row) continue;
+            if (bf16) {
+#pragma omp simd
+                for (long k = 0; k < K; k++) {
+                    uint32_t u = (uint32_t)w[k] << 16;
+                    memcpy(row + k, &u, 4);
+                }
+            } else {
+                const _Float16 *h = (const _Float16 *)w;
+#pragma omp simd
+                for (long k = 0; k < K; k++) row[k] = (float)h[k];
+            }
+            for (long m = 0; m < M; m++) {
+                const float *xm = x + m * K;
+                float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+                for (long k = 0; k < K; k++) s += row[k] * xm[k];
+                y[m * N + n] = s + (b ? b[n] : 0.0f);
+            }
+        }
+        free(row);
+    }
+    return failed ? -1 : 0;
+}
+
 /* ---- batch-1 decode through a whole decoder stack in one call --------------------------------- */
 
 /* columns of the per-layer table handed to pl_decode_stack: six norm weights (0 = the layer has no

@@ -17,6 +17,12 @@ layout   arrays (weight matrix ``[N, K]``)           GGUF formats served by it (
 ``U4``   qs uint8 [N, K/2], d float32 [N, K/32]      Q4_0            (``w = (q - 8) d``)
 ``S8H``  qs int8 [N, K], d float32 [N, K/16]         Q6_K (q - 32), Q3_K (q - 4; ``w = q d``)
 ``S8M``  qs int8 [N, K], d, m float32 [N, K/32]      Q5_1, Q5_K      (``w = q d + m``)
+``S8HM`` ``S8H`` qs, d, plus the mins as a second    Q2_K (``w = q d + m``, one ``d`` and
+         ``S8H`` matrix over the groups: mq int8     ``m`` per 16; ``m = md mq`` with the
+         [N, G], md float32 [N, G/16], G = K/16      super-block's ``-dmin`` as ``md``)
+         padded to a multiple of 32
+``F16``  w float16 / bfloat16 [N, K]                 F16, BF16 (kept 16-bit)
+``BF16``
 =======  ==========================================  ======================================
 
 In ``U4M``/``U4`` byte ``j`` of a 32-weight group holds weight ``j`` (low nibble) and ``j + 16``
@@ -47,7 +53,7 @@ LAYOUTS = {"U4M": 0, "S8": 1, "S6": 2, "S8H": 3, "S8M": 4}  # pl_qgemm's tile la
 TILE = 16  # output rows per tile
 GGUF_LAYOUT = {"Q4_0": "U4", "Q4_1": "U4M", "Q8_0": "S8", "Q5_0": "S8", "Q5_1": "S8M",
                "Q4_K": "U4M", "Q5_K": "S8M", "Q6_K": "S8H", "Q3_K": "S8H",
-               "IQ4_NL": "S8", "IQ4_XS": "S8", "MXFP4": "S8"}
+               "IQ4_NL": "S8", "IQ4_XS": "S8", "MXFP4": "S8", "Q2_K": "S8HM", "F16": "F16", "BF16": "BF16"}
 _BLOCK = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34), "Q5_0": (32, 22), "Q5_1": (32, 24),
           "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210), "Q3_K": (256, 110),
           "IQ4_NL": (32, 18), "IQ4_XS": (256, 136), "MXFP4": (32, 17)}  # weights, bytes per block
@@ -198,6 +204,14 @@ def repack(kind: str, raw: np.ndarray, n: int, k: int) -> tuple[str, dict[str, t
     Raises:
         ValueError: as ``decode``.
     """
+    if kind == "Q2_K":
+        return "S8HM", _repack_q2_k(raw, n, k)
+    if kind in ("F16", "BF16"):
+        b = np.ascontiguousarray(raw).view(np.uint8).reshape(-1)  # gguf's writer hands float16 arrays
+        if b.size != 2 * n * k:
+            raise ValueError(f"{kind} tensor of {b.size} bytes is not [{n}, {k}]")
+        w = torch.from_numpy(b.copy().view(np.int16).reshape(n, k))
+        return kind, {"w": w.view(torch.float16 if kind == "F16" else torch.bfloat16)}
     q, d, m, _ = decode(kind, raw, n, k)
     layout = GGUF_LAYOUT[kind]
     if layout == "U4":
@@ -207,6 +221,33 @@ def repack(kind: str, raw: np.ndarray, n: int, k: int) -> tuple[str, dict[str, t
     if m is not None:
         out["m"] = torch.from_numpy(m)
     return layout, out
+
+
+def _repack_q2_k(raw: np.ndarray, n: int, k: int) -> dict[str, torch.Tensor]:
+    """Q2_K (per 256: 16 bytes of 4-bit scale | 4-bit min pairs, 64 bytes of 2-bit quants, fp16 d and
+    dmin; weight ``128 h + 32 j + l`` is bits ``2j`` of byte ``32 h + l``, its pair ``8 h + 2 j +
+    l // 16``; ``w = d sc q - dmin mn``) as ``S8HM``'s arrays (module docstring), exactly.
+
+    Raises:
+        ValueError: a size that does not match ``[n, k]`` or ``k`` not a multiple of 256.
+    """
+    b = np.asarray(raw, dtype=np.uint8).reshape(-1)
+    if k % 256 or b.size != n * (k // 256) * 84:
+        raise ValueError(f"Q2_K tensor of {b.size} bytes is not [{n}, {k}]")
+    b = b.reshape(-1, 84)
+    nblk = b.shape[0]
+    sc, mn = (b[:, :16] & 15).astype(np.float32), (b[:, :16] >> 4).astype(np.int8)
+    d = _f16(b[:, 80:82])[:, None] * sc  # [B, 16]
+    q = (b[:, 16:80].reshape(nblk, 2, 1, 32) >> (2 * np.arange(4, dtype=np.uint8))[None, None, :, None]) & 3
+    g = k // 16
+    width = -(-g // 32) * 32  # the mins matrix's columns: a multiple of the kernels' 32
+    mq = np.zeros((n, width), dtype=np.int8)
+    mq[:, :g] = mn.reshape(n, g)
+    md = np.zeros((n, width // 16), dtype=np.float32)
+    md[:, :g // 16] = -_f16(b[:, 82:84]).reshape(n, k // 256)
+    return {"qs": torch.from_numpy(np.ascontiguousarray(q.reshape(n, k).astype(np.int8))),
+            "d": torch.from_numpy(np.ascontiguousarray(d.reshape(n, g), dtype=np.float32)),
+            "mq": torch.from_numpy(mq), "md": torch.from_numpy(md)}
 
 
 def quantize_int8(w: torch.Tensor) -> dict[str, torch.Tensor]:

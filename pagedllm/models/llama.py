@@ -192,7 +192,7 @@ class LlamaForCausalLM(nn.Module):
         self.packed_head = parallel_logits  # set by ``prepack`` (tensor parallel: gathers the vocabulary shards)
         # batch-1 decode runs the whole stack in one C call (only on the kernel path, see ``forward``)
         self.fused_decode = True
-        self._stack: DecodeStack | None = None
+        self._stack: DecodeStack | bool | None = None  # False: a layer the stack cannot run
 
     def kv_cache_spec(self) -> tuple[int, int, int]:
         """``(num_layers, num_kv_heads, head_dim)`` of the KV cache this model needs."""
@@ -241,7 +241,7 @@ class LlamaForCausalLM(nn.Module):
             return pipeline_forward(self, input_ids, positions, kv_caches, meta, logits_indices)
         x = self.embed_tokens(input_ids)
         one = (one_sequence(x.shape[0], meta, kv_caches[0][0].shape[2])
-               if self.cpu_kernels and self.fused_decode else None)
+               if self.cpu_kernels and self.fused_decode and self._stack_ready() else None)
         if one is not None:
             residual = self._decode_stack(x, int(positions[0]), kv_caches, *one)
         else:
@@ -265,6 +265,22 @@ class LlamaForCausalLM(nn.Module):
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(x, w).float()
 
+    def _stack_ready(self) -> bool:
+        """Whether every layer's products can run in the C stack (packed ``GGUFLinear`` or float32
+        weights; not e.g. Q2_K's or 16-bit layers); builds the ``DecodeStack`` the first time."""
+        if self._stack is None:
+            mods = [m for layer in self.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                         layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+            if any(matmul_entry(m) is None for m in mods):
+                self._stack = False
+                return False
+            attn, mlp = self.layers[0].self_attn, self.layers[0].mlp
+            # addresses change only if the cache or the weights are replaced
+            self._stack = DecodeStack(self._stack_rows, lambda kv: (kv[0][0].data_ptr(), id(attn.qkv_proj)),
+                                      (attn.num_heads, attn.num_kv_heads, attn.head_dim, mlp.inter,
+                                       self.layers[0].input_layernorm.eps, attn.scale, "silu", None))
+        return self._stack is not False
+
     def _decode_stack(self, x: torch.Tensor, position: int, kv_caches, block_table: torch.Tensor,
                       seq_len: int) -> torch.Tensor:
         """The last ``T`` tokens of one sequence through all layers in one C call
@@ -272,12 +288,6 @@ class LlamaForCausalLM(nn.Module):
         the residual stream ``[T, hidden]``. ``position``: the first token's. The C call writes the
         tokens' K/V itself.
         """
-        if self._stack is None:
-            attn, mlp = self.layers[0].self_attn, self.layers[0].mlp
-            # addresses change only if the cache or the weights are replaced
-            self._stack = DecodeStack(self._stack_rows, lambda kv: (kv[0][0].data_ptr(), id(attn.qkv_proj)),
-                                      (attn.num_heads, attn.num_kv_heads, attn.head_dim, mlp.inter,
-                                       self.layers[0].input_layernorm.eps, attn.scale, "silu", None))
         rows = slice(position, position + x.shape[0])
         return self._stack.run(x, kv_caches, self.rotary.cos[rows], self.rotary.sin[rows], block_table, seq_len)
 

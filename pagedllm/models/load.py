@@ -137,7 +137,8 @@ def _serve_gguf_blocks(model, model_dir: Path, config, kernels_on: bool) -> None
     Raises:
         ValueError: the directory does not come from a GGUF file, or the C kernels are off.
     """
-    from pagedllm.models.quant_linear import gguf_source, quantize_from_gguf
+    from pagedllm.models.native_packing import quantize_from_gguf
+    from pagedllm.models.quant_linear import gguf_source
     src = gguf_source(model_dir)
     if src is None:
         raise ValueError(f"quantization='gguf': {model_dir} was not converted from a GGUF file (or the file "
@@ -158,7 +159,7 @@ def _serve_int8(model, config, kernels_on: bool) -> None:
     Raises:
         ValueError: the C kernels are off.
     """
-    from pagedllm.models.quant_linear import quantize_int8_layers
+    from pagedllm.models.native_packing import quantize_int8_layers
     if not kernels_on:
         raise ValueError("quantization='int8' needs the C CPU kernels (float32 on the CPU, a C compiler, "
                          "PAGEDLLM_CPU_KERNELS not 0)")

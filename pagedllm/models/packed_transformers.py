@@ -29,8 +29,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from pagedllm.kernels import cpu as cpu_kernels
 from pagedllm.models.gguf_blocks import GGUF_LAYOUT, quantize_int8, repack, unpermute_rows
+from pagedllm.models.packed_linears import packed_linear
 from pagedllm.models.quant_linear import GGUFLinear, PackedEmbedding
 
 logger = logging.getLogger(__name__)
@@ -83,8 +83,9 @@ class Checkpoint:
         return key in self._where
 
     def whole(self, key: str) -> torch.Tensor:
-        """The tensor ``key``, read whole (float32)."""
-        return self._where[key].get_tensor(key).float()
+        """The tensor ``key``, read whole into memory of its own (float32; safetensors' tensors are
+        views of the file's mapping, which a kept bias would hold resident for the process's life)."""
+        return self._where[key].get_tensor(key).to(torch.float32, copy=True)
 
     def sample(self, key: str) -> tuple[torch.Tensor, torch.Tensor]:
         """``(row ids int64 [R], float32 rows [R, k])``: every row up to ``SAMPLE_ROWS``, else eight
@@ -101,7 +102,7 @@ class Checkpoint:
 
 def _matches(lin: GGUFLinear, ids: torch.Tensor, want: torch.Tensor) -> bool:
     """Rows ``ids`` of ``lin`` equal ``want`` (float32 ``[R, k]``) within ``MATCH_RTOL``."""
-    got = cpu_kernels.qdequant_rows(lin.fmt, lin.qs, lin.d, lin.m, ids, lin.in_features)
+    got = lin.rows(ids)
     return bool((got - want).abs().max() <= MATCH_RTOL * want.abs().max().clamp_min(1e-30))
 
 
@@ -115,13 +116,13 @@ def _packed_like(tensor, shape: tuple[int, int], sample: tuple[torch.Tensor, tor
     if kind not in GGUF_LAYOUT or tuple(int(s) for s in tensor.shape[:2]) != (k, n):
         return None
     layout, packed = repack(kind, tensor.data, n, k)
-    lin = GGUFLinear(layout, packed, n, k, bias, kind)
+    lin = packed_linear(layout, packed, n, k, bias, kind)
     if _matches(lin, *sample):
         return lin
     for h in heads:
         if h and n % (2 * h) == 0:
             order = torch.from_numpy(unpermute_rows(np.arange(n)[:, None], h)[:, 0].copy())
-            lin = GGUFLinear(layout, {key: v.index_select(0, order) for key, v in packed.items()}, n, k, bias, kind)
+            lin = packed_linear(layout, {key: v.index_select(0, order) for key, v in packed.items()}, n, k, bias, kind)
             if _matches(lin, *sample):
                 return lin
     return None

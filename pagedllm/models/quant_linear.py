@@ -29,7 +29,6 @@ import logging
 import threading
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -37,7 +36,7 @@ from torch import nn
 from pagedllm.kernels import cpu as cpu_kernels
 from pagedllm.kernels.cpu_features import prefill_dtype
 from pagedllm.models.cpu_linear import pad_rows
-from pagedllm.models.gguf_blocks import GGUF_LAYOUT, TILE, quantize_int8, repack, to_tiles, unpermute_rows
+from pagedllm.models.gguf_blocks import TILE, to_tiles
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +87,10 @@ class GGUFLinear(nn.Module):
         """The ``[n, k]`` float32 weight (into ``out`` when given)."""
         return cpu_kernels.qdequant(self.fmt, self.qs, self.d, self.m, self.out_features, self.in_features, out)
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` (``[R]`` int64) of the float32 weight, ``[R, k]``, dequantizing only them."""
+        return cpu_kernels.qdequant_rows(self.fmt, self.qs, self.d, self.m, ids, self.in_features)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[..., k]`` -> ``[..., n]`` (leading dimensions flattened into rows)."""
         shape = x.shape
@@ -109,13 +112,14 @@ class GGUFLinear(nn.Module):
         if self.prefill_dtype != torch.float32:
             return self._forward_low_precision(x)
         n, k = self.out_features, self.in_features
-        step = max(TILE, _CHUNK // k // TILE * TILE)
+        step = max(TILE, CHUNK // k // TILE * TILE)
         if step >= n:
-            return _matmul(x, self.dequantize(_scratch(n * k).view(n, k)), self.bias)
+            return transient_matmul(x, self.dequantize(scratch_buffer(n * k).view(n, k)), self.bias)
         y = torch.empty(x.shape[0], n, dtype=torch.float32)
         for n0 in range(0, n, step):
             n1 = min(n, n0 + step)
-            y[:, n0:n1] = _matmul(x, self._dequantize_rows(n0, n1), None if self.bias is None else self.bias[n0:n1])
+            bias = None if self.bias is None else self.bias[n0:n1]
+            y[:, n0:n1] = transient_matmul(x, self._dequantize_rows(n0, n1), bias)
         return y
 
     def _dequantize_rows(self, n0: int, n1: int) -> torch.Tensor:
@@ -123,7 +127,7 @@ class GGUFLinear(nn.Module):
         reused buffer."""
         k, t = self.in_features, n0 // TILE
         return cpu_kernels.qdequant(self.fmt, self.qs[t:], self.d[t:], None if self.m is None else self.m[t:],
-                                    n1 - n0, k, _scratch((n1 - n0) * k).view(n1 - n0, k))
+                                    n1 - n0, k, scratch_buffer((n1 - n0) * k).view(n1 - n0, k))
 
     def _forward_low_precision(self, x: torch.Tensor) -> torch.Tensor:
         """Prefill in ``prefill_dtype`` (bfloat16 through oneDNN's AMX kernels): weight row chunks
@@ -131,14 +135,14 @@ class GGUFLinear(nn.Module):
         n, k = self.out_features, self.in_features
         xl = x.to(self.prefill_dtype)
         y = torch.empty(x.shape[0], n, dtype=torch.float32)
-        step = max(TILE, _CHUNK // k // TILE * TILE)
+        step = max(TILE, CHUNK // k // TILE * TILE)
         for n0 in range(0, n, step):
             n1 = min(n, n0 + step)
             y[:, n0:n1] = F.linear(xl, self._dequantize_rows(n0, n1).to(self.prefill_dtype)).float()
         return y if self.bias is None else y.add_(self.bias)
 
 
-def _matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def transient_matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``x w^T + b`` for a weight that exists only for this call: oneDNN's inner product on the plain
     layout (1.3-1.5x MKL's sgemm behind ``F.linear`` for 32-512 rows of SmolLM2's shapes, within 15%
     of a prepacked weight), ``F.linear`` where oneDNN is not built in."""
@@ -148,13 +152,13 @@ def _matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torc
 
 
 _ONEDNN = torch.backends.mkldnn.is_available()
-_CHUNK = 1 << 22  # floats (16 MiB) of dequantized weight at a time
+CHUNK = 1 << 22  # floats (16 MiB) of dequantized weight at a time
 
 
 _local = threading.local()
 
 
-def _scratch(numel: int) -> torch.Tensor:
+def scratch_buffer(numel: int) -> torch.Tensor:
     """A float32 buffer of ``numel`` for a dequantized weight, reused by every layer the calling thread
     runs (a fresh multi-MB tensor per call page-faults its memory in again: ten times the dequant time)."""
     buf = getattr(_local, "buf", None)
@@ -179,9 +183,7 @@ class PackedEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """``[T]`` -> ``[T, hidden]``."""
-        t = self.table
-        out = cpu_kernels.qdequant_rows(t.fmt, t.qs, t.d, t.m, ids.reshape(-1), self.embedding_dim)
-        return out.view(*ids.shape, self.embedding_dim)
+        return self.table.rows(ids.reshape(-1)).view(*ids.shape, self.embedding_dim)
 
 
 def quantized_kernels() -> str:
@@ -195,112 +197,3 @@ def quantized_kernels() -> str:
         return f"{span}: int8 activations x packed tiles ({isa}: {cpu_kernels.ISA_DOT[isa]}){rest}"
     big = "bfloat16 (AMX)" if prefill_dtype() == torch.bfloat16 else "float32"
     return f"1-16 rows: float32 activations x packed tiles ({isa} build); prefill: dequantized chunks, oneDNN {big}"
-
-
-def _cat(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    return {key: torch.cat([p[key] for p in parts], 0) for key in parts[0]}
-
-
-def _count(counts: dict[str, int], key: str) -> None:
-    counts[key] = counts.get(key, 0) + 1
-
-
-def _fused_layers(model, config):
-    """``(owner, attribute, [(GGUF tensor name, heads to un-permute or None), ...])`` for every linear
-    layer of the native Llama/Qwen2 model, in the order of its fused rows."""
-    h, kvh = config.num_attention_heads, config.num_key_value_heads
-    for i, layer in enumerate(model.layers):
-        b = f"blk.{i}."
-        yield layer.self_attn, "qkv_proj", [(b + "attn_q.weight", h), (b + "attn_k.weight", kvh),
-                                            (b + "attn_v.weight", None)]
-        yield layer.self_attn, "o_proj", [(b + "attn_output.weight", None)]
-        yield layer.mlp, "gate_up_proj", [(b + "ffn_gate.weight", None), (b + "ffn_up.weight", None)]
-        yield layer.mlp, "down_proj", [(b + "ffn_down.weight", None)]
-
-
-def quantize_from_gguf(model, gguf_path: Path, config) -> dict[str, int]:
-    """Replace the native Llama/Qwen2 model's linear layers (and tied LM head) by ``GGUFLinear``
-    where their GGUF tensors decode into one kernel layout.
-
-    Args:
-        model: ``models.llama.LlamaForCausalLM`` with float32 weights loaded.
-        gguf_path: the GGUF file the model was converted from.
-        config: its Hugging Face config (head counts, for the q/k row order).
-    Returns:
-        ``{GGUF formats: layers}`` of the replaced layers (``"Q5_0+Q8_0"`` for a fused layer of two;
-        ``float32`` counts the ones kept).
-    """
-    from pagedllm.models.gguf_index import read_tensor_index
-    arch, tensors = read_tensor_index(gguf_path)  # no metadata parse (gguf's reader: seconds, ~450 MB)
-    counts: dict[str, int] = {}
-
-    def rows_of(t) -> tuple[int, int]:
-        k, n = (int(s) for s in t.shape[:2])  # GGUF lists dims innermost first
-        return n, k
-
-    def packed(name: str, unpermute_heads: int | None = None):
-        t = tensors[name]
-        kind = t.tensor_type.name
-        if kind not in GGUF_LAYOUT:
-            return kind, None, None
-        n, k = rows_of(t)
-        layout, p = repack(kind, t.data, n, k)
-        if unpermute_heads is not None and arch == "llama":  # llama.cpp permutes q/k rows for its rotary
-            order = torch.from_numpy(unpermute_rows(np.arange(n)[:, None], unpermute_heads)[:, 0].copy())
-            p = {key: v.index_select(0, order) for key, v in p.items()}
-        return kind, layout, p
-
-    for owner, attr, names in _fused_layers(model, config):
-        old = getattr(owner, attr)
-        parts = [packed(nm, heads) for nm, heads in names]
-        layouts = {layout for _, layout, _ in parts}
-        if len(layouts) != 1 or None in layouts:  # a float tensor, or layouts that do not concatenate
-            _count(counts, "float32")
-            continue
-        kind = "+".join(sorted({kind for kind, _, _ in parts}))
-        bias = getattr(old, "bias", None)
-        setattr(owner, attr, GGUFLinear(layouts.pop(), _cat([p for _, _, p in parts]), old.weight.shape[0],
-                                        old.weight.shape[1], None if bias is None else bias.detach(), kind))
-        _count(counts, kind)
-    head = "output.weight" if "output.weight" in tensors else "token_embd.weight"
-    kind, layout, p = packed(head)
-    if p is not None:
-        n, k = rows_of(tensors[head])
-        model.packed_head = GGUFLinear(layout, p, n, k, kind=kind)
-        model.lm_head = None  # its float32 copy: the packed head serves every logit
-        _count(counts, kind)
-    # the embedding table: shared with a tied head, else packed on its own (float32 when its format is not)
-    table = model.packed_head if head == "token_embd.weight" else None
-    if table is None:
-        kind, layout, p = packed("token_embd.weight")
-        if p is not None:
-            n, k = rows_of(tensors["token_embd.weight"])
-            table = GGUFLinear(layout, p, n, k, kind=kind)
-    if table is not None:
-        model.embed_tokens = PackedEmbedding(table)
-    return counts
-
-
-def quantize_int8_layers(model, config) -> dict[str, int]:
-    """``--quantization int8``: every linear layer of the native model (and the LM head) whose input
-    features divide by 32 becomes an int8 ``GGUFLinear`` (per-output-channel symmetric scales).
-
-    Returns:
-        ``{"int8": layers, "float32": layers kept}``.
-    """
-    counts: dict[str, int] = {}
-    for owner, attr, _ in _fused_layers(model, config):
-        old = getattr(owner, attr)
-        n, k = old.weight.shape
-        if k % 32:
-            _count(counts, "float32")
-            continue
-        bias = getattr(old, "bias", None)
-        setattr(owner, attr, GGUFLinear("S8", quantize_int8(old.weight), n, k,
-                                        None if bias is None else bias.detach(), "int8"))
-        _count(counts, "int8")
-    head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-    if head.shape[1] % 32 == 0:
-        model.packed_head = GGUFLinear("S8", quantize_int8(head), head.shape[0], head.shape[1], kind="int8")
-        _count(counts, "int8")
-    return counts

@@ -9,16 +9,20 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize, quantize
 
 from pagedllm.kernels import cpu
 from pagedllm.models.gguf_blocks import _BLOCK, quantize_int8, repack
+from pagedllm.models.packed_linears import MinsLinear, packed_linear
 from pagedllm.models.quant_linear import GGUFLinear
 
 pytestmark = pytest.mark.skipif(not cpu.available(),
                                 reason="CPU kernels off (PAGEDLLM_CPU_KERNELS=0) or no C compiler")
-FORMATS = list(_BLOCK)  # every GGUF format served packed
+SIZES = _BLOCK | {"Q2_K": (256, 84), "F16": (1, 2), "BF16": (1, 2)}  # weights, bytes per block
+FORMATS = list(SIZES)  # every GGUF format served packed
+INT8_FORMATS = [f for f in FORMATS if f not in ("F16", "BF16")]  # 16-bit weights: float32 activations
 
 
 BEST = cpu.isa()  # the build the engine loads
@@ -46,7 +50,7 @@ def _check(lin: GGUFLinear, w: torch.Tensor, rows: tuple[int, ...] = (1, 2, 5, 1
 
 def _linear(kind: str, raw, n: int, k: int, bias=None) -> GGUFLinear:
     layout, packed = repack(kind, raw, n, k)
-    return GGUFLinear(layout, packed, n, k, bias, kind)
+    return packed_linear(layout, packed, n, k, bias, kind)
 
 
 def _random_blocks(kind: str, n: int, k: int, rng) -> np.ndarray:
@@ -56,13 +60,15 @@ def _random_blocks(kind: str, n: int, k: int, rng) -> np.ndarray:
     try:
         return quantize(w, GGMLQuantizationType[kind])
     except NotImplementedError:
-        bw, bb = _BLOCK[kind]
+        bw, bb = SIZES[kind]
         raw = rng.integers(0, 256, (n * (k // bw), bb), dtype=np.uint8)
         scales = rng.uniform(0.001, 0.05, (raw.shape[0], 2)).astype(np.float16).view(np.uint8)
         if kind == "Q6_K":
             raw[:, 208:210] = scales[:, 0:2]
         elif kind == "Q3_K":
             raw[:, 108:110] = scales[:, 0:2]
+        elif kind == "Q2_K":
+            raw[:, 80:84] = scales
         else:
             raw[:, 0:4] = scales
         return raw.reshape(n, -1)
@@ -300,7 +306,7 @@ def test_int8_activations_keep_the_logprobs_of_the_readme_example(int8_engine):
         assert abs(lps[t] - ref[t]) < 0.01, (t, lps[t], ref[t])
 
 
-@pytest.mark.parametrize("kind", FORMATS)
+@pytest.mark.parametrize("kind", INT8_FORMATS)
 def test_int8_activation_products(int8_activations, kind):
     """Products with int8 activations (every build that has them) equal the exact product of the dequantized weight with
     the per-block two-level int8 quantization of each input row, up to float32 rounding, for 1 row (decode),
@@ -313,8 +319,11 @@ def test_int8_activation_products(int8_activations, kind):
         for scale in (1.0, 1e-3, 50.0):
             x = torch.randn(rows, k) * scale
             x[0, :32] = 0  # an all-zero block
-            xq = torch.from_numpy(np.stack([_quantized_row(r) for r in x.numpy()])).double()
-            ref = xq @ w.T + lin.bias.double()
+            ref = _quantized(x) @ w.T + lin.bias.double()
+            if isinstance(lin, MinsLinear):  # the group sums go through their own int8 product
+                ref = (_quantized(x) @ lin.quants.dequantize().double().T + lin.bias.double()
+                       + _quantized(F.pad(x.view(rows, -1, 16).sum(-1), (0, lin.mins.in_features - k // 16)))
+                       @ lin.mins.dequantize().double().T)
             got = lin(x).double()
             assert (got - ref).abs().max() <= 2e-5 * ref.abs().max() + 1e-6, (kind, rows, scale)
 
@@ -387,6 +396,11 @@ def test_int8_activations_keep_the_small_values_beside_an_outlier(int8_activatio
     err, err_one = (got - exact).abs().max(), (one_level - exact).abs().max()
     assert err <= 1e-3 * exact.abs().max(), (err, exact.abs().max())
     assert err_one > 10 * err
+
+
+def _quantized(x: torch.Tensor) -> torch.Tensor:
+    """Rows of ``x`` as the int8-activation kernels quantize them (float64)."""
+    return torch.from_numpy(np.stack([_quantized_row(r) for r in x.numpy()])).double()
 
 
 def _token_logprobs(llm, seqs: list[list[int]]) -> np.ndarray:

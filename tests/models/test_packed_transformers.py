@@ -200,18 +200,23 @@ def test_rms_norms_move_to_the_kernel_only_where_they_match():
         torch.testing.assert_close(mods[k](x), want[k], rtol=0, atol=1e-5)
 
 
+# mistral: the small formats (Q2_K needs rows of 256) and 16-bit tensors kept 16-bit
+_MISTRAL_KINDS = {"attn_q": "Q2_K", "attn_k": "Q2_K", "attn_v": "F16", "attn_output": "BF16", "ffn_": "Q2_K"}
+
+
 def _write_family(path: Path, arch: str, rng) -> None:
     """A 2-layer GGUF of ``arch`` (``qwen3``: q/k norms, MXFP4 MLP weights; ``phi3``: fused qkv and
-    gate_up tensors) with Q8_0 weights otherwise, a Q8_0 embedding and an untied Q8_0 head, read by
-    ``transformers``' GGUF loader.
+    gate_up tensors; ``mistral``: 256 wide, Q2_K, F16 and BF16 layers) with Q8_0 weights otherwise,
+    a Q8_0 embedding and an untied Q8_0 head, read by ``transformers``' GGUF loader.
     Qwen3 heads are 128 wide: ``transformers`` 5.23 does not read ``key_length`` and assumes
     Qwen3's 128 (what its real checkpoints have)."""
     import gguf
     from gguf import GGMLQuantizationType as T
-    hd = 128 if arch == "qwen3" else HD
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(LAYERS), w.add_context_length(128), w.add_embedding_length(HID)
-    w.add_feed_forward_length(FF), w.add_head_count(N_HEAD), w.add_head_count_kv(N_KV)
+    hd = {"qwen3": 128, "mistral": 64}.get(arch, HD)
+    hid, ff = (256, 256) if arch == "mistral" else (HID, FF)
+    w = gguf.GGUFWriter(str(path), "llama" if arch == "mistral" else arch)  # llama.cpp writes Mistral as llama
+    w.add_block_count(LAYERS), w.add_context_length(128), w.add_embedding_length(hid)
+    w.add_feed_forward_length(ff), w.add_head_count(N_HEAD), w.add_head_count_kv(N_KV)
     w.add_rope_freq_base(1e4), w.add_layer_norm_rms_eps(1e-5)
     if arch == "qwen3":
         w.add_key_length(hd), w.add_value_length(hd)
@@ -228,26 +233,37 @@ def _write_family(path: Path, arch: str, rng) -> None:
             return
         x = (0.3 * rng.standard_normal((rows, cols))).astype(np.float32)
         kind = T.MXFP4 if arch == "qwen3" and ".ffn_" in name else T.Q8_0  # gpt-oss's expert format
+        if arch == "mistral":
+            kind = next((T[k] for part, k in _MISTRAL_KINDS.items() if "." + part in name), kind)
+        if kind == T.Q2_K:  # gguf-py has no Q2_K quantizer: random blocks with small scales
+            q = rng.integers(0, 256, (rows * cols // 256, 84), dtype=np.uint8)
+            q[:, 80:84] = rng.uniform(0.001, 0.02, (q.shape[0], 2)).astype(np.float16).view(np.uint8)
+            w.add_tensor(name, q.reshape(rows, -1), raw_dtype=kind)
+            return
         w.add_tensor(name, gguf.quants.quantize(x, kind), raw_dtype=kind)
 
-    put("token_embd.weight", VOCAB, HID), put("output_norm.weight", HID), put("output.weight", VOCAB, HID)
+    put("token_embd.weight", VOCAB, hid), put("output_norm.weight", hid), put("output.weight", VOCAB, hid)
     for i in range(LAYERS):
         b = f"blk.{i}."
         if arch == "phi3":
-            put(b + "attn_qkv.weight", (N_HEAD + 2 * N_KV) * hd, HID), put(b + "ffn_up.weight", 2 * FF, HID)
+            put(b + "attn_qkv.weight", (N_HEAD + 2 * N_KV) * hd, hid), put(b + "ffn_up.weight", 2 * ff, hid)
         else:
-            put(b + "attn_q.weight", N_HEAD * hd, HID), put(b + "attn_k.weight", N_KV * hd, HID)
-            put(b + "attn_v.weight", N_KV * hd, HID), put(b + "attn_q_norm.weight", hd)
-            put(b + "attn_k_norm.weight", hd), put(b + "ffn_gate.weight", FF, HID), put(b + "ffn_up.weight", FF, HID)
-        put(b + "attn_output.weight", HID, N_HEAD * hd), put(b + "ffn_down.weight", HID, FF)
-        put(b + "attn_norm.weight", HID), put(b + "ffn_norm.weight", HID)
+            put(b + "attn_q.weight", N_HEAD * hd, hid), put(b + "attn_k.weight", N_KV * hd, hid)
+            put(b + "attn_v.weight", N_KV * hd, hid), put(b + "ffn_gate.weight", ff, hid)
+            put(b + "ffn_up.weight", ff, hid)
+        if arch == "qwen3":
+            put(b + "attn_q_norm.weight", hd), put(b + "attn_k_norm.weight", hd)
+        put(b + "attn_output.weight", hid, N_HEAD * hd), put(b + "ffn_down.weight", hid, ff)
+        put(b + "attn_norm.weight", hid), put(b + "ffn_norm.weight", hid)
     w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
 
 
-@pytest.mark.parametrize("arch,formats", [("qwen3", {"Q8_0": 10, "MXFP4": 6}), ("phi3", {"Q8_0": 10})])
+@pytest.mark.parametrize("arch,formats", [("qwen3", {"Q8_0": 10, "MXFP4": 6}), ("phi3", {"Q8_0": 10}),
+                                          ("mistral", {"Q8_0": 2, "Q2_K": 10, "F16": 2, "BF16": 2})])
 def test_other_families_load_packed(tmp_path, arch, formats):
     """Families only ``transformers`` reads from GGUF (Qwen3, here with MXFP4 MLPs; Phi-3, whose q/k/v
-    and gate/up are one tensor each in the file and in the module) load with every linear, the
+    and gate/up are one tensor each in the file and in the module; Mistral with Q2_K, F16 and BF16
+    layers) load with every linear, the
     embedding and the head packed, and answer as the same backend on the dequantized weights."""
     path = tmp_path / f"tiny-{arch}.gguf"
     _write_family(path, arch, np.random.default_rng(7))
@@ -256,7 +272,40 @@ def test_other_families_load_packed(tmp_path, arch, formats):
     want, want_lp = _tokens(ref, prompts)
     del ref
     llm = LLM(str(path), model_impl="transformers", num_kv_blocks=32, block_size=4)
-    assert llm.llm_engine.get_stats().weight_formats == formats
+    stats = llm.llm_engine.get_stats()
+    assert stats.weight_formats == formats
+    assert 512 < stats.expected_rss_mib < 2 * int(open("/proc/self/status").read().split("VmRSS:")[1].split()[0]) / 1024
     got, got_lp = _tokens(llm, prompts)
     assert got == want
     assert max(abs(a - b) for x, y in zip(got_lp, want_lp) for a, b in zip(x, y)) < 1e-4
+
+
+def test_native_path_serves_the_small_formats_packed(tmp_path):
+    """The native Llama path packs Q2_K (``MinsLinear``) and 16-bit (``HalfLinear``) layers too (its
+    fused q|k|v mixes Q2_K and F16 rows, so stays float32) and answers as on the dequantized
+    weights; such layers keep the per-layer decode path (the C stack reads tiles or float32)."""
+    path = tmp_path / "tiny-mistral.gguf"
+    _write_family(path, "mistral", np.random.default_rng(7))
+    prompts = [np.random.default_rng(8).integers(0, VOCAB - 2, size=n).tolist() for n in (4, 11)]
+    ref = LLM(str(path), model_impl="native", quantization="none", num_kv_blocks=32, block_size=4)
+    want, want_lp = _tokens(ref, prompts)
+    del ref
+    llm = LLM(str(path), model_impl="native", num_kv_blocks=32, block_size=4)
+    assert llm.llm_engine.get_stats().weight_formats == {"float32": 2, "Q2_K": 4, "BF16": 2, "Q8_0": 1}
+    got, got_lp = _tokens(llm, prompts)
+    assert got == want
+    assert max(abs(a - b) for x, y in zip(got_lp, want_lp) for a, b in zip(x, y)) < 1e-4
+
+
+def test_expected_resident_memory_counts_packed_blocks_once():
+    """``/stats`` ``expected_rss_mib``: the weights (a packed table shared by the embedding and the
+    head counted once, with its scales) + the pool + the runtime."""
+    from torch import nn
+
+    from pagedllm.memory import RUNTIME_BYTES, expected_resident_mib, weight_bytes
+    from pagedllm.models.gguf_blocks import quantize_int8
+    from pagedllm.models.quant_linear import GGUFLinear, PackedEmbedding
+    lin = GGUFLinear("S8", quantize_int8(torch.randn(32, 64)), 32, 64)
+    model = nn.ModuleDict({"head": lin, "embed": PackedEmbedding(lin), "norm": nn.LayerNorm(64)})
+    assert weight_bytes(model) == lin.nbytes + 2 * 64 * 4 == 32 * 64 + 32 * 2 * 4 + 512
+    assert expected_resident_mib(model, 1 << 20) == (weight_bytes(model) + (1 << 20) + RUNTIME_BYTES) / 2**20
