@@ -1,5 +1,6 @@
 """Linear layers that keep quantized weights packed in memory: a GGUF file's blocks
-(``gguf_blocks.GGUF_LAYOUT``: Q4_0 ... Q6_K, Q3_K, IQ4_NL, IQ4_XS, MXFP4) or int8 per output channel.
+(``gguf_blocks.GGUF_LAYOUT``: Q4_0 ... Q6_K, Q3_K, IQ4_NL, IQ4_XS, MXFP4; Q2_K and F16 / BF16 in
+``packed_linears``) or int8 per output channel.
 
 A GGUF-born model (its converted directory records the source file in ``gguf_source.json``)
 served with ``quantization`` ``auto`` or ``gguf`` replaces each linear layer whose GGUF tensors

@@ -1,4 +1,5 @@
-"""Packed GGUF weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) and int8 per channel
+"""Packed GGUF weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS,
+MXFP4, F16, BF16) and int8 per channel
 against ``gguf``'s dequantization and a float32 matmul, on random blocks and on every layer of
 the three real models' files, on every instruction-set build this CPU runs (float32 activations,
 and int8 ones on ``avx2`` and above); and the served model's greedy tokens with
