@@ -42,6 +42,7 @@ _SIGNATURES = {
     "pl_write_kv": [_P, _L, _L, _P, _L, _L, _P, _P, _P, _L, _L, _L, _L],
     "pl_silu_mul": [_P, _P, _L, _L, _I],
     "pl_gemv": [_P, _P, _P, _P, _L, _L, _I],
+    "pl_moe_experts": [_L, _L, _P, _P, _P, _P, _L, _L, _P, _L, _I, _I],
     "pl_gemm16": [_P, _L, _P, _I, _P, _P, _L, _L, _I],
     "pl_decode_stack": [_L, _L, _P, _P, _P, _L, _L, _L, _L, _L, _F, _P, _P, _L, _L, _P, _L, _F, _I, _F, _I],
     "pl_decode_attention": [_P, _L, _L, _P, _P, _L, _P, _P, _P, _L, _L, _L, _L, _L, _L, _F, _L, _F, _P, _I],
@@ -54,7 +55,7 @@ _SIGNATURES = {
     "pl_causal_conv": [_P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _L, _L, _L, _I, _I],
     "pl_ssd_scan": [_P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _L, _L, _L, _L, _L, _I],
 }
-_INT_RESULT = {"pl_decode_stack", "pl_isa", "pl_gemm16"}
+_INT_RESULT = {"pl_decode_stack", "pl_isa", "pl_gemm16", "pl_moe_experts"}
 QGEMM_MAX_ROWS = 16  # rows up to which float32 activations multiply packed tiles (more: dequantize, oneDNN)
 # rows up to which int8 activations multiply packed tiles, per build (more: dequantize, oneDNN, as with
 # float32 activations): on a Zen 3 (AVX2) the int8 tiles were 1.1-1.4x the dequantized product at
@@ -230,6 +231,37 @@ def gemm16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
                       y.data_ptr(), n, k, torch.get_num_threads()) != 0:
         raise MemoryError("pl_gemm16: no row buffer")
     return y
+
+
+def moe_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, experts: torch.Tensor,
+                intermediate: int, activation: str = "silu") -> torch.Tensor:
+    """A mixture-of-experts layer's experts in one C call (``pl_moe_experts``): for each token the
+    weighted sum of its top-k experts' gated MLPs, each active expert's weights read once per 16 of
+    its tokens.
+
+    Args:
+        x: ``[T, H]`` float32 contiguous hidden states.
+        top_k_index: ``[T, k]`` int64 expert ids (ids outside ``0..E-1`` are skipped).
+        top_k_weights: ``[T, k]`` float32 routing weights.
+        experts: ``[E, 2, 5]`` int64 descriptors ``{fmt, weight, d, m, bias}`` (as ``stack_table``'s
+            products) of each expert's fused gate|up ``[2I, H]`` and down ``[H, I]`` weights; the
+            tensors they point to must stay alive.
+        intermediate: ``I``; activation: ``STACK_ACTIVATIONS`` (of the gate half).
+    Returns:
+        ``[T, H]`` float32.
+    Raises:
+        MemoryError: scratch memory could not be allocated.
+    Source: transformers' ``Qwen3MoeExperts.forward`` (the same sum, in expert order).
+    """
+    rows, h = x.shape
+    idx = top_k_index.to(torch.int64).contiguous()
+    w = top_k_weights.to(torch.float32).contiguous()
+    out = torch.empty(rows, h, dtype=torch.float32)
+    if _lib.pl_moe_experts(rows, idx.shape[1] if idx.dim() > 1 else 1, idx.data_ptr(), w.data_ptr(), x.data_ptr(),
+                           out.data_ptr(), h, intermediate, experts.data_ptr(), experts.shape[0],
+                           STACK_ACTIVATIONS.index(activation), torch.get_num_threads()) != 0:
+        raise MemoryError("pl_moe_experts: no scratch memory")
+    return out
 
 
 def qdequant(fmt: int, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, n: int, k: int,

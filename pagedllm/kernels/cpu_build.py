@@ -20,10 +20,10 @@ from pathlib import Path
 import pagedllm.envs as envs
 from pagedllm.cache import cache_root
 
-_SOURCES = [Path(__file__).with_name(n) for n in ("cpu_kernels.c", "quant_kernels.c", "quant_avx512.c", "quant_avx2.c",
-                                                  "state_kernels.c")]
+_SOURCES = [Path(__file__).with_name(n) for n in ("cpu_kernels.c", "decode_stack.c", "moe_kernels.c", "quant_kernels.c",
+                                                  "quant_avx512.c", "quant_avx2.c", "state_kernels.c")]
 # included by the sources: part of the build's hash
-_HEADERS = [Path(__file__).with_name(n) for n in ("vec_math.h", "quant_common.h", "quant_i8_driver.h")]
+_HEADERS = [Path(__file__).with_name(n) for n in ("vec_math.h", "cpu_common.h", "quant_common.h", "quant_i8_driver.h")]
 _FLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-fPIC", "-shared"]
 _AVX2 = ("-mavx2", "-mfma", "-mf16c")
 # one build per instruction set, lowest first (the index is quant_common.h's QI8_ISA, pl_isa()):

@@ -49,6 +49,22 @@ def matmul_entry(module) -> tuple | None:
     return None
 
 
+def activation_of(module) -> str | None:
+    """``"silu"`` or ``"gelu_tanh"`` when the activation module computes it on a range of inputs,
+    else ``None`` (the C stack and experts kernels have those two)."""
+    x = torch.linspace(-6, 6, 97)
+    with torch.no_grad():
+        try:
+            y = module(x)
+        except Exception:  # an activation with other arguments: not one the stack has
+            return None
+    gelu = 0.5 * x * (1 + torch.tanh(0.7978845608028654 * (x + 0.044715 * x ** 3)))
+    for name, want in (("silu", x * torch.sigmoid(x)), ("gelu_tanh", gelu)):
+        if torch.allclose(y, want, rtol=0, atol=1e-5):
+            return name
+    return None
+
+
 class DecodeStack:
     """A model's ``stack_table``, rebuilt only when the KV cache or the weights are replaced.
 

@@ -185,6 +185,9 @@ def _write_tokenizer_files(gguf_path: Path, out: Path, config, chat_template: st
                      pad_token_id=config.pad_token_id).save_pretrained(out)
 
 
+_TRANSFORMERS_ARCH = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss", "minimax-m2": "minimax_m2"}
+
+
 def _write_model_transformers(gguf_path: Path, out: Path, arch: str | None, chat_template: str | None,
                               rope_scaling: str | None = None) -> None:
     """Convert a GGUF of an architecture the native converter lacks with ``transformers``' GGUF loader.
@@ -209,7 +212,8 @@ def _write_model_transformers(gguf_path: Path, out: Path, arch: str | None, chat
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES, load_gguf_checkpoint
 
-    if arch not in GGUF_SUPPORTED_ARCHITECTURES:
+    # llama.cpp's names of the MoE families, which transformers' loader renames itself
+    if _TRANSFORMERS_ARCH.get(arch, arch) not in GGUF_SUPPORTED_ARCHITECTURES:
         raise ValueError(f"Unsupported GGUF architecture {arch!r} in {gguf_path}: neither pagedllm's converter "
                          f"({', '.join(_SUPPORTED_ARCHS)}) nor transformers {transformers.__version__} "
                          f"({', '.join(sorted(GGUF_SUPPORTED_ARCHITECTURES))}) reads it")

@@ -99,6 +99,23 @@ class Checkpoint:
         ids = torch.from_numpy(np.concatenate([np.arange(a, a + run) for a in starts]))
         return ids, torch.cat([sl[int(a):int(a) + run].float() for a in starts])
 
+    def has_experts(self, qual: str) -> bool:
+        """Whether the experts module ``qual``'s weights are here, fused (``gate_up_proj``) or per expert
+        (``qual.0.gate_proj.weight``: how ``save_pretrained`` writes them)."""
+        return f"{qual}.gate_up_proj" in self._where or f"{qual}.0.gate_proj.weight" in self._where
+
+    def expert_sample(self, qual: str, name: str, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(row ids, float32 rows)`` of expert ``expert``'s ``name`` (``gate_up_proj``: gate rows then up
+        rows, or ``down_proj``): up to ``SAMPLE_ROWS`` rows spread over it."""
+        if f"{qual}.{name}" in self._where:
+            sl = self._where[f"{qual}.{name}"].get_slice(f"{qual}.{name}")
+            w = sl[expert:expert + 1][0]
+        else:
+            parts = ("gate_proj", "up_proj") if name == "gate_up_proj" else ("down_proj",)
+            w = torch.cat([self._where[k].get_tensor(k) for k in (f"{qual}.{expert}.{p}.weight" for p in parts)])
+        ids = torch.linspace(0, w.shape[0] - 1, min(w.shape[0], SAMPLE_ROWS)).round().long().unique()
+        return ids, w.index_select(0, ids).float()
+
 
 def _matches(lin: GGUFLinear, ids: torch.Tensor, want: torch.Tensor) -> bool:
     """Rows ``ids`` of ``lin`` equal ``want`` (float32 ``[R, k]``) within ``MATCH_RTOL``."""
@@ -196,9 +213,52 @@ def pack_from_gguf(hf: nn.Module, model_dir: str | Path, gguf_path: Path, text_c
                 continue
             setattr(owner, attr, new)
             _count(counts, nbytes, new.kind, new.nbytes)
+        for qual, mod in hf.named_modules():
+            if getattr(mod, "is_concatenated", None) is not None:
+                _pack_experts(qual, mod, ckpt, tensors, counts, nbytes)
         table = _pack_embedding(hf, ckpt, emb, tensors.get("token_embd.weight"), counts, nbytes)
         _pack_head(hf, ckpt, emb, head, table, tensors.get("output.weight"), counts, nbytes)
     return counts, nbytes
+
+
+def _pack_experts(qual: str, mod: nn.Module, ckpt: Checkpoint, tensors, counts, nbytes) -> None:
+    """Serve an experts module (``[E, 2I, H]`` / ``[E, H, I]``, ``moe.default_layout``) from the GGUF's
+    ``blk.N.ffn_{gate,up,down}_exps`` blocks, one packed gate|up and down per expert
+    (``moe.ExpertWeights``), checked on the first and last experts against the converted tensors; its
+    float parameters are dropped (never read). Otherwise it stays float32."""
+    import re
+
+    from pagedllm.models.moe import ExpertWeights, default_layout, expert_activation
+    layer = re.search(r"layers\.(\d+)\.", qual + ".")
+    gu, dn = getattr(mod, "gate_up_proj", None), getattr(mod, "down_proj", None)
+    b = f"blk.{layer.group(1)}." if layer else ""
+    gate, up, down = (tensors.get(f"{b}ffn_{n}_exps.weight") for n in ("gate", "up", "down"))
+    ok = (layer and default_layout(mod) and isinstance(gu, torch.Tensor) and gu.dim() == 3
+          and getattr(mod, "gate_up_proj_bias", None) is None and None not in (gate, up, down)
+          and gate.tensor_type == up.tensor_type and gate.tensor_type.name in GGUF_LAYOUT
+          and down.tensor_type.name in GGUF_LAYOUT and ckpt.has_experts(qual))
+    weights = None
+    if ok:
+        e_count, two_i, h = gu.shape
+        i = two_i // 2
+        g_per, d_per = gate.data.size // e_count, down.data.size // e_count
+        gate_up, downs = [], []
+        for e in range(e_count):
+            (lg, pg), (_, pu) = (repack(gate.tensor_type.name, t.data[e * g_per:(e + 1) * g_per], i, h)
+                                 for t in (gate, up))
+            gate_up.append(packed_linear(lg, {k: torch.cat([pg[k], pu[k]]) for k in pg}, two_i, h))
+            ld, pd = repack(down.tensor_type.name, down.data[e * d_per:(e + 1) * d_per], h, i)
+            downs.append(packed_linear(ld, pd, h, i))
+        if all(_matches(lins[e], *ckpt.expert_sample(qual, name, e))
+               for e in (0, e_count - 1) for lins, name in ((gate_up, "gate_up_proj"), (downs, "down_proj"))):
+            kind = "+".join(sorted({gate.tensor_type.name, down.tensor_type.name}))
+            weights = ExpertWeights(gate_up, downs, i, expert_activation(mod), kind)
+    if weights is None:
+        _count(counts, nbytes, DIFFERS if ok else "float32", _float_bytes(mod))
+        return
+    mod.pagedllm_experts = weights
+    mod._parameters["gate_up_proj"] = mod._parameters["down_proj"] = None  # served from the blocks only
+    _count(counts, nbytes, f"experts {weights.kind}", weights.nbytes)
 
 
 def _pack_embedding(hf, ckpt: Checkpoint, emb, tensor, counts, nbytes) -> GGUFLinear | None:

@@ -299,6 +299,9 @@ def load_transformers_model(model_dir, config, dtype: torch.dtype, device: torch
         from pagedllm.models.transformers_norms import install_kernel_norms
         replaced, kept = install_kernel_norms(hf)
         logger.info("RMSNorm modules on the C kernel: %d (%d kept: no match)", replaced, kept)
+        from pagedllm.models import moe
+        if (n := moe.install(hf)):
+            logger.info("mixture-of-experts: %d expert layers on the C experts kernel (models/moe.py)", n)
         if not model._state_spec and model.num_kv_layers == model.num_layers:
             from pagedllm.models.transformers_stack import plan_decode_stack
             model.decode_stack = plan_decode_stack(hf, (model.num_heads, model.num_kv_heads, model.head_dim))

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pagedllm.models.decode_stack import DecodeStack, matmul_entry
+from pagedllm.models.decode_stack import DecodeStack, activation_of, matmul_entry
 from pagedllm.models.transformers_norms import KernelRMSNorm
 
 
@@ -74,21 +74,6 @@ def _get(obj, path: str):
     for part in path.split("."):
         obj = getattr(obj, part, None)
     return obj
-
-
-def _activation(module: nn.Module) -> str | None:
-    """``"silu"`` or ``"gelu_tanh"`` when ``module`` computes it on a random input, else ``None``."""
-    x = torch.linspace(-6, 6, 97)
-    with torch.no_grad():
-        try:
-            y = module(x)
-        except Exception:  # an activation with other arguments: not one the stack has
-            return None
-    gelu = 0.5 * x * (1 + torch.tanh(0.7978845608028654 * (x + 0.044715 * x ** 3)))
-    for name, want in (("silu", x * torch.sigmoid(x)), ("gelu_tanh", gelu)):
-        if torch.allclose(y, want, rtol=0, atol=1e-5):
-            return name
-    return None
 
 
 class TransformersDecodeStack:
@@ -184,7 +169,7 @@ def plan_decode_stack(hf: nn.Module, heads: tuple[int, int, int]) -> Transformer
             return None
         scales.add(getattr(layer.self_attn, "scaling", None))
         act = _get(layer, family.act)
-        acts.add(_activation(act) if isinstance(act, nn.Module) else None)
+        acts.add(activation_of(act) if isinstance(act, nn.Module) else None)
     if len(eps) != 1 or len(scales) != 1 or None in scales or len(acts) != 1 or None in acts:
         return None
     rope_kinds = [None]

@@ -53,6 +53,20 @@ def _checkpoint_name(module_name: str, param: str, module: nn.Module) -> str:
     return name.replace(".table.", ".") if isinstance(module, ParallelLMHead) else name
 
 
+def _stack_experts(p: torch.Tensor, key: str, where: dict) -> nn.Parameter | None:
+    """A fused experts tensor (``experts.gate_up_proj`` ``[E, 2I, H]``: each expert's gate rows then up
+    rows; ``experts.down_proj`` ``[E, H, I]``) from a checkpoint that stores it per expert
+    (``experts.0.gate_proj.weight``, as ``save_pretrained`` writes it), or ``None`` if it does not."""
+    prefix, _, name = key.rpartition(".")
+    parts = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}.get(name)
+    if parts is None or p.dim() != 3 or f"{prefix}.0.{parts[0]}.weight" not in where:
+        return None
+    out = torch.empty(p.shape, dtype=p.dtype)
+    for e in range(p.shape[0]):
+        out[e] = torch.cat([where[k].get_tensor(k) for k in (f"{prefix}.{e}.{q}.weight" for q in parts)])
+    return nn.Parameter(out, requires_grad=False)
+
+
 def load_sharded(hf: nn.Module, model_dir: str | Path, device: torch.device) -> None:
     """Materialize every meta parameter of the split model ``hf`` on ``device`` and fill it from the
     ``*.safetensors`` files of ``model_dir``, reading only this rank's slices of split layers.
@@ -83,6 +97,9 @@ def load_sharded(hf: nn.Module, model_dir: str | Path, device: torch.device) -> 
                 key = _checkpoint_name(module_name, param_name, module)
                 if key not in where and key.endswith("lm_head.weight") and embed_name in where:
                     key = embed_name  # tied head: the checkpoint stores the table once
+                if key not in where and (stacked := _stack_experts(p, key, where)) is not None:
+                    module._parameters[param_name] = done[id(p)] = stacked.to(device)
+                    continue
                 if key not in where:
                     raise ValueError(f"--tensor-parallel-size: the checkpoint in {model_dir} has no tensor "
                                      f"{key!r} for the Transformers backend's {type(hf).__name__}")

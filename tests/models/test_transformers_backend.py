@@ -91,7 +91,19 @@ ARCHS = {
     "cohere": ("CohereConfig", dict(_COMMON, logit_scale=0.5)),
     # mixture of experts with a sliding window
     "mixtral": ("MixtralConfig", dict(_COMMON, num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW)),
+    # the MoE families on the experts kernel (models/moe.py): q/k norms, a shared expert, OLMoE's
+    # q/k norm over all heads, Granite's multipliers
+    "qwen3_moe": ("Qwen3MoeConfig", dict(_COMMON, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                         head_dim=16)),
+    "qwen2_moe": ("Qwen2MoeConfig", dict(_COMMON, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                         shared_expert_intermediate_size=64)),
+    "olmoe": ("OlmoeConfig", dict(_COMMON, num_experts=8, num_experts_per_tok=2)),
+    "granitemoe": ("GraniteMoeConfig", dict(_COMMON, num_local_experts=4, num_experts_per_tok=2,
+                                            embedding_multiplier=3.0, residual_multiplier=0.5)),
 }
+
+
+MOE_KINDS = {"mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe"}
 
 
 def build_model(spec: tuple[str, dict], out: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
@@ -211,6 +223,9 @@ def test_tiny_arch_matches_transformers(kind, arch_dir, prompts, greedy_ref, ass
     assert spy.rows == spy.requested
     assert sum(spy.rows) == len(prompts) * MAX_NEW
     assert max(spy.rows) == len(prompts)
+    # every mixture-of-experts layer ran on the experts kernel (models/moe.py)
+    experts = [m.pagedllm_experts for m in llm.engine.runner.model.hf.modules() if hasattr(m, "pagedllm_experts")]
+    assert all(experts) and bool(experts) == (kind in MOE_KINDS)
 
 
 # ---------------------------------------------------------------- 2. SmolLM2: backend vs native
