@@ -71,6 +71,10 @@ class SchedulerStats(_Indexable):
             ``quantization="gguf"``; empty when every weight is in the model's dtype.
         expected_rss_mib: the resident memory the core should settle at, MiB: its weights, the KV
             (and state) pool and ~512 MiB for the runtime (``memory.expected_resident_mib``).
+        expert_bytes: bytes of the mixture-of-experts layers' expert weights (``models/moe.py``), 0 for
+            a dense model.
+        experts_chosen: per MoE layer, how many (token, expert) pairs chose each expert so far (the
+            routing histogram, for tuning).
         step_timings: the per-phase times.
         core_pid: the core process's pid (``None`` in process).
         block_states: one character per KV block: ``0`` free, ``1`` held by a request, ``2`` free
@@ -99,6 +103,8 @@ class SchedulerStats(_Indexable):
     weight_formats: dict[str, int] = msgspec.field(default_factory=dict)
     weight_kernels: str = ""
     expected_rss_mib: float = 0.0
+    expert_bytes: int = 0
+    experts_chosen: list[list[int]] = msgspec.field(default_factory=list)
     step_timings: StepTimings = msgspec.field(default_factory=StepTimings)
     core_pid: int | None = None
     block_states: str = ""

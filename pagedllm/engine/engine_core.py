@@ -40,6 +40,7 @@ from pagedllm.spec_decode.config import TargetInfo
 from pagedllm.spec_decode.scheduler import SpecDecoding
 from pagedllm.stats import SchedulerStats, StepTimings
 from pagedllm.memory import expected_resident_mib, resident_bytes, return_freed_memory
+from pagedllm.models.moe import expert_weights
 from pagedllm.models.quant_linear import quantized_kernels
 from pagedllm.plan import EnginePlan, plan_engine, plan_prebuilt
 from pagedllm.structured_output.manager import StructuredOutputManager
@@ -180,6 +181,7 @@ class EngineCore:
         self.cpu_kernels = self.runner.attention_backend.uses_cpu_kernels
         self.weight_formats = dict(getattr(self.runner.model, "quantization", None) or {})
         self.weight_kernels = quantized_kernels() if self.weight_formats else ""
+        self._experts = expert_weights(model)  # mixture-of-experts layers on the experts kernel
         self.expected_rss_mib = round(expected_resident_mib(model, num_blocks * per_block + state_bytes,
                                                             runtime), 1)
         logger.info("expected resident memory: %.0f MiB (weights + KV pool + runtime)", self.expected_rss_mib)
@@ -381,6 +383,8 @@ class EngineCore:
                               max_num_running=self.max_num_running, cpu_kernels=self.cpu_kernels,
                               weight_formats=self.weight_formats, weight_kernels=self.weight_kernels,
                               expected_rss_mib=self.expected_rss_mib,
+                              expert_bytes=sum(w.nbytes for w in self._experts),
+                              experts_chosen=[w.chosen.tolist() for w in self._experts],
                               step_timings=self.timer.summary(), block_states=kv.block_states(),
                               **self._spec_stats())
 

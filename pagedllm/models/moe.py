@@ -52,6 +52,13 @@ class ExpertWeights:
                 raise ValueError(f"an expert weight the MoE kernel cannot read: {type(gu).__name__}")
             rows.append([[int(c[0])] + [0 if t is None else t.data_ptr() for t in c[1:]] for c in pair])
         self.table = torch.tensor(rows, dtype=torch.int64).reshape(len(rows), 2, 5)
+        self.chosen = torch.zeros(len(rows), dtype=torch.int64)  # (token, expert) pairs per expert so far
+
+    def count(self, top_k_index: torch.Tensor) -> None:
+        """Add a step's choices to ``chosen`` (ids outside ``0..E-1``, another rank's, are not counted)."""
+        ids = top_k_index.reshape(-1)
+        ids = ids[(ids >= 0) & (ids < self.chosen.shape[0])]
+        self.chosen += torch.bincount(ids, minlength=self.chosen.shape[0])
 
     @property
     def nbytes(self) -> int:
@@ -106,9 +113,15 @@ def experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index:
     if weights is False:
         return type(module).forward.__wrapped__(module, hidden_states, top_k_index, top_k_weights)
     x = hidden_states.reshape(-1, hidden_states.shape[-1]).float().contiguous()
+    weights.count(top_k_index)
     out = cpu_kernels.moe_experts(x, top_k_index.reshape(x.shape[0], -1), top_k_weights.reshape(x.shape[0], -1),
                                   weights.table, weights.intermediate, weights.activation)
     return out.view(hidden_states.shape).to(hidden_states.dtype)
+
+
+def expert_weights(model: nn.Module) -> list[ExpertWeights]:
+    """The ``ExpertWeights`` of every experts module of ``model`` on the kernel, in layer order."""
+    return [w for m in model.modules() if (w := getattr(m, "pagedllm_experts", None))]
 
 
 def register() -> None:

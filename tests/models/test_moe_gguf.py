@@ -91,4 +91,9 @@ def test_moe_gguf_serves_its_experts_packed(tmp_path):
     assert all(m.gate_up_proj is None and m.down_proj is None for m in experts)  # no float copy
     got, got_lp = _tokens(llm, prompts)
     assert got == want
+    stats = llm.llm_engine.get_stats()  # the routing histogram: every token of every step chose TOP_K experts
+    assert stats.expert_bytes == sum(m.pagedllm_experts.nbytes for m in experts) > 0
+    # the prompts share prefixes: cached blocks' tokens are not run again; then 7 decodes each
+    run = stats.num_prompt_tokens - stats.prefix_cache_hits + len(prompts) * 7
+    assert stats.prefix_cache_hits > 0 and [sum(c) for c in stats.experts_chosen] == [TOP_K * run] * LAYERS
     assert max(abs(a - b) for x, y in zip(got_lp, want_lp) for a, b in zip(x, y)) < 2e-3
