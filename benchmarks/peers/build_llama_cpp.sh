@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build llama.cpp's own llama-bench and llama-server from the sources vendored in the
+# Build llama.cpp's own llama-bench, llama-server and llama-quantize from the sources vendored in the
 # llama-cpp-python sdist (the peer a llama.cpp user runs), into $DEST (default /work/peers/llamacpp-bin).
 #
 # Instruction sets come from /proc/cpuinfo with GGML_NATIVE=OFF, AMX left off: on a Sapphire
@@ -23,7 +23,7 @@ FLAGS=(-DGGML_NATIVE=OFF -DGGML_AVX=$(has avx) -DGGML_AVX2=$(has avx2) -DGGML_FM
 echo "llama.cpp flags: ${FLAGS[*]}"
 cmake -S "$SRC" -B "$WORK/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF \
       -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON -DBUILD_SHARED_LIBS=OFF "${FLAGS[@]}"
-cmake --build "$WORK/build" --target llama-bench llama-server -j "$(nproc)"
-cp "$WORK/build/bin/llama-bench" "$WORK/build/bin/llama-server" "$DEST/"
+cmake --build "$WORK/build" --target llama-bench llama-server llama-quantize -j "$(nproc)"
+cp "$WORK/build/bin/llama-bench" "$WORK/build/bin/llama-server" "$WORK/build/bin/llama-quantize" "$DEST/"
 printf '%s\n' "${FLAGS[@]}" > "$DEST/build-flags.txt"
 echo "built: $DEST/llama-bench $DEST/llama-server"

@@ -1,0 +1,101 @@
+"""A mixture-of-experts GGUF served with its experts packed (issue 40), side by side with llama.cpp.
+
+* Builds once (cached under ``~/.cache/pagedllm/bench``) a random-weight Qwen3-MoE at Qwen3-30B-A3B's
+  layer shapes: hidden 2048, 128 experts, top-8, expert width 768, 32 query / 4 KV heads of 128,
+  ``--layers`` layers, SmolLM2's tokenizer (49,152 tokens) so the file stays small; converted by
+  llama.cpp's own ``convert_hf_to_gguf.py`` (f16) and quantized by its ``llama-quantize`` (Q4_K_M),
+  both from the sdist ``peers/build_llama_cpp.sh`` builds.
+* pagedllm (the Transformers backend; experts on the experts kernel over the file's blocks) batch-1
+  decode and 512-token prefill (``cpu_isa.measure``) against ``llama-bench`` tg128 / pp512 on the same
+  file and threads; the resident memory of a fresh process (256 MiB pool) against the issue's bound,
+  1.3 x (file + pool + 512 MiB).
+
+Results: ``results/moe-<date>.json`` with the CPU's model and flags.
+
+Usage: ``python benchmarks/moe.py [--layers 2] [--threads 2] [--repeats 2]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cpu_isa import idle, llama_bench, measure, write_result  # noqa: E402
+from packed_transformers import resident_mib  # noqa: E402
+
+from pagedllm.bench.metrics import machine_facts  # noqa: E402
+from pagedllm.cache import cache_root  # noqa: E402
+from pagedllm.kernels import cpu  # noqa: E402
+
+KV_POOL_MIB, RUNTIME_MIB = 256, 512
+SHAPES = dict(hidden_size=2048, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+              intermediate_size=6144, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+              max_position_embeddings=4096, rms_norm_eps=1e-6, tie_word_embeddings=False)
+
+
+def build_gguf(layers: int, llama_dir: Path, src_dir: Path) -> Path:
+    """The Q4_K_M file of the random model (built once per layer count)."""
+    out = cache_root() / "bench" / f"qwen3moe-30b-a3b-shapes-{layers}l"
+    q4 = out / "model-Q4_K_M.gguf"
+    if q4.exists():
+        return q4
+    import shutil
+
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM
+    from pagedllm.models.resolve import resolve_model
+    hf_dir = out / "hf"
+    tok = Path(resolve_model(None))  # SmolLM2's converted directory: its tokenizer
+    config = transformers.Qwen3MoeConfig(vocab_size=49152, num_hidden_layers=layers, bos_token_id=1, eos_token_id=2,
+                                         **SHAPES)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(hf_dir)
+    del model
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (tok / name).is_file():
+            shutil.copy(tok / name, hf_dir / name)
+    f16 = out / "model-f16.gguf"
+    subprocess.run([sys.executable, str(src_dir / "convert_hf_to_gguf.py"), str(hf_dir), "--outfile", str(f16),
+                    "--outtype", "f16"], check=True)
+    subprocess.run([str(llama_dir / "llama-quantize"), str(f16), str(q4), "Q4_K_M"], check=True)
+    f16.unlink()
+    shutil.rmtree(hf_dir)
+    return q4
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--threads", type=int, nargs="+", default=[2])
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--json-out", default=None)
+    ap.add_argument("--llama-cpp-bin", default="/work/peers/llamacpp-bin")
+    ap.add_argument("--llama-cpp-src", default="/work/peers/llamacpp-src/llama_cpp_python-0.3.36/vendor/llama.cpp")
+    args = ap.parse_args()
+    cpu.available()
+    gguf = build_gguf(args.layers, Path(args.llama_cpp_bin), Path(args.llama_cpp_src))
+    res: dict = {"machine": machine_facts(), "start": idle(), "isa": cpu.isa(), "args": vars(args),
+                 "gguf_file_mib": round(gguf.stat().st_size / 2**20, 1), "runs": {}}
+    res["memory"] = resident_mib(str(gguf), "auto")
+    res["memory"]["bound_mib"] = round(1.3 * (res["gguf_file_mib"] + KV_POOL_MIB + RUNTIME_MIB), 1)
+    print(f"file {res['gguf_file_mib']} MiB, resident memory {res['memory']}")
+    for nt in args.threads:
+        ours = measure(str(gguf), "int8", nt, args.repeats, False, "transformers")
+        peer = llama_bench(Path(args.llama_cpp_bin), gguf, nt)
+        res["runs"][f"t{nt}"] = {"pagedllm": ours, "llama.cpp": peer,
+                                 "decode_ratio": ours["decode_tok_s"] / peer["tg128"],
+                                 "prefill_ratio": ours["prefill_tok_s"] / peer["pp512"]}
+        print(f"t{nt} pagedllm decode {ours['decode_tok_s']:.1f} prefill {ours['prefill_tok_s']:.1f}; llama.cpp "
+              f"tg128 {peer['tg128']:.1f} pp512 {peer['pp512']:.1f}: {ours['decode_tok_s'] / peer['tg128']:.2f}x / "
+              f"{ours['prefill_tok_s'] / peer['pp512']:.2f}x")
+    write_result("moe", res, args.json_out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
