@@ -37,6 +37,11 @@ TINY_KINDS = {
                                              query_pre_attn_scalar=32, layer_types=[
                                                  "sliding_attention", "full_attention", "sliding_attention"])),
     "phi3": ("Phi3Config", dict(num_hidden_layers=2, tie_word_embeddings=False)),
+    # mixtures of experts in the stack: routing and experts in C, a dense layer beside a MoE one
+    "qwen3_moe": ("Qwen3MoeConfig", dict(num_hidden_layers=2, num_experts=8, num_experts_per_tok=2,
+                                         moe_intermediate_size=32, head_dim=16, mlp_only_layers=[1])),
+    "mixtral": ("MixtralConfig", dict(num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2,
+                                      sliding_window=8)),
     # hybrid: gated short convolutions (state: the last conv_L_cache - 1 inputs) around two attention layers
     "lfm2": ("Lfm2Config", dict(num_hidden_layers=5, full_attn_idxs=[1, 3], conv_L_cache=3, norm_eps=1e-5,
                                 block_multiple_of=32, tie_word_embeddings=True)),

@@ -15,6 +15,9 @@
 #else
 #define VEC_BYTES 32
 #define GEMV_ROWS 8
+/* moe_kernels.c */
+int pl_moe_experts(long T, long k, const int64_t *idx, const float *w, const float *x, float *out, long H, long I,
+                   const int64_t *experts, long E, int act, int nt);
 #endif
 #define VEC_LEN (VEC_BYTES / 4)
 typedef float vec __attribute__((vector_size(VEC_BYTES)));
@@ -46,4 +49,7 @@ void pl_qgemm(int fmt, const float *x, long M, const uint8_t *qs, const float *d
  * (fmt >= 0: pl_qgemm's layout and arrays; -1: float32 [N, K]) */
 void desc_matmul(const int64_t *desc, const float *x, long M, float *y, long N, long K, int nt) HIDDEN;
 void act_mul(int act, const float *gu, float *out, long T, long I) HIDDEN; /* 0 silu, 1 tanh-GELU */
+/* moe_kernels.c */
+int pl_moe_experts(long T, long k, const int64_t *idx, const float *w, const float *x, float *out, long H, long I,
+                   const int64_t *experts, long E, int act, int nt);
 #endif

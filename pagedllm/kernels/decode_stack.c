@@ -6,7 +6,11 @@
  * such norm), the layer's K/V cache, its rotary table index and sliding window, then MM_COLS columns
  * for each of seven matrix products */
 enum { L_IN_NORM, L_POST_ATTN_NORM, L_PRE_FF_NORM, L_POST_FF_NORM, L_Q_NORM, L_K_NORM, L_KC, L_VC, L_ROPE,
-       L_WINDOW, L_MM };
+       L_WINDOW, L_ROUTER, L_EXPERTS, L_NEXP, L_TOPK, L_NORM_TOPK, L_CHOSEN, L_MOE_I, L_MM };
+/* L_ROUTER != 0: the layer's MLP is a mixture of experts: router [NEXP, H] float32, softmax over the
+ * experts, the TOPK largest (their weights renormalized to sum 1 when L_NORM_TOPK), then
+ * pl_moe_experts over L_EXPERTS ([NEXP][2][5] descriptors, expert width L_MOE_I); L_CHOSEN: int64
+ * [NEXP] counts of the choices (the routing histogram), or 0 */
 /* the matrix products: q (with k and v absent: the fused q|k|v rows), k, v, o, gate (with up absent:
  * the fused gate|up rows), up, down; each {fmt, weight, d, m, bias}: fmt >= 0 a pl_qgemm layout with
  * its qs / d / m arrays in the weight / d / m columns; fmt -1 a float32 [N, K] weight; fmt -2 absent */
@@ -146,6 +150,44 @@ static void layer_qkv(const int64_t *p, const float *h, float *qkv, float *tmp, 
         }
 }
 
+/* A mixture-of-experts MLP on h [T, H] into x [T, H] (see L_ROUTER); -1 when out of memory */
+static int moe_mlp(const int64_t *p, const float *h, float *x, long T, long H, int act, int nt) {
+    long E = p[L_NEXP], k = p[L_TOPK];
+    float *logits = malloc(sizeof(float) * (E + T * k));
+    int64_t *idx = malloc(sizeof(int64_t) * T * k);
+    if (!logits || !idx) {
+        free(logits);
+        free(idx);
+        return -1;
+    }
+    float *w = logits + E;
+    int64_t *chosen = (int64_t *)(intptr_t)p[L_CHOSEN];
+    for (long t = 0; t < T; t++) {
+        pl_gemv(h + t * H, addr(p, L_ROUTER), NULL, logits, E, H, nt);
+        float m = -INFINITY, sum = 0.0f, kept = 0.0f;
+        for (long e = 0; e < E; e++) m = logits[e] > m ? logits[e] : m;
+        for (long e = 0; e < E; e++) sum += (logits[e] = expf(logits[e] - m));
+        for (long j = 0; j < k; j++) { /* the k largest, first index on ties (torch.topk's order here) */
+            long best = -1;
+            for (long e = 0; e < E; e++) {
+                int taken = 0;
+                for (long i = 0; i < j; i++) taken |= idx[t * k + i] == e;
+                if (!taken && (best < 0 || logits[e] > logits[best])) best = e;
+            }
+            idx[t * k + j] = best;
+            w[t * k + j] = logits[best] / sum;
+            kept += w[t * k + j];
+            if (chosen) chosen[best]++;
+        }
+        if (p[L_NORM_TOPK])
+            for (long j = 0; j < k; j++) w[t * k + j] /= kept;
+    }
+    int rc = pl_moe_experts(T, k, idx, w, h, x, H, p[L_MOE_I], (const int64_t *)(intptr_t)p[L_EXPERTS], E, act, nt);
+    free(logits);
+    free(idx);
+    return rc;
+}
+
 /* The last T (<= QGEMM_MAX_ROWS) tokens of one sequence through n_layers pre-norm decoder layers
  * (Llama, Mistral, Qwen2/3, Phi-3, Gemma 3: optional q/k head norms and post-attention / post-MLP
  * "sandwich" norms, SiLU or tanh-GELU gated MLP, a rotary table and sliding window per layer,
@@ -202,14 +244,22 @@ int pl_decode_stack(long n_layers, long T, const int64_t *layers, float *x, floa
             add_row(residual + t * H, x + t * H, H);
             norm_row(residual + t * H, addr(p, L_PRE_FF_NORM), h + t * H, H, eps);
         }
-        if (absent(p, MM_UP)) {
+        if (p[L_ROUTER]) {
+            if (moe_mlp(p, h, x, T, H, act, nt) != 0) {
+                free(h);
+                free(slots);
+                return -1;
+            }
+        } else if (absent(p, MM_UP)) {
             layer_matmul(p, MM_GATE, h, T, gu, 2 * I, H, nt);
         } else {
             matmul_cols(p, MM_GATE, h, T, gu, 2 * I, 0, I, H, tmp, nt);
             matmul_cols(p, MM_UP, h, T, gu, 2 * I, I, I, H, tmp, nt);
         }
-        act_mul(act, gu, mlp, T, I);
-        layer_matmul(p, MM_DOWN, mlp, T, x, H, I, nt);
+        if (!p[L_ROUTER]) {
+            act_mul(act, gu, mlp, T, I);
+            layer_matmul(p, MM_DOWN, mlp, T, x, H, I, nt);
+        }
         if (addr(p, L_POST_FF_NORM))
             for (long t = 0; t < T; t++) norm_row(x + t * H, addr(p, L_POST_FF_NORM), x + t * H, H, eps);
     }

@@ -47,6 +47,7 @@ class StackFamily:
     matmuls: dict[str, str]
     act: str = "mlp.act_fn"
     window_in_config: bool = False
+    moe: bool = False  # ``mlp`` may be a softmax-routed mixture of experts (``gate`` router, ``experts``)
 
 
 _PRE_NORM = {"in_norm": "input_layernorm", "pre_ff_norm": "post_attention_layernorm",
@@ -62,12 +63,36 @@ FAMILIES: dict[str, StackFamily] = {
     "Phi3DecoderLayer": StackFamily(_PRE_NORM, {"q": "self_attn.qkv_proj", "o": "self_attn.o_proj",
                                                 "gate": "mlp.gate_up_proj", "down": "mlp.down_proj"},
                                     act="mlp.activation_fn", window_in_config=True),
+    "Qwen3MoeDecoderLayer": StackFamily(_PRE_NORM, _SPLIT, moe=True),
+    "MixtralDecoderLayer": StackFamily(_PRE_NORM, _SPLIT, window_in_config=True, moe=True),
     "Gemma3DecoderLayer": StackFamily({"in_norm": "input_layernorm", "post_attn_norm": "post_attention_layernorm",
                                        "pre_ff_norm": "pre_feedforward_layernorm",
                                        "post_ff_norm": "post_feedforward_layernorm", "q_norm": "self_attn.q_norm",
                                        "k_norm": "self_attn.k_norm"}, _SPLIT),
 }
 _REQUIRED_NORMS = ("in_norm", "pre_ff_norm")
+_ATTENTION = ("q", "k", "v", "o")
+
+
+def moe_routing(mlp: nn.Module) -> tuple | None:
+    """``(router weight [E, H], top_k, renormalize)`` of a mixture-of-experts MLP whose router the C
+    stack reproduces (softmax over the experts, the top k, optionally renormalized: checked on a
+    random input against the module's own router) and whose experts run on the experts kernel
+    (``moe.ExpertWeights``); else ``None``."""
+    gate, experts = getattr(mlp, "gate", None), getattr(mlp, "experts", None)
+    w, k = getattr(gate, "weight", None), getattr(gate, "top_k", None)
+    if not (isinstance(w, torch.Tensor) and w.dim() == 2 and w.dtype == torch.float32 and isinstance(k, int)
+            and getattr(experts, "pagedllm_experts", None) and type(mlp).__name__.endswith("SparseMoeBlock")):
+        return None
+    x = torch.randn(4, w.shape[1], generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        _, scores, index = gate(x)
+        top, idx = torch.topk(torch.softmax(x @ w.T, dim=-1), k, dim=-1)
+    for renorm in (True, False):
+        want = top / top.sum(-1, keepdim=True) if renorm else top
+        if torch.equal(idx, index) and torch.allclose(want, scores.float(), rtol=0, atol=1e-6):
+            return w.detach(), k, renorm
+    return None
 
 
 def _get(obj, path: str):
@@ -107,8 +132,14 @@ class TransformersDecodeStack:
             row = {n: None for n in ("in_norm", "post_attn_norm", "pre_ff_norm", "post_ff_norm", "q_norm", "k_norm")}
             row.update({n: _get(layer, path).weight for n, path in self.family.norms.items()
                         if _get(layer, path) is not None})
+            moe = self.family.moe and moe_routing(layer.mlp)
+            names = _ATTENTION if moe else tuple(self.family.matmuls)
             row.update({"key_cache": kc, "value_cache": vc, "rope": self.layer_rope[i], "window": self.windows[i],
-                        "matmuls": {n: matmul_entry(_get(layer, p)) for n, p in self.family.matmuls.items()}})
+                        "matmuls": {n: matmul_entry(_get(layer, self.family.matmuls[n])) for n in names}})
+            if moe:
+                router, top_k, renorm = moe
+                w = layer.mlp.experts.pagedllm_experts
+                row["moe"] = (router, w.table, top_k, renorm, w.chosen, w.intermediate)
             rows.append(row)
         return rows
 
@@ -156,7 +187,7 @@ def plan_decode_stack(hf: nn.Module, heads: tuple[int, int, int]) -> Transformer
     cfg = hf.config
     if getattr(cfg, "attn_logit_softcapping", None) or not isinstance(getattr(inner, "norm", None), KernelRMSNorm):
         return None
-    eps, scales, acts = {inner.norm.eps}, set(), set()
+    eps, scales, acts, inters = {inner.norm.eps}, set(), set(), set()
     for layer in layers:
         for name, path in family.norms.items():
             norm = _get(layer, path)
@@ -165,11 +196,20 @@ def plan_decode_stack(hf: nn.Module, heads: tuple[int, int, int]) -> Transformer
             if not isinstance(norm, KernelRMSNorm):
                 return None
             eps.add(norm.eps)
-        if any(matmul_entry(_get(layer, p)) is None for p in family.matmuls.values()):
+        moe = family.moe and getattr(layer.mlp, "experts", None) is not None
+        routing = moe_routing(layer.mlp) if moe else None
+        if moe and routing is None:
+            return None
+        names = _ATTENTION if moe else tuple(family.matmuls)
+        if any(matmul_entry(_get(layer, family.matmuls[n])) is None for n in names):
             return None
         scales.add(getattr(layer.self_attn, "scaling", None))
-        act = _get(layer, family.act)
-        acts.add(activation_of(act) if isinstance(act, nn.Module) else None)
+        if moe:
+            acts.add(layer.mlp.experts.pagedllm_experts.activation)
+        else:
+            act, down = _get(layer, family.act), _get(layer, family.matmuls["down"])
+            acts.add(activation_of(act) if isinstance(act, nn.Module) else None)
+            inters.add(getattr(down, "in_features", None) or down.weight.shape[1])
     if len(eps) != 1 or len(scales) != 1 or None in scales or len(acts) != 1 or None in acts:
         return None
     rope_kinds = [None]
@@ -181,7 +221,8 @@ def plan_decode_stack(hf: nn.Module, heads: tuple[int, int, int]) -> Transformer
         cos = inner.rotary_emb(probe, torch.zeros(1, 1, dtype=torch.long), *([rope_kinds[0]] * (rope_kinds != [None])))[0]
     if cos.shape[-1] != hd:  # partial rotary: the C stack rotates whole heads
         return None
-    down = _get(layers[0], family.matmuls["down"])
-    inter = getattr(down, "in_features", None) or down.weight.shape[1]
+    if len(inters) > 1:  # one width for the dense MLPs (the experts carry their own)
+        return None
+    inter = inters.pop() if inters else 1
     return TransformersDecodeStack(hf, family, rope_kinds, (nh, kvh, hd, int(inter), eps.pop(), float(scales.pop()),
                                                             acts.pop(), None))
