@@ -64,11 +64,18 @@ def test_experts_equal_the_per_expert_reference(kind):
         w_gu, w_dn = [m.dequantize() for m in gu], [m.dequantize() for m in dn]
     for act in ("silu", "gelu_tanh"):
         experts = ExpertWeights(gu, dn, I, act, kind)
-        for rows in (1, 5, 40):  # decode, a batch, a prefill chunk (an expert past 16 rows)
+        for rows, threads in ((1, 1), (1, 2), (5, 2), (40, 1), (40, 2)):
+            # decode, a batch (2 threads: the experts split across them), a prefill chunk (an expert
+            # past 16 rows; 2 threads: each product split)
             x = torch.randn(rows, H)
             idx = torch.stack([torch.randperm(E)[:K] for _ in range(rows)])
             wts = torch.rand(rows, K)
-            got = cpu.moe_experts(x, idx, wts, experts.table, I, act).double()
+            before = torch.get_num_threads()
+            torch.set_num_threads(threads)
+            try:
+                got = cpu.moe_experts(x, idx, wts, experts.table, I, act).double()
+            finally:
+                torch.set_num_threads(before)
             want = _reference(x, idx, wts, w_gu, w_dn, act)
             if kind == "float32":  # the down biases, weighted as the rest
                 for t in range(rows):
