@@ -9,10 +9,13 @@
   decode and 512-token prefill (``cpu_isa.measure``) against ``llama-bench`` tg128 / pp512 on the same
   file and threads; the resident memory of a fresh process (256 MiB pool) against the issue's bound,
   1.3 x (file + pool + 512 MiB).
+* With ``--serve``: ``pagedllm serve`` and ``llama-server --parallel 16`` on the same file, driven by
+  ``pagedllm bench serve``'s client at concurrency 1 and 16 on the same token-id prompts (128 in /
+  128 out; ``side_by_side.run_online``): output tok/s, median TTFT and TPOT.
 
 Results: ``results/moe-<date>.json`` with the CPU's model and flags.
 
-Usage: ``python benchmarks/moe.py [--layers 2] [--threads 2] [--repeats 2]``
+Usage: ``python benchmarks/moe.py [--layers 2] [--threads 2] [--repeats 2] [--serve]``
 """
 
 from __future__ import annotations
@@ -68,12 +71,48 @@ def build_gguf(layers: int, llama_dir: Path, src_dir: Path) -> Path:
     return q4
 
 
+def serve(gguf: Path, bin_dir: Path, threads: int, requests: int) -> dict:
+    """Both servers at concurrency 1 and 16 (module docstring); ``{server: {c1, c16, rss_mib}}`` and the
+    ratios (llama.cpp's latency over ours: above 1 is better for us)."""
+    import tempfile
+
+    from side_by_side import make_workloads, run_online
+    from transformers import AutoTokenizer
+
+    from pagedllm.models.resolve import resolve_model
+    tok = AutoTokenizer.from_pretrained(resolve_model(None))  # the model's vocabulary is SmolLM2's
+    servers = {"pagedllm": {"serve": lambda port: [sys.executable, "-m", "pagedllm.cli", "serve", str(gguf), "--port",
+                                                   str(port), "--log-level", "warning"]},
+               "llama.cpp": {"serve": lambda port: [str(bin_dir / "llama-server"), "-m", str(gguf), "--port", str(port),
+                                                    "-t", str(threads), "--parallel", "16", "-c", "8192",
+                                                    "--no-webui"]}}
+    out: dict = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        w3 = make_workloads(tok, Path(tmp), requests)["w3"]
+        for name, eng in servers.items():
+            stats: dict = {}
+            runs = run_online(name, eng, w3, [1, 16], tok, Path(tmp), 900, stats=stats)
+            out[name] = {"c1": runs[0] if runs else None, "c16": runs[1] if runs else None,
+                         "rss_mib": stats.get("rss_mib")}
+    for c in ("c1", "c16"):
+        ours, peer = out["pagedllm"][c] or {}, out["llama.cpp"][c] or {}
+        for key in ("median_ttft_ms", "median_tpot_ms"):
+            if ours.get(key) and peer.get(key):
+                out.setdefault("ratios", {})[f"{c} {key}"] = peer[key] / ours[key]
+        print(f"serve {c}: pagedllm TTFT {ours.get('median_ttft_ms')} TPOT {ours.get('median_tpot_ms')} ms, "
+              f"{ours.get('output_throughput')} tok/s; llama.cpp TTFT {peer.get('median_ttft_ms')} TPOT "
+              f"{peer.get('median_tpot_ms')} ms, {peer.get('output_throughput')} tok/s")
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--threads", type=int, nargs="+", default=[2])
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--json-out", default=None)
+    ap.add_argument("--serve", action="store_true", help="also both servers at concurrency 1 and 16")
+    ap.add_argument("--serve-requests", type=int, default=32, help="requests per concurrency level")
     ap.add_argument("--llama-cpp-bin", default="/work/peers/llamacpp-bin")
     ap.add_argument("--llama-cpp-src", default="/work/peers/llamacpp-src/llama_cpp_python-0.3.36/vendor/llama.cpp")
     args = ap.parse_args()
@@ -93,6 +132,8 @@ def main() -> int:
         print(f"t{nt} pagedllm decode {ours['decode_tok_s']:.1f} prefill {ours['prefill_tok_s']:.1f}; llama.cpp "
               f"tg128 {peer['tg128']:.1f} pp512 {peer['pp512']:.1f}: {ours['decode_tok_s'] / peer['tg128']:.2f}x / "
               f"{ours['prefill_tok_s'] / peer['pp512']:.2f}x")
+    if args.serve:
+        res["serve"] = serve(gguf, Path(args.llama_cpp_bin), max(args.threads), args.serve_requests)
     write_result("moe", res, args.json_out)
     return 0
 

@@ -158,28 +158,37 @@ def test_repack_rejects_a_wrong_size():
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3, 4,"]
 QWEN = "qwen2.5-coder-0.5b-instruct"
 Q4_K_M_LAYERS = {"Q5_0+Q8_0": 12, "Q5_0": 60, "Q6_K": 12, "Q4_K": 12, "Q8_0": 1}
+# the same file through the Transformers backend: one packed layer per projection (q, k, v apart)
+Q4_K_M_BACKEND = {"Q5_0": 133, "Q8_0": 13, "Q6_K": 12, "Q4_K": 12}
 
 
-@pytest.mark.parametrize("alias,formats", [(None, {"Q4_1": 120, "Q8_0": 1}), (QWEN, Q4_K_M_LAYERS)])
-def test_served_greedy_tokens_equal_the_dequantized_model(kernels, alias, formats):
+@pytest.mark.parametrize("alias,formats,impl", [(None, {"Q4_1": 120, "Q8_0": 1}, "auto"),
+                                                (QWEN, Q4_K_M_LAYERS, "auto"), (QWEN, Q4_K_M_BACKEND, "transformers")])
+def test_served_greedy_tokens_equal_the_dequantized_model(kernels, alias, formats, impl):
     """``quantization="auto"`` (the default: a GGUF's blocks served packed, float32 activations) gives
-    the greedy tokens of ``"none"`` (the float32 reference) on the golden-style prompts."""
+    the greedy tokens of ``"none"`` (the float32 reference) on the golden-style prompts, natively and
+    (Qwen2.5-Coder) through the Transformers backend (its batch-1 steps on the C decode stack)."""
     if kernels != BEST:
         pytest.skip("the engine loads the default build")
     from pagedllm import LLM, SamplingParams
     model = None if alias is None else str(_converted(alias))
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    packed = LLM(model, num_kv_blocks=64)
+    packed = LLM(model, num_kv_blocks=64, model_impl=impl)
     assert packed.llm_engine.runner.model.quantization_method == "gguf"
     assert packed.llm_engine.runner.model.quantization == formats
     assert packed.llm_engine.get_stats().weight_formats == formats  # /stats shows it
     kernels_used = packed.llm_engine.get_stats().weight_kernels
     assert "float32 activations" in kernels_used and BEST in kernels_used  # the suite turns int8 off
     got = [o.outputs[0].token_ids for o in packed.generate(PROMPTS, params, use_tqdm=False)]
+    if impl == "transformers":  # batch-1 steps of the reference below too: the C stack on float32 weights
+        assert packed.llm_engine.runner.model.decode_stack is not None
+        got += [o.outputs[0].token_ids for o in packed.generate(PROMPTS[:1], params, use_tqdm=False)]
     del packed
-    ref = LLM(model, quantization="none", num_kv_blocks=64)
+    ref = LLM(model, quantization="none", num_kv_blocks=64, model_impl=impl)
     assert ref.llm_engine.get_stats().weight_formats == {}
     want = [o.outputs[0].token_ids for o in ref.generate(PROMPTS, params, use_tqdm=False)]
+    if impl == "transformers":
+        want += [o.outputs[0].token_ids for o in ref.generate(PROMPTS[:1], params, use_tqdm=False)]
     assert got == want
 
 
