@@ -57,6 +57,7 @@ def weight_bytes(model) -> int:
     for mod in model.modules():
         tensors = list(mod._parameters.values()) + list(mod._buffers.values())
         tensors += [v for v in vars(mod).values() if isinstance(v, torch.Tensor)]
+        tensors += [t for v in vars(mod).values() if hasattr(v, "tensors") for t in v.tensors()]  # e.g. experts
         for t in tensors:
             if t is None or t.device.type == "meta":
                 continue

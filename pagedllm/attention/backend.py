@@ -66,15 +66,18 @@ class AttentionBackend(ABC):
                  metadata: AttentionMetadata) -> None:
         """Write the step's ``key``/``value`` ``[T, KVH, D]`` into ``kv_cache`` at ``metadata.slot_mapping``."""
 
+    supports_sinks = True  # per-head attention sinks (gpt-oss); a backend without them says False
+
     @abstractmethod
     def attend(self, query: torch.Tensor, kv_cache: KVCache, metadata: AttentionMetadata, scale: float,
-               sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+               sliding_window: int | None = None, softcap: float | None = None,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Causal attention of ``query`` ``[T, H, D]`` over the cached contexts (the step's K/V
         already written); returns ``[T, H, D]``, same dtype. Arguments as in ``forward``."""
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache,
                 metadata: AttentionMetadata, scale: float, sliding_window: int | None = None,
-                softcap: float | None = None) -> torch.Tensor:
+                softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Write the step's K/V into the layer's cache, then attend over the paged contexts.
 
         Args:
@@ -86,8 +89,10 @@ class AttentionBackend(ABC):
             sliding_window: a query at position ``i`` sees keys ``j > i - sliding_window`` only
                 (Mistral, Gemma local layers; transformers' definition); ``None`` for full context.
             softcap: attention logit soft-capping ``softcap * tanh(s / softcap)`` (Gemma 2), or ``None``.
+            sinks: ``[H]`` float32 per-head sink logits (gpt-oss: one more entry in each softmax,
+                with no value), or ``None``.
         Returns:
             ``[T, H, D]`` attention output.
         """
         self.write_kv(key, value, kv_cache, metadata)
-        return self.attend(query, kv_cache, metadata, scale, sliding_window, softcap)
+        return self.attend(query, kv_cache, metadata, scale, sliding_window, softcap, sinks)

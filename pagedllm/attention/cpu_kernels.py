@@ -48,13 +48,14 @@ class CpuKernelBackend(AttentionBackend):
                          metadata.slot_mapping)
 
     def attend(self, query: torch.Tensor, kv_cache: KVCache, metadata: AttentionMetadata, scale: float,
-               sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+               sliding_window: int | None = None, softcap: float | None = None,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Decodes in the C kernel (through the block tables), prefills through torch SDPA."""
         query = _last_dim_contiguous(query)
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         if metadata.decode_token_idx.numel():
             kernels.decode_attention(out, query, metadata.decode_token_idx, metadata.decode_block_tables,
                                      metadata.decode_seq_lens, kv_cache[0], kv_cache[1], scale, sliding_window,
-                                     softcap)
-        prefill_attention(out, query, kv_cache[0], kv_cache[1], metadata, scale, sliding_window, softcap)
+                                     softcap, None if sinks is None else sinks.float().contiguous())
+        prefill_attention(out, query, kv_cache[0], kv_cache[1], metadata, scale, sliding_window, softcap, sinks)
         return out

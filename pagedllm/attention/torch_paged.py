@@ -44,27 +44,33 @@ def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tens
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
-            softcap: float | None, causal: bool = False) -> torch.Tensor:
+            softcap: float | None, causal: bool = False, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """SDPA of ``q`` ``[B, H, n, D]`` over ``k``/``v`` ``[B, KVH, S, D]``; ``mask`` True = attend.
 
-    With ``softcap`` (Gemma 2) the scores are ``softcap * tanh(scores / softcap)``,
-    which SDPA cannot do, so that case runs the attention out in matmuls.
+    With ``softcap`` (Gemma 2) the scores are ``softcap * tanh(scores / softcap)``, and with
+    ``sinks`` (``[H]``, gpt-oss) each softmax gains one more logit with no value: SDPA does
+    neither, so those cases run the attention out in matmuls.
     """
     gqa = q.shape[1] != k.shape[1]
-    if softcap is None:
+    if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
                                               scale=scale, enable_gqa=gqa)
     if gqa:
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     scores = (q @ k.transpose(-1, -2)) * scale
-    scores = softcap * torch.tanh(scores / softcap)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     if causal and mask is None:
         n, s = scores.shape[-2:]
         mask = torch.ones(n, s, dtype=torch.bool, device=q.device).tril(diagonal=s - n)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    return scores.softmax(-1) @ v
+    if sinks is None:
+        return scores.softmax(-1) @ v
+    sink = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    probs = torch.cat([scores, sink], -1).softmax(-1)[..., :-1]
+    return probs @ v
 
 
 # From this many decodes up, plain matmuls + softmax beat SDPA's CPU flash kernel on one query row
@@ -91,7 +97,7 @@ def _attend_matmul(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
 
 def decode_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                      meta: TorchPagedMetadata, scale: float, sliding_window: int | None = None,
-                     softcap: float | None = None) -> None:
+                     softcap: float | None = None, sinks: torch.Tensor | None = None) -> None:
     """Attention of every one-token request over its paged context, in torch ops.
 
     Args:
@@ -99,7 +105,7 @@ def decode_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Te
         query: ``[T, H, D]``.
         key_cache, value_cache: ``[KVH, num_blocks, block_size, D]``, contexts already written.
         meta: the step's metadata (decode rows, block tables, lengths, mask).
-        scale, sliding_window, softcap: as in ``AttentionBackend.forward``.
+        scale, sliding_window, softcap, sinks: as in ``AttentionBackend.forward``.
     """
     # gather whole blocks (one contiguous block_size x D copy per table entry and head, 16x
     # fewer index entries than gathering slots); positions past a request's length are masked.
@@ -119,7 +125,7 @@ def decode_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Te
         inside = torch.arange(length, device=query.device).view(1, 1, 1, length) >= first
         mask = inside if mask is None else mask & inside
     q = query.index_select(0, meta.decode_token_idx)
-    if softcap is None:
+    if softcap is None and sinks is None:
         # one query row per head of a KV group: no K/V expansion for grouped-query attention
         q = q.view(b, kvh, num_heads // kvh, d).transpose(0, 1)           # [KVH, B, G, D]
         m = None if mask is None else mask.view(1, b, 1, length)
@@ -129,13 +135,14 @@ def decode_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Te
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=m, scale=scale)
         o = o.transpose(0, 1)                                               # [B, KVH, G, D]
     else:
-        o = _attend(q.view(b, num_heads, 1, d), k.transpose(0, 1), v.transpose(0, 1), mask, scale, softcap)
+        o = _attend(q.view(b, num_heads, 1, d), k.transpose(0, 1), v.transpose(0, 1), mask, scale, softcap,
+                    sinks=sinks)
     out.index_copy_(0, meta.decode_token_idx, o.reshape(b, num_heads, d))
 
 
 def prefill_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                       meta: AttentionMetadata, scale: float, sliding_window: int | None = None,
-                      softcap: float | None = None) -> None:
+                      softcap: float | None = None, sinks: torch.Tensor | None = None) -> None:
     """Causal attention of each multi-token request over its context, gathered through its slots.
 
     Args:
@@ -143,7 +150,7 @@ def prefill_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.T
         query: ``[T, H, D]``.
         key_cache, value_cache: ``[KVH, num_blocks, block_size, D]``, contexts already written.
         meta: the step's metadata (``prefills``).
-        scale, sliding_window, softcap: as in ``AttentionBackend.forward``.
+        scale, sliding_window, softcap, sinks: as in ``AttentionBackend.forward``.
     """
     kvh, d = key_cache.shape[0], key_cache.shape[-1]
     k_flat = key_cache.view(-1, d)                     # [KVH * num_slots, D]
@@ -163,7 +170,7 @@ def prefill_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.T
             mask = kpos <= qpos
             if sliding_window is not None:
                 mask &= kpos > qpos - sliding_window
-        o = _attend(q, k, v, mask, scale, softcap, causal=True)
+        o = _attend(q, k, v, mask, scale, softcap, causal=True, sinks=sinks)
         out[p.q_start:p.q_end] = o.squeeze(0).transpose(0, 1)
 
 
@@ -194,10 +201,11 @@ class TorchPagedBackend(AttentionBackend):
         write_kv(kv_cache[0], kv_cache[1], key, value, metadata.slot_mapping)
 
     def attend(self, query: torch.Tensor, kv_cache: KVCache, metadata: TorchPagedMetadata, scale: float,
-               sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+               sliding_window: int | None = None, softcap: float | None = None,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Decodes together (gathered blocks), then each prefill (gathered slots); see the module doc."""
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         if metadata.decode_token_idx.numel():
-            decode_attention(out, query, kv_cache[0], kv_cache[1], metadata, scale, sliding_window, softcap)
-        prefill_attention(out, query, kv_cache[0], kv_cache[1], metadata, scale, sliding_window, softcap)
+            decode_attention(out, query, kv_cache[0], kv_cache[1], metadata, scale, sliding_window, softcap, sinks)
+        prefill_attention(out, query, kv_cache[0], kv_cache[1], metadata, scale, sliding_window, softcap, sinks)
         return out

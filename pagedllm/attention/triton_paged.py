@@ -204,10 +204,19 @@ class TritonPagedBackend(AttentionBackend):
         """Scatter the step's K/V ``[T, KVH, D]`` into their slots (one Triton launch)."""
         self._k.write_kv(_last_contig(key), _last_contig(value), kv_cache[0], kv_cache[1], metadata.slot_mapping)
 
+    supports_sinks = False  # the kernels have no sink term yet: a model with sinks is refused at load
+
     def attend(self, query: torch.Tensor, kv_cache: KVCache, metadata: TritonMetadata, scale: float,
-               sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+               sliding_window: int | None = None, softcap: float | None = None,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Decodes through the split-K kernel and its reduction, multi-token requests through the
-        prefill kernel; returns ``[T, H, D]`` in ``query``'s dtype."""
+        prefill kernel; returns ``[T, H, D]`` in ``query``'s dtype.
+
+        Raises:
+            NotImplementedError: ``sinks`` given (``supports_sinks``).
+        """
+        if sinks is not None:
+            raise NotImplementedError("attention sinks are not implemented in the Triton backend")
         query = _last_contig(query)
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         kc, vc = kv_cache

@@ -45,7 +45,7 @@ _SIGNATURES = {
     "pl_moe_experts": [_L, _L, _P, _P, _P, _P, _L, _L, _P, _L, _I, _I],
     "pl_gemm16": [_P, _L, _P, _I, _P, _P, _L, _L, _I],
     "pl_decode_stack": [_L, _L, _P, _P, _P, _L, _L, _L, _L, _L, _F, _P, _P, _L, _L, _P, _L, _F, _I, _F, _I],
-    "pl_decode_attention": [_P, _L, _L, _P, _P, _L, _P, _P, _P, _L, _L, _L, _L, _L, _L, _F, _L, _F, _P, _I],
+    "pl_decode_attention": [_P, _L, _L, _P, _P, _L, _P, _P, _P, _L, _L, _L, _L, _L, _L, _F, _L, _F, _P, _P, _I],
     "pl_apply_bitmask": [_P, _L, _P, _L, _P, _L, _L, _I],
     "pl_qgemm": [_I, _P, _L, _P, _P, _P, _P, _P, _L, _L, _I],
     "pl_qdequant": [_I, _P, _P, _P, _P, _L, _L, _I],
@@ -336,7 +336,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 
 def decode_attention(out: torch.Tensor, query: torch.Tensor, rows: torch.Tensor, block_tables: torch.Tensor,
                      seq_lens: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, scale: float,
-                     sliding_window: int | None = None, softcap: float | None = None) -> None:
+                     sliding_window: int | None = None, softcap: float | None = None,
+                     sinks: torch.Tensor | None = None) -> None:
     """Attention of one query token per decode over its paged context, read through its block table.
 
     Args:
@@ -348,20 +349,22 @@ def decode_attention(out: torch.Tensor, query: torch.Tensor, rows: torch.Tensor,
         key_cache, value_cache: ``[KVH, num_blocks, block_size, D]`` contiguous.
         sliding_window: keys ``j >= seq_len - sliding_window`` only, or ``None``.
         softcap: Gemma 2 score capping ``softcap * tanh(s / softcap)``, or ``None``.
+        sinks: ``[H]`` float32 contiguous per-head sink logits (gpt-oss: each softmax's denominator
+            gains ``exp(sink)``; no value), or ``None``.
     """
     kvh, nb, bs, d = key_cache.shape
     _lib.pl_decode_attention(query.data_ptr(), query.stride(0), query.stride(1), rows.data_ptr(),
                              block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(),
                              key_cache.data_ptr(), value_cache.data_ptr(), nb * bs, bs, rows.shape[0],
-                             query.shape[1], kvh, d, scale, sliding_window or 0, softcap or 0.0, out.data_ptr(),
-                             torch.get_num_threads())
+                             query.shape[1], kvh, d, scale, sliding_window or 0, softcap or 0.0, _ptr(sinks),
+                             out.data_ptr(), torch.get_num_threads())
 
 
 # pl_decode_stack's per-layer table (the enums in cpu_kernels.c): norm weights, then the cache,
 # rotary kind and window, then {fmt, weight, d, m, bias} per matrix product
 STACK_NORMS = ("in_norm", "post_attn_norm", "pre_ff_norm", "post_ff_norm", "q_norm", "k_norm")
 STACK_MATMULS = ("q", "k", "v", "o", "gate", "up", "down")
-STACK_ACTIVATIONS = ("silu", "gelu_tanh")
+STACK_ACTIVATIONS = ("silu", "gelu_tanh", "swiglu_oai")  # the last: gpt-oss clamped SwiGLU (alpha 1.702, limit 7)
 MATMUL_ABSENT, MATMUL_FLOAT32 = -2, -1
 
 

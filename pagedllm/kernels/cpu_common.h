@@ -36,8 +36,8 @@ static inline vec load_vec(const float *p) {
 #define HIDDEN __attribute__((visibility("hidden")))
 /* cpu_kernels.c */
 void decode_task(const float *q, long q_hs, const int64_t *table, long first, long L, const float *kc,
-                 const float *vc, long block_size, long D, long G, float scale, float softcap, float *scores,
-                 float *out, long out_hs) HIDDEN;
+                 const float *vc, long block_size, long D, long G, float scale, float softcap,
+                 const float *sinks, float *scores, float *out, long out_hs) HIDDEN;
 void pl_rope(float *x, long row_stride, long nheads, const int64_t *pos, const float *cos_t, const float *sin_t,
              long T, long D, int nt);
 void pl_silu_mul(const float *gu, float *out, long T, long I, int nt);
@@ -48,7 +48,7 @@ void pl_qgemm(int fmt, const float *x, long M, const uint8_t *qs, const float *d
 /* decode_stack.c: y [M, N] = x [M, K] W^T (+ b) for a weight described by {fmt, weight, d, m, bias}
  * (fmt >= 0: pl_qgemm's layout and arrays; -1: float32 [N, K]) */
 void desc_matmul(const int64_t *desc, const float *x, long M, float *y, long N, long K, int nt) HIDDEN;
-void act_mul(int act, const float *gu, float *out, long T, long I) HIDDEN; /* 0 silu, 1 tanh-GELU */
+void act_mul(int act, const float *gu, float *out, long T, long I) HIDDEN; /* 0 silu, 1 tanh-GELU, 2 gpt-oss */
 /* moe_kernels.c */
 int pl_moe_experts(long T, long k, const int64_t *idx, const float *w, const float *x, float *out, long H, long I,
                    const int64_t *experts, long E, int act, int nt);

@@ -182,7 +182,7 @@ static void group_scores(const float *q, long q_hs, const int64_t *table, long f
 /* One (decode, KV head) task: the G query heads of group g attend over keys [first, L). */
 void decode_task(const float *q, long q_hs, const int64_t *table, long first, long L, const float *kc,
                         const float *vc, long block_size, long D, long G, float scale, float softcap,
-                        float *scores, float *out, long out_hs) {
+                        const float *sinks, float *scores, float *out, long out_hs) {
     long n = L - first;
     group_scores(q, q_hs, table, first, L, kc, block_size, D, G, scale, scores);
     for (long j = 0; j < G; j++) {
@@ -190,11 +190,13 @@ void decode_task(const float *q, long q_hs, const int64_t *table, long first, lo
         if (softcap > 0.0f)
             for (long i = 0; i < n; i++) sj[i] = softcap * tanhf(sj[i] / softcap);
         for (long i = 0; i < n; i++) m = sj[i] > m ? sj[i] : m;
+        if (sinks) m = sinks[j] > m ? sinks[j] : m; /* a sink: one more logit, with no value (gpt-oss) */
 #pragma omp simd reduction(+ : sum)
         for (long i = 0; i < n; i++) {
             sj[i] = exp_approx(sj[i] - m);
             sum += sj[i];
         }
+        if (sinks) sum += exp_approx(sinks[j] - m);
         float inv = 1.0f / sum;
 #pragma omp simd
         for (long i = 0; i < n; i++) sj[i] *= inv;
@@ -227,11 +229,12 @@ void decode_task(const float *q, long q_hs, const int64_t *table, long first, lo
  * q: query rows (row stride q_ts, head stride q_hs, H heads); rows[b] is decode b's row.
  * tables: [B, table_stride]; seq_lens[b]: context length including the new token.
  * out: [T, H, D] contiguous rows (row stride H * D), written at rows[b].
- * window > 0: keys j >= seq_len - window only (sliding window); softcap > 0: Gemma 2 capping. */
+ * window > 0: keys j >= seq_len - window only (sliding window); softcap > 0: Gemma 2 capping;
+ * sinks: NULL, or [H] per-head sink logits joining each softmax's denominator (gpt-oss). */
 void pl_decode_attention(const float *q, long q_ts, long q_hs, const int64_t *rows, const int64_t *tables,
                          long table_stride, const int64_t *seq_lens, const float *kc, const float *vc,
                          long num_slots, long block_size, long B, long H, long KVH, long D, float scale,
-                         long window, float softcap, float *out, int nt) {
+                         long window, float softcap, const float *sinks, float *out, int nt) {
     long G = H / KVH, max_len = 1, work = 0;
     for (long b = 0; b < B; b++) {
         max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
@@ -247,7 +250,7 @@ void pl_decode_attention(const float *q, long q_ts, long q_hs, const int64_t *ro
             long first = (window > 0 && L > window) ? L - window : 0;
             decode_task(q + rows[b] * q_ts + g * G * q_hs, q_hs, tables + b * table_stride, first, L,
                         kc + g * num_slots * D, vc + g * num_slots * D, block_size, D, G, scale, softcap,
-                        scores, out + rows[b] * H * D + g * G * D, D);
+                        sinks ? sinks + g * G : NULL, scores, out + rows[b] * H * D + g * G * D, D);
         }
         free(scores);
     }

@@ -17,7 +17,7 @@ enum { L_IN_NORM, L_POST_ATTN_NORM, L_PRE_FF_NORM, L_POST_FF_NORM, L_Q_NORM, L_K
 enum { MM_Q, MM_K, MM_V, MM_O, MM_GATE, MM_UP, MM_DOWN, MM_COUNT };
 enum { MM_FMT, MM_W, MM_D, MM_M, MM_B, MM_COLS };
 #define L_COUNT (L_MM + MM_COUNT * MM_COLS)
-enum { ACT_SILU, ACT_GELU_TANH };
+enum { ACT_SILU, ACT_GELU_TANH, ACT_SWIGLU_OAI };
 static inline const float *addr(const int64_t *row, int col) { return (const float *)(intptr_t)row[col]; }
 
 #define QBLOCK 32
@@ -114,8 +114,23 @@ static void gelu_tanh_mul(const float *gu, float *out, long T, long I) {
     }
 }
 
+/* out[t, i] = (clamp(u, -7, 7) + 1) * g' sigmoid(1.702 g'), g' = min(g, 7): gpt-oss's clamped SwiGLU
+ * (transformers' GptOssExperts._apply_gate with its swiglu_alpha 1.702 and swiglu_limit 7) */
+static void swiglu_oai_mul(const float *gu, float *out, long T, long I) {
+    for (long t = 0; t < T; t++) {
+        const float *g = gu + t * 2 * I, *u = g + I;
+        float *o = out + t * I;
+        for (long i = 0; i < I; i++) {
+            float a = g[i] < 7.0f ? g[i] : 7.0f, b = u[i] < -7.0f ? -7.0f : (u[i] > 7.0f ? 7.0f : u[i]);
+            o[i] = (b + 1.0f) * (a / (1.0f + expf(-1.702f * a)));
+        }
+    }
+}
+
 void act_mul(int act, const float *gu, float *out, long T, long I) {
-    if (act == ACT_GELU_TANH)
+    if (act == ACT_SWIGLU_OAI)
+        swiglu_oai_mul(gu, out, T, I);
+    else if (act == ACT_GELU_TANH)
         gelu_tanh_mul(gu, out, T, I);
     else
         pl_silu_mul(gu, out, T, I, 1);
@@ -235,7 +250,7 @@ int pl_decode_stack(long n_layers, long T, const int64_t *layers, float *x, floa
 #pragma omp parallel for num_threads(nt) schedule(static) if ((L - first) * NH * D >= PAR_MIN_WORK && KVH > 1)
             for (long g = 0; g < KVH; g++)
                 decode_task(qkv + t * nqkv + g * G * D, D, table, first, L, kc + g * num_slots * D,
-                            vc + g * num_slots * D, block_size, D, G, scale, softcap, scores + g * G * seq_len,
+                            vc + g * num_slots * D, block_size, D, G, scale, softcap, NULL, scores + g * G * seq_len,
                             attn + t * NH * D + g * G * D, D);
         }
         layer_matmul(p, MM_O, attn, T, x, H, NH * D, nt);

@@ -26,7 +26,7 @@ static void expert_rows(const int64_t *desc, const long *order, long m, long k, 
 /* out [T, H] = sum over j < k of w[t, j] * down_e(act(gate_e(x_t)) * up_e(x_t)), e = idx[t, j]
  * (pairs with e outside 0..E-1 are skipped: another rank's experts). experts: [E][2][5] descriptors
  * {fmt, weight, d, m, bias} (desc_matmul) of each expert's fused gate|up [2I, H] and down [H, I]
- * products. act: 0 SiLU, 1 tanh-GELU. The sum runs in expert order whatever the threads did.
+ * products. act: 0 SiLU, 1 tanh-GELU, 2 gpt-oss clamped SwiGLU (act_mul). The sum runs in expert order.
  * Returns 0, or -1 when scratch memory could not be allocated (out untouched then). */
 int pl_moe_experts(long T, long k, const int64_t *idx, const float *w, const float *x, float *out, long H, long I,
                    const int64_t *experts, long E, int act, int nt) {

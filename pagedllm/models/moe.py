@@ -12,8 +12,9 @@ experts' bytes, never a float32 copy of the rest).
 
 An experts module qualifies when it has transformers' default layout (concatenated gate|up, not
 transposed, no post-expert norm, the default gating) and an activation checked numerically (SiLU or
-tanh-GELU); biases are taken. Others (gpt-oss's clamped SwiGLU on transposed, interleaved weights)
-keep their original forward.
+tanh-GELU), or gpt-oss's (transposed ``[E, H, 2I]`` with gate and up interleaved, biases, the clamped
+SwiGLU checked numerically: its float32 weights are rearranged once into ours); biases are taken.
+Others keep their original forward.
 
 Source: transformers 5's ``integrations/moe.py`` (the hook and the experts' tensor layout).
 """
@@ -60,6 +61,16 @@ class ExpertWeights:
         ids = ids[(ids >= 0) & (ids < self.chosen.shape[0])]
         self.chosen += torch.bincount(ids, minlength=self.chosen.shape[0])
 
+    def tensors(self):
+        """Every tensor the experts' weights hold (``memory.weight_bytes`` counts them)."""
+        for m in self.gate_up + self.down:
+            if isinstance(m, tuple):
+                yield from (t for t in m if t is not None)
+            else:
+                yield from (t for t in vars(m).values() if isinstance(t, torch.Tensor))
+                for sub in m.modules():
+                    yield from (t for t in vars(sub).values() if isinstance(t, torch.Tensor))
+
     @property
     def nbytes(self) -> int:
         """Bytes of the experts' weights."""
@@ -87,11 +98,42 @@ def default_layout(module: nn.Module) -> bool:
             and getattr(type(module), "_apply_gate", None) is _default_apply_gate and expert_activation(module) is not None)
 
 
+def interleaved_layout(module: nn.Module) -> bool:
+    """Whether an experts module is gpt-oss's: transposed, gate and up interleaved, biased, and its
+    gating the clamped SwiGLU the kernel computes (checked on random inputs)."""
+    if not (getattr(module, "is_transposed", False) and not getattr(module, "is_concatenated", True)
+            and getattr(module, "has_gate", False) and getattr(module, "has_bias", False)
+            and not getattr(module, "has_post_expert_norm", True) and hasattr(type(module), "_apply_gate")):
+        return False
+    x = torch.linspace(-12, 12, 2 * 97).reshape(97, 2)[torch.randperm(97, generator=torch.Generator().manual_seed(0))]
+    x = x.reshape(1, -1)
+    g, u = x[..., ::2], x[..., 1::2]
+    gc = g.clamp(max=7.0)
+    want = (u.clamp(-7.0, 7.0) + 1) * gc * torch.sigmoid(1.702 * gc)
+    with torch.no_grad():
+        try:
+            got = module._apply_gate(x)
+        except Exception:  # a gate with other needs: keep the module's code
+            return False
+    return got.shape == want.shape and torch.allclose(got, want, rtol=0, atol=1e-5)
+
+
 def float_experts(module: nn.Module) -> ExpertWeights | None:
     """``ExpertWeights`` over an experts module's own float32 ``gate_up_proj`` / ``down_proj`` (and
-    biases), or ``None`` when it does not qualify."""
+    biases; gpt-oss's rearranged into our layout once, its own tensors then dropped), or ``None``
+    when it does not qualify."""
     gu, dn = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
-    if not (default_layout(module) and isinstance(gu, torch.Tensor) and isinstance(dn, torch.Tensor)):
+    if not (isinstance(gu, torch.Tensor) and isinstance(dn, torch.Tensor) and gu.dtype == torch.float32):
+        return None
+    if interleaved_layout(module):
+        gb, db = module.gate_up_proj_bias.detach(), module.down_proj_bias.detach()
+        gate_up = [(torch.cat([gu[e, :, 0::2], gu[e, :, 1::2]], 1).t().contiguous().detach(),
+                    torch.cat([gb[e, 0::2], gb[e, 1::2]]).contiguous()) for e in range(gu.shape[0])]
+        down = [(dn[e].t().contiguous().detach(), db[e].contiguous()) for e in range(gu.shape[0])]
+        for name in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"):
+            module._parameters[name] = None  # rearranged above; the kernel reads those copies only
+        return ExpertWeights(gate_up, down, gu.shape[2] // 2, "swiglu_oai", "float32")
+    if not default_layout(module):
         return None
     if gu.dtype != torch.float32 or dn.dtype != torch.float32 or gu.device.type != "cpu" or not gu.is_contiguous():
         return None

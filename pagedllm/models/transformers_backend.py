@@ -71,7 +71,7 @@ def paged_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.T
         ``([1, num_tokens, num_heads, head_dim], None)`` as transformers' attention functions.
     Raises:
         RuntimeError: called outside a pagedllm step.
-        ValueError: the module asks for bidirectional attention, or passes sinks or a position bias.
+        ValueError: the module asks for bidirectional attention, or passes a position bias.
     """
     ctx = _current
     if ctx is None:
@@ -85,13 +85,15 @@ def paged_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.T
     q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     cache = ctx.kv_caches[ctx.kv_index[module.layer_idx]]
+    sinks = kwargs.get("s_aux") if kwargs.get("s_aux") is not None else kwargs.get("sinks")  # gpt-oss
     out = ctx.backend.forward(q, k.contiguous(), v.contiguous(), cache, ctx.meta, scale,
-                              sliding_window=sliding_window, softcap=softcap)
+                              sliding_window=sliding_window, softcap=softcap,
+                              sinks=None if sinks is None else sinks.detach().float())
     return out.unsqueeze(0), None
 
 
 # attention arguments that change the result and that the attention backends do not implement
-_UNSUPPORTED_KWARGS = {"s_aux": "attention sinks", "sinks": "attention sinks", "position_bias": "relative position bias"}
+_UNSUPPORTED_KWARGS = {"position_bias": "relative position bias"}
 
 # ``layer_types`` entries whose only state is the attention K/V of their tokens (what the paged cache
 # holds); MLP kinds carry no state. Anything else (convolution, linear/recurrent attention, chunked
@@ -141,12 +143,14 @@ def check_supported(config) -> type:
     return cls
 
 
-def _check_modules(hf: nn.Module) -> None:
-    """Reject a loaded model whose decoder attention is bidirectional or uses sinks.
+def _check_modules(hf: nn.Module, backend: AttentionBackend) -> None:
+    """Reject a loaded model whose decoder attention is bidirectional, or uses sinks the attention
+    backend does not implement.
 
     Raises:
         ValueError: a module with a ``layer_idx`` (the decoder's attention) has
-            ``is_causal=False`` (e.g. BERT without ``is_decoder``) or a ``sinks`` tensor (gpt-oss).
+            ``is_causal=False`` (e.g. BERT without ``is_decoder``), or a ``sinks`` tensor (gpt-oss)
+            where ``backend.supports_sinks`` is False.
     """
     for name, mod in hf.named_modules():
         if not hasattr(mod, "layer_idx"):
@@ -154,8 +158,8 @@ def _check_modules(hf: nn.Module) -> None:
         if getattr(mod, "is_causal", True) is False:
             raise ValueError(f"{type(hf).__name__}: {name} is bidirectional (is_causal=False), not a causal LM; "
                              f"pagedllm attention is causal")
-        if isinstance(getattr(mod, "sinks", None), torch.Tensor):
-            raise ValueError(f"{type(hf).__name__}: {name} uses attention sinks, which pagedllm attention "
+        if isinstance(getattr(mod, "sinks", None), torch.Tensor) and not backend.supports_sinks:
+            raise ValueError(f"{type(hf).__name__}: {name} uses attention sinks, which the {backend.name} attention "
                              f"does not implement")
 
 
@@ -273,7 +277,7 @@ def load_transformers_model(model_dir, config, dtype: torch.dtype, device: torch
         from pagedllm.models.transformers_tp_load import load_sharded, parameters_on_meta
         with parameters_on_meta():
             hf = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=ATTN_NAME)
-        _check_modules(hf)
+        _check_modules(hf, attention_backend)
         shard = shard_transformers_model(hf, _text_config(hf.config), tp, get_tp_rank())
         load_sharded(hf, model_dir, device)  # this rank's slices only (transformers_tp_load.py)
         hf = hf.to(device).eval()
@@ -283,12 +287,12 @@ def load_transformers_model(model_dir, config, dtype: torch.dtype, device: torch
         from pagedllm.models.transformers_tp_load import load_sharded, parameters_on_meta
         with parameters_on_meta():
             hf = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=ATTN_NAME)
-        _check_modules(hf)
+        _check_modules(hf, attention_backend)
         formats = _serve_packed(hf, model_dir, quantization)
         load_sharded(hf, model_dir, device)  # the parameters left (norms, float layers), whole
     else:
         hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation=ATTN_NAME)
-        _check_modules(hf)
+        _check_modules(hf, attention_backend)
     hf = hf.to(device).eval()
     from pagedllm.models.cpu_linear import prepack_available, prepack_linears
     if prepack and prepack_available(device, dtype):  # the plan asked, and it applies here

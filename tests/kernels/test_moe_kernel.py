@@ -45,7 +45,11 @@ def _reference(x, idx, wts, gate_up, down, act):
         for j in range(idx.shape[1]):
             e = int(idx[t, j])
             g, u = (x[t].double() @ gate_up[e].double().T).chunk(2)
-            h = (torch.nn.functional.silu(g) if act == "silu" else torch.nn.functional.gelu(g, approximate="tanh")) * u
+            if act == "swiglu_oai":  # gpt-oss: clamped, alpha 1.702, limit 7
+                g = g.clamp(max=7.0)
+                h = (u.clamp(-7.0, 7.0) + 1) * g * torch.sigmoid(1.702 * g)
+            else:
+                h = (torch.nn.functional.silu(g) if act == "silu" else torch.nn.functional.gelu(g, approximate="tanh")) * u
             out[t] += float(wts[t, j]) * (h @ down[e].double().T)
     return out
 
@@ -62,7 +66,7 @@ def test_experts_equal_the_per_expert_reference(kind):
         gu = [_packed(kind, 2 * I, H, rng) for _ in range(E)]
         dn = [_packed(kind, H, I, rng) for _ in range(E)]
         w_gu, w_dn = [m.dequantize() for m in gu], [m.dequantize() for m in dn]
-    for act in ("silu", "gelu_tanh"):
+    for act in ("silu", "gelu_tanh", "swiglu_oai"):
         experts = ExpertWeights(gu, dn, I, act, kind)
         for rows, threads in ((1, 1), (1, 2), (5, 2), (40, 1), (40, 2)):
             # decode, a batch (2 threads: the experts split across them), a prefill chunk (an expert
