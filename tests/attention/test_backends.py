@@ -45,8 +45,9 @@ def _step(g: torch.Generator):
     return batch, torch.randn(qsl[-1], H, D, generator=g), ctx
 
 
-def _dense(q, k, v, scale, window, softcap):
-    """Causal attention of the last ``len(q)`` positions of a context ``k``/``v`` ``[S, KVH, D]``."""
+def _dense(q, k, v, scale, window, softcap, sinks=None):
+    """Causal attention of the last ``len(q)`` positions of a context ``k``/``v`` ``[S, KVH, D]``
+    (``sinks`` ``[H]``: one more logit per head in each softmax, with no value: gpt-oss)."""
     n, s = q.shape[0], k.shape[0]
     kk, vv = k.repeat_interleave(H // KVH, 1), v.repeat_interleave(H // KVH, 1)
     scores = torch.einsum("qhd,khd->hqk", q, kk) * scale
@@ -56,13 +57,19 @@ def _dense(q, k, v, scale, window, softcap):
     keep = kpos <= qpos
     if window:
         keep &= kpos > qpos - window
-    return torch.einsum("hqk,khd->qhd", scores.masked_fill(~keep, float("-inf")).softmax(-1), vv)
+    scores = scores.masked_fill(~keep, float("-inf"))
+    if sinks is not None:
+        col = sinks.view(H, 1, 1).expand(H, n, 1)
+        return torch.einsum("hqk,khd->qhd", torch.cat([scores, col], -1).softmax(-1)[..., :-1], vv)
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), vv)
 
 
 @pytest.mark.parametrize("name", _backends())
-@pytest.mark.parametrize("window,softcap", [(None, None), (5, None), (None, 20.0)])
-def test_backend_matches_dense_attention(name, window, softcap):
+@pytest.mark.parametrize("window,softcap,sinks", [(None, None, False), (5, None, False), (None, 20.0, False),
+                                                  (None, None, True), (5, None, True)])
+def test_backend_matches_dense_attention(name, window, softcap, sinks):
     g = torch.Generator().manual_seed(3)
+    sinks = torch.randn(H, generator=g) * 2 if sinks else None
     batch, q, ctx = _step(g)
     backend = select_attention_backend("cpu", torch.float32, name)
     cache = (torch.zeros(KVH, NB, BS, D), torch.zeros(KVH, NB, BS, D))
@@ -73,10 +80,10 @@ def test_backend_matches_dense_attention(name, window, softcap):
     new_k = torch.cat([k[s - n:] for (k, _), (s, n) in zip(ctx, REQS)])
     new_v = torch.cat([v[s - n:] for (_, v), (s, n) in zip(ctx, REQS)])
     meta = backend.build_metadata(batch)
-    out = backend.forward(q, new_k, new_v, cache, meta, 0.2, sliding_window=window, softcap=softcap)
+    out = backend.forward(q, new_k, new_v, cache, meta, 0.2, sliding_window=window, softcap=softcap, sinks=sinks)
     qsl = batch.query_start_loc
     for i, (k, v) in enumerate(ctx):
-        expect = _dense(q[qsl[i]:qsl[i + 1]], k, v, 0.2, window, softcap)
+        expect = _dense(q[qsl[i]:qsl[i + 1]], k, v, 0.2, window, softcap, sinks)
         torch.testing.assert_close(out[qsl[i]:qsl[i + 1]], expect, rtol=1e-5, atol=1e-5)
 
 
