@@ -56,6 +56,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                         '(methods: ngram, suffix, draft_model with "model"; see docs/speculative-decoding.md)')
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="ranks that split every layer (Megatron-style; native Llama/Qwen2, float weights)")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="with --tensor-parallel-size, a mixture of experts' ranks hold whole experts (the "
+                        "Transformers backend; without it such a model is refused at several ranks)")
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
                    help="stages that split the layers (each a --tensor-parallel-size group: tp x pp ranks in all)")
     p.add_argument("--pipeline-micro-batches", type=int, default=0,
@@ -111,6 +114,7 @@ def engine_args_from_cli(a: argparse.Namespace) -> EngineArgs:
                       cuda_graph_sizes=getattr(a, "cuda_graph_sizes", None),
                       compilation_config=getattr(a, "compilation_config", None),
                       tensor_parallel_size=a.tensor_parallel_size, pipeline_parallel_size=a.pipeline_parallel_size,
+                      enable_expert_parallel=getattr(a, "enable_expert_parallel", False),
                       pipeline_micro_batches=getattr(a, "pipeline_micro_batches", 0),
                       distributed_executor_backend=a.distributed_executor_backend,
                       data_parallel_size=a.data_parallel_size, runner=_runner(a))

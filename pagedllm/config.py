@@ -136,6 +136,9 @@ class EngineArgs:
         tensor_parallel_size: ranks that split every layer (vLLM's ``--tensor-parallel-size``;
             Megatron-style, ``models/layers/parallel.py``); above 1 needs a native model, float
             weights and an ``mp`` executor.
+        enable_expert_parallel: with ``tensor_parallel_size`` above 1, a mixture of experts' ranks hold
+            whole experts instead of slices of each (vLLM's ``--enable-expert-parallel``; the
+            Transformers backend, ``models/moe.py``); a dense model or one rank is unaffected.
         pipeline_parallel_size: ranks that split the layers into stages (``--pipeline-parallel-size``,
             ``models/layers/pipeline.py``); with ``tensor_parallel_size`` too, each stage is a TP group
             (``tp * pp`` ranks in all).
@@ -196,6 +199,7 @@ class EngineArgs:
     async_scheduling: bool | None = None
     speculative_config: Any = None
     tensor_parallel_size: int = 1
+    enable_expert_parallel: bool = False
     pipeline_parallel_size: int = 1
     pipeline_micro_batches: int = 0
     distributed_executor_backend: str | None = None

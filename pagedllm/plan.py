@@ -141,7 +141,7 @@ def plan_engine(args: EngineArgs, model_dir: str | Path, config=None) -> EngineP
     config = read_hf_config(model_dir) if config is None else config
     tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
     model = plan_load(model_dir, config, args.torch_dtype, args.torch_device, args.model_impl, args.quantization,
-                      args.attention_backend, tp, pp)
+                      args.attention_backend, tp, pp, args.enable_expert_parallel)
     if model.encoder_only and args.runner == "generate":
         raise ValueError(f"{getattr(config, 'architectures', None)} is an encoder-only model: it serves pooling "
                          "only (--runner pooling or auto)")

@@ -42,6 +42,11 @@ TINY_KINDS = {
                                          moe_intermediate_size=32, head_dim=16, mlp_only_layers=[1])),
     "mixtral": ("MixtralConfig", dict(num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2,
                                       sliding_window=8)),
+    # expert parallelism: a shared expert kept whole beside 6 routed experts (3 per rank of 2); Granite
+    # MoE's plan splits only its experts (attention whole on every rank)
+    "qwen2_moe": ("Qwen2MoeConfig", dict(num_hidden_layers=2, num_experts=6, num_experts_per_tok=2,
+                                         moe_intermediate_size=32, shared_expert_intermediate_size=48)),
+    "granitemoe": ("GraniteMoeConfig", dict(num_hidden_layers=2, num_local_experts=5, num_experts_per_tok=2)),
     # hybrid: gated short convolutions (state: the last conv_L_cache - 1 inputs) around two attention layers
     "lfm2": ("Lfm2Config", dict(num_hidden_layers=5, full_attn_idxs=[1, 3], conv_L_cache=3, norm_eps=1e-5,
                                 block_multiple_of=32, tie_word_embeddings=True)),

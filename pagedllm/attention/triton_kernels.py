@@ -17,7 +17,9 @@ Three kernels over the head-major paged cache ``[KVH, num_blocks, block_size, D]
 
 Every kernel handles grouped-query attention, a sliding window (a query at
 position ``i`` sees keys ``j > i - window``), logit soft-capping
-(``softcap * tanh(s / softcap)``) and any scale. Scores and the softmax run in
+(``softcap * tanh(s / softcap)``), per-head attention sinks (gpt-oss: one more logit
+per head in every softmax, with no value; in the decode reduction's denominator)
+and any scale. Scores and the softmax run in
 float32 whatever the cache dtype (float16, bfloat16, float32). Under
 ``TRITON_INTERPRET=1`` (set before this module is imported) the same kernels
 run on CPU tensors through Triton's interpreter. Importing this module needs
@@ -159,8 +161,8 @@ def _decode_kernel(query, key_cache, value_cache, block_tables, seq_lens, query_
 
 
 @triton.jit
-def _reduce_kernel(part_out, part_lse, out, query_start_loc, decode_req, stride_ot, stride_oh,
-                   num_heads, head_dim, num_splits, S_P: tl.constexpr, D_P: tl.constexpr):
+def _reduce_kernel(part_out, part_lse, out, query_start_loc, decode_req, sinks, stride_ot, stride_oh,
+                   num_heads, head_dim, num_splits, S_P: tl.constexpr, D_P: tl.constexpr, USE_SINKS: tl.constexpr):
     i = tl.program_id(0)
     h = tl.program_id(1)
     r = tl.load(decode_req + i).to(tl.int64)
@@ -170,9 +172,14 @@ def _reduce_kernel(part_out, part_lse, out, query_start_loc, decode_req, stride_
     base = (i * num_heads + h) * num_splits
     lse = tl.load(part_lse + base + s, mask=s < num_splits, other=float("-inf"))
     mx = tl.max(lse, 0)
+    if USE_SINKS:  # the head's sink is one more logit with no value: in the denominator only
+        sink = tl.load(sinks + h).to(tl.float32)
+        mx = tl.maximum(mx, sink)
     mx = tl.where(mx > float("-inf"), mx, 0.0)  # an empty context (a CUDA graph's padded row): output 0
     w = tl.exp(lse - mx)  # an empty split has lse -inf: weight 0
     tot = tl.sum(w, 0)
+    if USE_SINKS:
+        tot = tot + tl.exp(sink - mx)
     w = w / tl.where(tot > 0, tot, 1.0)
     o = tl.load(part_out + (base + s)[:, None] * D_P + d[None, :], mask=(s < num_splits)[:, None], other=0.0)
     res = tl.sum(w[:, None] * o, 0)
@@ -182,8 +189,10 @@ def _reduce_kernel(part_out, part_lse, out, query_start_loc, decode_req, stride_
 def decode_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                      block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                      decode_req: torch.Tensor, num_splits: int, split_len: int, scale: float,
-                     sliding_window: int | None = None, softcap: float | None = None) -> None:
-    """Split-K paged decode attention (flash-decoding over vLLM's paged layout), then the reduction.
+                     sliding_window: int | None = None, softcap: float | None = None,
+                     sinks: torch.Tensor | None = None) -> None:
+    """Split-K paged decode attention (flash-decoding over vLLM's paged layout), then the reduction
+    (which adds the per-head sinks to each softmax's denominator).
 
     Args:
         out: ``[T, H, D]``; row ``query_start_loc[r]`` of every decode request ``r`` is written.
@@ -195,7 +204,8 @@ def decode_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Te
         decode_req: ``[Dn]`` int64 indices (into ``R``) of the one-token requests.
         num_splits: splits per context (the grid's third dimension); ``split_len``: tokens per
             split, a multiple of ``block_size`` with ``num_splits * split_len >= max seq_len``.
-        scale, sliding_window, softcap: as ``AttentionBackend.forward``.
+        scale, sliding_window, softcap, sinks: as ``AttentionBackend.forward`` (``sinks`` ``[H]``
+            float32 on the device, or ``None``).
     """
     n = decode_req.shape[0]
     if n == 0:
@@ -215,17 +225,19 @@ def decode_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Te
         BLOCK_SIZE=bs, G_P=_pow2(max(group, 16)), D_P=d_p, USE_SOFTCAP=softcap is not None,
         USE_WINDOW=sliding_window is not None, DOT_F32=_dot_f32(query.dtype))
     _reduce_kernel[(n, num_heads)](part_out, part_lse, out, query_start_loc, decode_req,
+                                   part_lse if sinks is None else sinks,  # not read without sinks
                                    out.stride(0), out.stride(1), num_heads, d, num_splits,
-                                   S_P=_pow2(num_splits), D_P=d_p)
+                                   S_P=_pow2(num_splits), D_P=d_p, USE_SINKS=sinks is not None)
 
 
 @triton.jit
 def _prefill_kernel(query, out, key_cache, value_cache, block_tables, seq_lens, num_computed, query_start_loc,
-                    tile_req, tile_q0, scale, softcap, window,
+                    tile_req, tile_q0, sinks, scale, softcap, window,
                     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_ch, stride_cb, stride_ct,
                     head_dim, group,
                     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, G_P: tl.constexpr, D_P: tl.constexpr,
-                    USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_F32: tl.constexpr):
+                    USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_F32: tl.constexpr,
+                    USE_SINKS: tl.constexpr):
     j = tl.program_id(0)
     kvh = tl.program_id(1)
     r = tl.load(tile_req + j).to(tl.int64)
@@ -267,6 +279,12 @@ def _prefill_kernel(query, out, key_cache, value_cache, block_tables, seq_lens, 
             vis = vis & (kpos[None, :] > qpos[:, None] - window)
         s = tl.where(vis, s, float("-inf"))
         m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, DOT_F32)
+    if USE_SINKS:  # one more logit per head with no value: rescale to the larger max, add to l
+        sink = tl.load(sinks + heads, mask=row_ok, other=0.0).to(tl.float32)
+        m_new = tl.maximum(m_i, sink)
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.exp(sink - m_new)
+        acc = acc * alpha[:, None]
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out + (qs + tok)[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
              o.to(out.dtype.element_ty), mask=qmask)
@@ -281,7 +299,7 @@ def prefill_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.T
                       block_tables: torch.Tensor, seq_lens: torch.Tensor, num_computed: torch.Tensor,
                       query_start_loc: torch.Tensor, tile_req: torch.Tensor, tile_q0: torch.Tensor,
                       block_q: int, scale: float, sliding_window: int | None = None,
-                      softcap: float | None = None) -> None:
+                      softcap: float | None = None, sinks: torch.Tensor | None = None) -> None:
     """Causal paged attention of every multi-token request of the step, in one launch.
 
     Args:
@@ -292,7 +310,7 @@ def prefill_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.T
             before this step; query_start_loc: ``[R + 1]`` int64.
         tile_req, tile_q0: ``[N]`` int64 request and first local query token of each tile of
             ``block_q`` tokens (``PREFILL_BLOCK_Q``).
-        scale, sliding_window, softcap: as ``AttentionBackend.forward``.
+        scale, sliding_window, softcap, sinks: as ``decode_attention``.
     """
     n = tile_req.shape[0]
     if n == 0:
@@ -302,9 +320,10 @@ def prefill_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.T
     group = num_heads // kvh
     _prefill_kernel[(n, kvh)](
         query, out, key_cache, value_cache, block_tables, seq_lens, num_computed, query_start_loc, tile_req, tile_q0,
+        seq_lens if sinks is None else sinks,  # not read without sinks
         float(scale), float(softcap or 1.0), int(sliding_window or 0),
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), d, group,
         BLOCK_SIZE=bs, BLOCK_Q=block_q, G_P=_pow2(group), D_P=_pow2(max(d, 16)),
         USE_SOFTCAP=softcap is not None, USE_WINDOW=sliding_window is not None,
-        DOT_F32=_dot_f32(query.dtype))
+        DOT_F32=_dot_f32(query.dtype), USE_SINKS=sinks is not None)

@@ -204,27 +204,21 @@ class TritonPagedBackend(AttentionBackend):
         """Scatter the step's K/V ``[T, KVH, D]`` into their slots (one Triton launch)."""
         self._k.write_kv(_last_contig(key), _last_contig(value), kv_cache[0], kv_cache[1], metadata.slot_mapping)
 
-    supports_sinks = False  # the kernels have no sink term yet: a model with sinks is refused at load
-
     def attend(self, query: torch.Tensor, kv_cache: KVCache, metadata: TritonMetadata, scale: float,
                sliding_window: int | None = None, softcap: float | None = None,
                sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Decodes through the split-K kernel and its reduction, multi-token requests through the
-        prefill kernel; returns ``[T, H, D]`` in ``query``'s dtype.
-
-        Raises:
-            NotImplementedError: ``sinks`` given (``supports_sinks``).
-        """
+        prefill kernel; returns ``[T, H, D]`` in ``query``'s dtype (``sinks``: ``[H]``, any float dtype)."""
         if sinks is not None:
-            raise NotImplementedError("attention sinks are not implemented in the Triton backend")
+            sinks = sinks.to(device=query.device, dtype=torch.float32).contiguous()
         query = _last_contig(query)
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         kc, vc = kv_cache
         m = metadata
         self._k.decode_attention(out, query, kc, vc, m.block_tables, m.seq_lens, m.query_start_loc, m.decode_req,
-                                 m.num_splits, m.split_len, scale, sliding_window, softcap)
+                                 m.num_splits, m.split_len, scale, sliding_window, softcap, sinks)
         self._k.prefill_attention(out, query, kc, vc, m.block_tables, m.seq_lens, m.num_computed, m.query_start_loc,
-                                  m.tile_req, m.tile_q0, m.block_q, scale, sliding_window, softcap)
+                                  m.tile_req, m.tile_q0, m.block_q, scale, sliding_window, softcap, sinks)
         return out
 
 

@@ -74,7 +74,8 @@ def load_model(model_dir: str | Path, plan: LoadPlan):
     if plan.impl == "transformers":
         from pagedllm.models.transformers_backend import load_transformers_model
         model = load_transformers_model(model_dir, config, plan.dtype, plan.device, backend, plan.prepack,
-                                        plan.quantization, kernel_norms=plan.cpu_kernels)
+                                        plan.quantization, kernel_norms=plan.cpu_kernels,
+                                        expert_parallel=plan.expert_parallel)
         model.quantization_method = plan.quantization
         logger.info("loaded %s (%s, Transformers backend) in %.1f s", model_dir, config.architectures,
                     time.perf_counter() - t0)

@@ -35,6 +35,8 @@ class LoadPlan:
         quantization: the weight format served: ``gguf`` (packed GGUF blocks), ``int8`` or ``none``.
         prepack: float32 linears get oneDNN-prepacked copies (``models/cpu_linear.py``).
         tensor_parallel_size, pipeline_parallel_size: the rank grid the weights are split over.
+        expert_parallel: ``--enable-expert-parallel``: tensor-parallel ranks hold whole experts of a
+            mixture of experts instead of slices (``models/moe.py``); no effect on dense models or one rank.
     """
 
     impl: str
@@ -48,6 +50,7 @@ class LoadPlan:
     prepack: bool
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    expert_parallel: bool = False
 
     @property
     def encoder_only(self) -> bool:
@@ -62,7 +65,8 @@ class LoadPlan:
 
 def plan_load(model_dir: str | Path, config, dtype: torch.dtype, device: torch.device | str,
               model_impl: str = "auto", quantization: str = "auto", attention_backend: str | None = None,
-              tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1) -> LoadPlan:
+              tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
+              expert_parallel: bool = False) -> LoadPlan:
     """Decide how ``model_dir`` (whose ``transformers`` config is ``config``) is built and served.
 
     One rank of a tensor- or pipeline-parallel job runs the torch layers and attention (or Triton's
@@ -73,6 +77,7 @@ def plan_load(model_dir: str | Path, config, dtype: torch.dtype, device: torch.d
         model_impl: ``auto``, ``native`` or ``transformers`` (``registry.select_impl``).
         quantization: ``auto``, ``gguf``, ``int8`` or ``none`` (``resolve_quantization``).
         attention_backend: ``EngineArgs.attention_backend`` or ``None`` (choose by device and dtype).
+        expert_parallel: ``LoadPlan.expert_parallel``.
     Raises:
         ValueError: no implementation serves the architecture; an attention backend that does not
             support the device and dtype; packed weights without the C kernels or with several
@@ -104,7 +109,7 @@ def plan_load(model_dir: str | Path, config, dtype: torch.dtype, device: torch.d
     isa = cpu_kernels.isa() if kernels_on else ""
     int8 = quantization in ("gguf", "int8") and cpu_kernels.int8_activations()
     return LoadPlan(impl, dtype, device, backend.name, kernels_on, isa, int8, quantization, prepack,
-                    tensor_parallel_size, pipeline_parallel_size)
+                    tensor_parallel_size, pipeline_parallel_size, expert_parallel)
 
 
 def resolve_quantization(quantization: str, model_dir: Path, impl: str, kernels_on: bool,

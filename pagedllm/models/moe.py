@@ -16,7 +16,13 @@ tanh-GELU), or gpt-oss's (transposed ``[E, H, 2I]`` with gate and up interleaved
 SwiGLU checked numerically: its float32 weights are rearranged once into ours); biases are taken.
 Others keep their original forward.
 
-Source: transformers 5's ``integrations/moe.py`` (the hook and the experts' tensor layout).
+With ``--enable-expert-parallel`` (``transformers_tp``) a rank holds a contiguous range of whole
+experts (``shard_experts``); ``experts_forward`` then runs the pairs routed into that range (ids
+shifted to local ones, the others given the module's "no expert" id, ``num_experts``, that its eager
+forward skips) and sums the ranks' outputs with one all-reduce.
+
+Source: transformers 5's ``integrations/moe.py`` (the hook and the experts' tensor layout); expert
+parallelism as GShard (Lepikhin et al. 2020) places experts, without its token capacity limit.
 """
 
 from __future__ import annotations
@@ -144,11 +150,52 @@ def float_experts(module: nn.Module) -> ExpertWeights | None:
                          gu.shape[1] // 2, expert_activation(module), "float32")
 
 
+def shard_experts(module: nn.Module, ranks: int, rank: int) -> tuple[int, int]:
+    """Keep this rank's experts of an experts module in place (``--enable-expert-parallel``).
+
+    Every parameter whose first dimension is the expert count (``gate_up_proj`` ``[E, 2I, H]``,
+    ``down_proj``, their biases) is cut to experts ``start .. start + count - 1`` (on the meta device
+    it only changes shape: ``transformers_tp_load`` then reads those experts only); ``num_experts``
+    becomes ``count`` and ``pagedllm_ep`` records ``(start, count, E)``.
+
+    Returns:
+        ``(start, count)``.
+    Raises:
+        ValueError: the module has no ``num_experts`` or fewer experts than ranks.
+    """
+    from pagedllm.models.layers.parallel import balanced_split
+    total = getattr(module, "num_experts", None)
+    if not isinstance(total, int) or total < ranks:
+        raise ValueError(f"--enable-expert-parallel: {type(module).__name__} has {total} experts for {ranks} ranks")
+    start, count = balanced_split(total, ranks, rank)
+    for name, p in list(module.named_parameters(recurse=False)):
+        if p.dim() >= 1 and p.shape[0] == total:
+            module._parameters[name] = nn.Parameter(p.data.narrow(0, start, count).clone(), requires_grad=False)
+    module.num_experts = count
+    module.pagedllm_ep = (start, count, total)
+    return start, count
+
+
+def _expert_parallel_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                             top_k_weights: torch.Tensor) -> torch.Tensor:
+    """This rank's share of the experts (``pagedllm_ep``) through the module's own eager forward, then
+    the all-reduce over the tensor-parallel group: ``[T, H]`` like ``experts_forward``."""
+    from pagedllm.distributed.parallel_state import tp_all_reduce
+    start, count, _ = module.pagedllm_ep
+    local = top_k_index - start
+    local = torch.where((local >= 0) & (local < count), local, torch.full_like(local, count))
+    out = type(module).forward.__wrapped__(module, hidden_states, local, top_k_weights)
+    return tp_all_reduce(out.contiguous())
+
+
 def experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                     top_k_weights: torch.Tensor) -> torch.Tensor:
     """transformers' experts function ``"pagedllm"``: ``[T, H]`` hidden states, ``[T, k]`` expert ids
     and routing weights -> ``[T, H]`` (the module's ``pagedllm_experts``, else its float32 tensors;
-    a module that does not qualify runs its original forward)."""
+    a module that does not qualify runs its original forward; an expert-parallel rank's module its
+    share and an all-reduce)."""
+    if getattr(module, "pagedllm_ep", None) is not None:
+        return _expert_parallel_forward(module, hidden_states, top_k_index, top_k_weights)
     weights = getattr(module, "pagedllm_experts", None)
     if weights is None:
         weights = module.pagedllm_experts = float_experts(module) or False
@@ -170,6 +217,22 @@ def register() -> None:
     """Register ``experts_forward`` as ``experts_implementation="pagedllm"`` (idempotent)."""
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
     ALL_EXPERTS_FUNCTIONS.register(EXPERTS_NAME, experts_forward)
+
+
+def install_expert_parallel(hf: nn.Module) -> int:
+    """Route a split model's experts modules (``shard_experts``) through ``experts_forward``; returns
+    how many there are.
+
+    Raises:
+        ValueError: experts were split but the model class has no experts-implementation hook.
+    """
+    split = [m for m in hf.modules() if getattr(m, "pagedllm_ep", None) is not None]
+    if split:
+        if not getattr(type(hf), "_can_set_experts_implementation", lambda: False)():
+            raise ValueError(f"--enable-expert-parallel: {type(hf).__name__} has no experts-implementation hook")
+        register()
+        hf.set_experts_implementation(EXPERTS_NAME)
+    return len(split)
 
 
 def install(hf: nn.Module) -> int:

@@ -245,7 +245,8 @@ class TransformersCausalLM(nn.Module):
 
 def load_transformers_model(model_dir, config, dtype: torch.dtype, device: torch.device,
                             attention_backend: AttentionBackend, prepack: bool = True,
-                            quantization: str = "none", kernel_norms: bool = False) -> TransformersCausalLM:
+                            quantization: str = "none", kernel_norms: bool = False,
+                            expert_parallel: bool = False) -> TransformersCausalLM:
     """Load ``model_dir`` with ``transformers`` and pagedllm attention through ``attention_backend``.
 
     ``from_pretrained`` builds the model on the meta device and loads the
@@ -257,7 +258,8 @@ def load_transformers_model(model_dir, config, dtype: torch.dtype, device: torch
     (``transformers_tp_load.load_sharded``); it runs plain torch linears. With ``quantization``
     ``gguf`` or ``int8`` (one rank, C kernels on) the linear layers, embedding and LM head are served
     packed instead (``packed_transformers``); with ``kernel_norms`` (the C kernels on) its RMSNorms
-    run on the C kernel where it reproduces them (``transformers_norms``).
+    run on the C kernel where it reproduces them (``transformers_norms``). With ``expert_parallel``
+    (``--enable-expert-parallel``) a tensor-parallel rank holds whole experts (``moe.shard_experts``).
 
     Raises:
         ValueError: see ``check_supported``, ``_check_modules`` and, with several tensor-parallel
@@ -270,18 +272,10 @@ def load_transformers_model(model_dir, config, dtype: torch.dtype, device: torch
     tp = get_tp_size()
     if tp > 1:  # refuse an unsplittable model before reading its weights
         from pagedllm.models.transformers_tp import tensor_parallel_plan
-        tensor_parallel_plan(_text_config(config), tp)
+        tensor_parallel_plan(_text_config(config), tp, expert_parallel)
     register()
-    if tp > 1:  # torch linears on each rank's slices, as the native model's parallel layers
-        from pagedllm.models.transformers_tp import shard_transformers_model
-        from pagedllm.models.transformers_tp_load import load_sharded, parameters_on_meta
-        with parameters_on_meta():
-            hf = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=ATTN_NAME)
-        _check_modules(hf, attention_backend)
-        shard = shard_transformers_model(hf, _text_config(hf.config), tp, get_tp_rank())
-        load_sharded(hf, model_dir, device)  # this rank's slices only (transformers_tp_load.py)
-        hf = hf.to(device).eval()
-        return TransformersCausalLM(hf, attention_backend, (shard.q_heads, shard.kv_heads))
+    if tp > 1:
+        return _load_tensor_parallel(model_dir, config, dtype, device, attention_backend, expert_parallel)
     formats = None
     if quantization in ("gguf", "int8"):  # packed layers built from the files, never in float32
         from pagedllm.models.transformers_tp_load import load_sharded, parameters_on_meta
@@ -314,6 +308,28 @@ def load_transformers_model(model_dir, config, dtype: torch.dtype, device: torch
     if formats is not None:
         model.quantization = formats  # ``/stats`` ``weight_formats``
     return model
+
+
+def _load_tensor_parallel(model_dir, config, dtype: torch.dtype, device: torch.device,
+                          attention_backend: AttentionBackend, expert_parallel: bool) -> TransformersCausalLM:
+    """This rank's part of the model: torch linears on its slices (as the native model's parallel
+    layers), its whole experts with ``expert_parallel``; built on meta, split, then filled."""
+    from transformers import AutoModelForCausalLM
+
+    from pagedllm.distributed.parallel_state import get_tp_rank, get_tp_size
+    from pagedllm.models import moe
+    from pagedllm.models.transformers_tp import shard_transformers_model
+    from pagedllm.models.transformers_tp_load import load_sharded, parameters_on_meta
+    with parameters_on_meta():
+        hf = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=ATTN_NAME)
+    _check_modules(hf, attention_backend)
+    shard = shard_transformers_model(hf, _text_config(hf.config), get_tp_size(), get_tp_rank(), expert_parallel)
+    load_sharded(hf, model_dir, device)  # this rank's slices only (transformers_tp_load.py)
+    if (n := moe.install_expert_parallel(hf)):
+        logger.info("expert parallel: %d experts layers, experts %s of each on this rank", n,
+                    next(m.pagedllm_ep for m in hf.modules() if getattr(m, "pagedllm_ep", None)))
+    hf = hf.to(device).eval()
+    return TransformersCausalLM(hf, attention_backend, (shard.q_heads, shard.kv_heads))
 
 
 def _serve_packed(hf: nn.Module, model_dir, quantization: str) -> dict[str, int]:

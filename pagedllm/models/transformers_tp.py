@@ -22,7 +22,14 @@ module with a ``head_dim``, ``head_size`` or ``layer_idx``) the split follows ``
 by this rank's query heads, K/V rows by its KV heads. Elsewhere (the MLP) a width splits into
 ``balanced_split`` ranges, the same for a colwise layer's output and the rowwise layer reading it.
 
-Any other style (fused or packed projections, experts, gathered attention, sharded embeddings)
+Mixture-of-experts layers (``moe_tp_experts``: transformers slices every expert's width) are split
+by expert instead, with ``--enable-expert-parallel`` (vLLM's flag): a rank holds a contiguous range
+of whole experts (``moe.shard_experts``), computes the routed tokens' pairs that fall in it and one
+all-reduce sums the ranks' parts; the router and any shared expert stay whole on every rank (the
+plans do not split them), so each rank adds the same shared output once. Slicing experts by width
+is not done: without the flag such a plan is refused naming it.
+
+Any other style (fused or packed projections, gathered attention, sharded embeddings)
 is refused naming ``--tensor-parallel-size`` and the model type, as is a config without a plan.
 """
 
@@ -39,23 +46,26 @@ from pagedllm.models.layers.parallel import (ColumnParallelLinear, HeadShard, Pa
 
 SHARDED_STYLES = frozenset({"colwise", "rowwise"})
 WHOLE_STYLES = frozenset({"replicate", "replicated_with_grad_allreduce"})
+# the experts module's style and its 3-D parameters' (never modules: not matched by name)
+EXPERT_STYLES = frozenset({"moe_tp_experts", "packed_colwise"})
 # attention attributes some transformers models read in forward; set to this rank's counts
 _Q_ATTRS = ("num_heads", "num_attention_heads")
 _KV_ATTRS = ("num_key_value_heads", "num_kv_heads")
 
 
-def tensor_parallel_plan(config, tp_size: int) -> dict[str, str]:
+def tensor_parallel_plan(config, tp_size: int, expert_parallel: bool = False) -> dict[str, str]:
     """The text config's ``base_model_tp_plan`` if pagedllm can serve it at ``tp_size`` ranks.
 
     Args:
         config: the model's (text) ``transformers`` config.
         tp_size: ranks in the tensor-parallel group.
+        expert_parallel: ``--enable-expert-parallel``: experts modules are split by expert.
     Returns:
         ``{module pattern ("layers.*.mlp.up_proj"): style}``.
     Raises:
         ValueError: no plan, a hybrid model (its state layers are not split), or a style other
-            than ``colwise``/``rowwise``/replicated; the message names ``--tensor-parallel-size``
-            and the model type.
+            than ``colwise``/``rowwise``/replicated (experts: with ``expert_parallel`` only; fewer
+            experts than ranks); the message names ``--tensor-parallel-size`` and the model type.
     """
     from pagedllm.models.hybrid import hybrid_family
     what = f"--tensor-parallel-size {tp_size} with --model-impl transformers: model_type {config.model_type!r}"
@@ -65,11 +75,22 @@ def tensor_parallel_plan(config, tp_size: int) -> dict[str, str]:
                          f"{__import__('transformers').__version__}; serve it with --tensor-parallel-size 1")
     if hybrid_family(config) is not None:
         raise ValueError(f"{what} is a hybrid model; its state layers are not split over ranks")
-    other = sorted({s for s in plan.values() if s not in SHARDED_STYLES | WHOLE_STYLES})
+    experts = {s for s in plan.values() if s in EXPERT_STYLES}
+    if experts and not expert_parallel:
+        raise ValueError(f"{what} is a mixture of experts: its experts are split across ranks with "
+                         "--enable-expert-parallel (whole experts per rank); slicing every expert is not done")
+    if experts and _num_experts(config) < tp_size:
+        raise ValueError(f"{what}: {_num_experts(config)} experts cannot be split over {tp_size} ranks")
+    other = sorted({s for s in plan.values() if s not in SHARDED_STYLES | WHOLE_STYLES | EXPERT_STYLES})
     if other:
         raise ValueError(f"{what} has tensor-parallel styles {other}; pagedllm splits only plain "
                          f"'colwise'/'rowwise' linear layers (whole heads per rank)")
     return dict(plan)
+
+
+def _num_experts(config) -> int:
+    """Routed experts of a MoE config (``num_experts`` or ``num_local_experts``), 0 for none."""
+    return int(getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0)
 
 
 def _pattern(name: str) -> str:
@@ -148,35 +169,44 @@ class GatheredLMHead(nn.Module):
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
-def shard_transformers_model(hf: nn.Module, config, tp_size: int, rank: int) -> HeadShard:
+def shard_transformers_model(hf: nn.Module, config, tp_size: int, rank: int,
+                             expert_parallel: bool = False) -> HeadShard:
     """Split a loaded ``transformers`` causal LM in place: this rank keeps its slices only.
 
     Args:
         hf: the causal LM (``hf.base_model`` is what ``base_model_tp_plan`` describes).
         config: its text config (``num_attention_heads``, ``num_key_value_heads``, ``head_dim``).
         tp_size, rank: the tensor-parallel group's size and this process's rank in it.
+        expert_parallel: split experts modules by expert (``moe.shard_experts``).
     Returns:
-        This rank's heads (``HeadShard``): the paged KV cache holds ``kv_heads`` heads per layer.
+        This rank's heads (``HeadShard``): the paged KV cache holds ``kv_heads`` heads per layer
+        (all heads when the plan splits no attention projection, as Granite MoE's).
     Raises:
         ValueError: see ``tensor_parallel_plan`` and ``head_shard``; a planned layer that is not a
             per-head attention projection or an ``nn.Linear``; a plan that matches no module.
     """
-    plan = tensor_parallel_plan(config, tp_size)
+    plan = tensor_parallel_plan(config, tp_size, expert_parallel)
     heads, kv_heads = config.num_attention_heads, num_kv_heads(config)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     shard = head_shard(heads, kv_heads, tp_size, rank)
     ranges = _ranges(shard, head_dim)
     base = hf.base_model
-    matched = 0
+    matched = split_heads = 0
     for name, mod in list(base.named_modules()):
         style = plan.get(_pattern(name))
         if style is None or style in WHOLE_STYLES:
+            continue
+        if style in EXPERT_STYLES:
+            from pagedllm.models.moe import shard_experts
+            shard_experts(mod, tp_size, rank)
+            matched += 1
             continue
         parent_name, _, child = name.rpartition(".")
         parent = base.get_submodule(parent_name)
         width = mod.out_features if style == "colwise" else mod.in_features
         if _is_attention(parent):  # whole heads
             span = _attention_range(name, width, style, ranges, heads * head_dim, kv_heads * head_dim)
+            split_heads += 1
         else:
             span = balanced_split(width, tp_size, rank)
         setattr(parent, child, _split_linear(mod, style, span))
@@ -184,6 +214,8 @@ def shard_transformers_model(hf: nn.Module, config, tp_size: int, rank: int) -> 
     if not matched:
         raise ValueError(f"--tensor-parallel-size {tp_size}: the tensor-parallel plan of model_type "
                          f"{config.model_type!r} matched no module of {type(hf).__name__}")
+    if not split_heads:  # attention replicated on every rank: its KV cache holds every head
+        shard = HeadShard(0, heads, 0, kv_heads)
     _set_local_head_counts(base, shard)
     _split_head(hf)
     return shard

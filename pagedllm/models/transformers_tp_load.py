@@ -17,6 +17,7 @@ Elements read = elements held (``tests/distributed/test_transformers_tp.py``).
 
 from __future__ import annotations
 
+import re
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
@@ -53,18 +54,65 @@ def _checkpoint_name(module_name: str, param: str, module: nn.Module) -> str:
     return name.replace(".table.", ".") if isinstance(module, ParallelLMHead) else name
 
 
-def _stack_experts(p: torch.Tensor, key: str, where: dict) -> nn.Parameter | None:
+class CheckpointTensors:
+    """The tensors of a checkpoint's ``*.safetensors`` files by the names the model's parameters have:
+    each key renamed by ``transformers``' checkpoint conversion rules of its ``model_type``
+    (``WeightRenaming``: Mixtral's ``block_sparse_moe`` -> ``mlp``, Granite MoE's ``input_linear`` ->
+    ``experts.gate_up_proj``); ``mergers`` are its rules that stack per-expert tensors
+    (``WeightConverter`` of ``MergeModulelist``, then ``Concatenate``) as ``(sources, target)``.
+
+    Source: transformers 5's ``conversion_mapping.py`` (the rules are read from it, not copied).
+    """
+
+    def __init__(self, handles: dict[str, object], model_type: str | None) -> None:
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+        rules = list(get_checkpoint_conversion_mapping(model_type) or []) if model_type else []
+        renames = [(a, b) for r in rules if type(r).__name__ == "WeightRenaming"
+                   for a, b in zip(r.source_patterns, r.target_patterns)]
+        self.mergers = [(list(r.source_patterns), r.target_patterns[0]) for r in rules
+                        if type(r).__name__ == "WeightConverter" and len(r.target_patterns) == 1
+                        and {type(o).__name__ for o in r.operations} <= {"MergeModulelist", "Concatenate"}]
+        if not self.mergers:  # save_pretrained's per-expert form without a rule for it
+            self.mergers = [([".experts.*.gate_proj.weight", ".experts.*.up_proj.weight"], ".experts.gate_up_proj"),
+                            ([".experts.*.down_proj.weight"], ".experts.down_proj")]
+        self._where: dict[str, tuple[object, str]] = {}
+        for key, fh in handles.items():
+            name = key
+            for a, b in renames:
+                name = re.sub(a, b, name)
+            self._where[name] = (fh, key)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def get_slice(self, name: str):
+        """A lazy slice (safetensors') of the tensor the parameter ``name`` reads."""
+        fh, key = self._where[name]
+        return fh.get_slice(key)
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        """The whole tensor the parameter ``name`` reads."""
+        fh, key = self._where[name]
+        return fh.get_tensor(key)
+
+
+def _stack_experts(p: torch.Tensor, key: str, where: CheckpointTensors, first: int = 0) -> nn.Parameter | None:
     """A fused experts tensor (``experts.gate_up_proj`` ``[E, 2I, H]``: each expert's gate rows then up
     rows; ``experts.down_proj`` ``[E, H, I]``) from a checkpoint that stores it per expert
-    (``experts.0.gate_proj.weight``, as ``save_pretrained`` writes it), or ``None`` if it does not."""
-    prefix, _, name = key.rpartition(".")
-    parts = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}.get(name)
-    if parts is None or p.dim() != 3 or f"{prefix}.0.{parts[0]}.weight" not in where:
-        return None
-    out = torch.empty(p.shape, dtype=p.dtype)
-    for e in range(p.shape[0]):
-        out[e] = torch.cat([where[k].get_tensor(k) for k in (f"{prefix}.{e}.{q}.weight" for q in parts)])
-    return nn.Parameter(out, requires_grad=False)
+    (``experts.0.gate_proj.weight``, as ``save_pretrained`` writes it; Mixtral's ``w1`` / ``w3`` / ``w2``),
+    or ``None`` if it does not; ``first``: the checkpoint's expert in row 0 (an expert-parallel rank's
+    range, ``moe.shard_experts``)."""
+    for sources, target in where.mergers:
+        if not key.endswith(target) or p.dim() != 3:
+            continue
+        prefix = key[:len(key) - len(target)]
+        names = [[prefix + s.replace("*", str(first + e)) for s in sources] for e in range(p.shape[0])]
+        if all(n in where for n in names[0]):
+            out = torch.empty(p.shape, dtype=p.dtype)
+            for e, parts in enumerate(names):
+                out[e] = torch.cat([where.get_tensor(n) for n in parts])
+            return nn.Parameter(out, requires_grad=False)
+    return None
 
 
 def load_sharded(hf: nn.Module, model_dir: str | Path, device: torch.device) -> None:
@@ -82,10 +130,11 @@ def load_sharded(hf: nn.Module, model_dir: str | Path, device: torch.device) -> 
     embed_name = next(n for n, m in hf.named_modules() if m is embed) + ".weight"
     from safetensors import safe_open
     with ExitStack() as stack:
-        where = {}
+        handles = {}
         for f in files:
             fh = stack.enter_context(safe_open(str(f), framework="pt", device="cpu"))
-            where.update((k, fh) for k in fh.keys())
+            handles.update((k, fh) for k in fh.keys())
+        where = CheckpointTensors(handles, getattr(hf.config, "model_type", None))
         done: dict[int, nn.Parameter] = {}
         for module_name, module in hf.named_modules():
             for param_name, p in list(module.named_parameters(recurse=False)):
@@ -97,7 +146,9 @@ def load_sharded(hf: nn.Module, model_dir: str | Path, device: torch.device) -> 
                 key = _checkpoint_name(module_name, param_name, module)
                 if key not in where and key.endswith("lm_head.weight") and embed_name in where:
                     key = embed_name  # tied head: the checkpoint stores the table once
-                if key not in where and (stacked := _stack_experts(p, key, where)) is not None:
+                ep = getattr(module, "pagedllm_ep", None)  # (first expert, experts, all) on this rank
+                first = ep[0] if ep is not None else 0
+                if key not in where and (stacked := _stack_experts(p, key, where, first)) is not None:
                     module._parameters[param_name] = done[id(p)] = stacked.to(device)
                     continue
                 if key not in where:
@@ -105,10 +156,12 @@ def load_sharded(hf: nn.Module, model_dir: str | Path, device: torch.device) -> 
                                      f"{key!r} for the Transformers backend's {type(hf).__name__}")
                 new = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device), requires_grad=False)
                 module._parameters[param_name] = done[id(p)] = new
-                source = where[key].get_slice(key)
+                source = where.get_slice(key)
                 if isinstance(module, ColumnParallelLinear):
                     module.load(param_name, source, "w")
                 elif isinstance(module, (RowParallelLinear, VocabParallelEmbedding)):
                     module.load(param_name, source)
+                elif ep is not None and p.dim() and source.get_shape()[0] == ep[2]:  # this rank's experts
+                    new.data.copy_(source[first:first + p.shape[0]])
                 else:
                     new.data.copy_(source[:])

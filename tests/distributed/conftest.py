@@ -17,6 +17,9 @@ class _Slice:
         self.owner.read += t.numel()
         return t
 
+    def get_shape(self):
+        return self.s.get_shape()
+
 
 class _Handle:
     def __init__(self, fh, owner):

@@ -43,6 +43,8 @@ def _hf_loader(path):
     # gathered attention outputs (OLMo 2's plan): the heads are not split
     ("Olmo2Config", {}, r"'olmo2' has tensor-parallel styles \['colwise_gather_output', 'rowwise_split_input'\]"),
     ("JambaConfig", {}, r"'jamba' is a hybrid model"),
+    # experts are split by expert, only when asked
+    ("Qwen3MoeConfig", {}, r"'qwen3_moe' is a mixture of experts: .* --enable-expert-parallel"),
 ])
 def test_unsplittable_plans_are_refused(cls, kwargs, match):
     import transformers
@@ -209,3 +211,63 @@ def test_model_without_plan_is_refused_at_load(tiny_model_dir):
         LLM(str(tiny_model_dir("lfm2")), num_kv_blocks=16, num_threads=1, tensor_parallel_size=2,
             model_impl="transformers")
     assert _children() == []
+
+
+# ---------------------------------------------------------------- expert parallelism
+
+def test_a_rank_holds_and_reads_only_its_experts(tiny_model_dir, monkeypatch, counting_safe_open):
+    """Rank 1 of 2 with --enable-expert-parallel: experts 4..7 of 8 (the checkpoint stores them per
+    expert), read and held alone; the router and the dense layer's MLP as the plan says."""
+    import math
+
+    import safetensors
+    from transformers import AutoModelForCausalLM
+
+    from pagedllm.distributed import parallel_state
+    from pagedllm.models.hf_config import read_hf_config
+    from pagedllm.models.load import load_model
+    from pagedllm.models.load_plan import plan_load
+    path = tiny_model_dir("qwen3_moe")
+    full = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with safetensors.safe_open(str(path / "model.safetensors"), framework="pt") as fh:
+        shapes = {n: fh.get_slice(n).get_shape() for n in fh.keys()}
+    for key, value in dict(rank=1, world_size=2, tp_rank=1, tp_size=2).items():
+        monkeypatch.setitem(parallel_state._STATE, key, value)
+    monkeypatch.setattr(safetensors, "safe_open", counting_safe_open)
+    plan = plan_load(path, read_hf_config(path), torch.float32, "cpu", "transformers", tensor_parallel_size=2,
+                     expert_parallel=True)
+    assert plan.expert_parallel
+    model, _ = load_model(path, plan)
+    hf = model.hf
+    # save_pretrained stores experts one by one: those of this rank are read whole, no other
+    whole = counting_safe_open.whole
+    assert whole and all(int(name.split(".experts.")[1].split(".")[0]) >= 4 for name in whole), whole
+    whole_elements = sum(math.prod(shapes[n]) for n in whole)
+    assert counting_safe_open.read + whole_elements == sum(p.numel() for p in hf.parameters())
+    got, want = hf.model.layers[0].mlp, full.model.layers[0].mlp
+    assert got.experts.pagedllm_ep == (4, 4, 8) and got.experts.num_experts == 4
+    assert torch.equal(got.experts.gate_up_proj, want.experts.gate_up_proj[4:])
+    assert torch.equal(got.experts.down_proj, want.experts.down_proj[4:])
+    assert torch.equal(got.gate.weight, want.gate.weight)  # the router: whole on every rank
+    assert hf.model.layers[1].mlp.up_proj.weight.shape[0] == 64  # mlp_only_layers: split as a dense MLP
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral", "qwen2_moe", "granitemoe"])
+def test_expert_parallel_tp2_greedy_equals_tp1(kind, tiny_model_dir, greedy_ref):
+    """--tensor-parallel-size 2 --enable-expert-parallel gives one rank's greedy tokens: routed experts
+    split 4 + 4 (qwen3_moe), 2 + 2 (mixtral), 3 + 3 beside a whole shared expert (qwen2_moe), 3 + 2
+    with the attention whole on both ranks (granitemoe, whose plan splits only the experts)."""
+    path = tiny_model_dir(kind)
+    want, llm1 = _generate(path)
+    llm1.engine.shutdown()
+    got, llm2 = _generate(path, tensor_parallel_size=2, enable_expert_parallel=True)
+    try:
+        model = llm2.engine.core.runner.model
+        experts = [m.pagedllm_ep for m in model.hf.modules() if getattr(m, "pagedllm_ep", None)]
+        assert experts and experts[0][:2] == (0, {"qwen3_moe": 4, "mixtral": 2, "qwen2_moe": 3, "granitemoe": 3}[kind])
+        assert (model.num_heads, model.num_kv_heads) == ((4, 2) if kind == "granitemoe" else (2, 1))
+    finally:
+        llm2.engine.shutdown()
+    assert _children() == []
+    for k, (g, w) in enumerate(zip(got, want)):
+        greedy_ref.assert_same_greedy(g, w, PROMPTS[k], _hf_loader(path), f"{kind} EP=2 prompt {k}")

@@ -329,17 +329,23 @@ def test_bert_fails_at_startup(tmp_path, smollm2_dir):
 
 
 def test_attention_sinks_fail_at_startup_where_the_backend_has_none():
-    """gpt-oss passes its per-head sinks to the attention function; the CPU backends take them, the
-    Triton one does not yet, so there the model is refused when loaded rather than served without."""
+    """gpt-oss passes its per-head sinks to the attention function; every backend of ours takes them
+    (torch, C kernels, Triton); one that says it does not is refused when the model is loaded rather
+    than served without them."""
+    from pagedllm.attention.selector import select_attention_backend
+    from pagedllm.attention.torch_paged import TorchPagedBackend
     from pagedllm.attention.triton_paged import TritonPagedBackend
     from pagedllm.models import transformers_backend as tb
+    assert TritonPagedBackend.supports_sinks and TorchPagedBackend.supports_sinks
     attn = torch.nn.Module()
     attn.layer_idx, attn.sinks = 0, torch.nn.Parameter(torch.zeros(4))
     model = torch.nn.ModuleDict({"attn": attn})
-    from pagedllm.attention.selector import select_attention_backend
     tb._check_modules(model, select_attention_backend("cpu", torch.float32, "torch"))  # served
-    with pytest.raises(ValueError, match="ModuleDict.*sinks.*triton"):
-        tb._check_modules(model, TritonPagedBackend.__new__(TritonPagedBackend))
+
+    class NoSinks(TorchPagedBackend):
+        name, supports_sinks = "no_sinks", False
+    with pytest.raises(ValueError, match="ModuleDict.*sinks.*no_sinks"):
+        tb._check_modules(model, NoSinks(torch.device("cpu")))
 
 
 def test_attention_function_refuses_what_it_cannot_compute(monkeypatch):
@@ -384,3 +390,27 @@ def test_lm_head_sees_only_sampled_rows(arch_dir, smollm2_tokenizer, assert_no_l
     assert spy.tokens == [32, 32, 32, 4, 1]
     assert spy.rows == [0, 0, 0, 1, 1]
     assert_no_leaks(llm.engine)
+
+
+@pytest.mark.parametrize("kind", ["qwen2_moe", "gpt_oss"])
+def test_moe_preempted_and_prefix_cached_match_transformers(kind, arch_dir, prompts, greedy_ref, assert_no_leaks):
+    """A mixture of experts on the experts kernel (a shared expert; gpt-oss's sinks, windows and clamped
+    experts) under preemption (12 blocks of 8 tokens for four prompts: recompute), then the same prompts
+    again from the prefix cache: transformers' greedy tokens both times, nothing leaked."""
+    from transformers import AutoModelForCausalLM
+    path = arch_dir(kind)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    refs = [greedy_ref.hf_greedy(hf, p, MAX_NEW) for p in prompts]
+    del hf
+    llm = LLM(model=str(path), model_impl="transformers", num_kv_blocks=12, block_size=8,
+              max_num_batched_tokens=BUDGET)
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=0)
+    for run in ("preempted", "prefix-cached"):
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        check_against_reference(outs, prompts, refs, greedy_ref, f"{kind} {run}")
+        assert_no_leaks(llm.engine)
+    stats = llm.engine.get_stats()
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+    experts = [m.pagedllm_experts for m in llm.engine.runner.model.hf.modules() if hasattr(m, "pagedllm_experts")]
+    from pagedllm.kernels import cpu
+    assert all(experts) and bool(experts) == cpu.available()

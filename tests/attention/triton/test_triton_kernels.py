@@ -56,7 +56,8 @@ def _random_step(seed: int, bs: int, num_blocks: int = 40):
     return batch, prefix_slots
 
 
-def _run(name: str, batch, prefix_slots, kvh, ratio, bs, dtype, window, softcap, seed, split_tokens=None):
+def _run(name: str, batch, prefix_slots, kvh, ratio, bs, dtype, window, softcap, seed, split_tokens=None,
+         sinks: bool = False):
     g = torch.Generator().manual_seed(seed)
     num_blocks = 40
     t = int(batch.query_start_loc[-1])
@@ -74,28 +75,32 @@ def _run(name: str, batch, prefix_slots, kvh, ratio, bs, dtype, window, softcap,
     if split_tokens is not None:
         backend.split_tokens = split_tokens
     meta = backend.build_metadata(batch)
-    out = backend.forward(q, k, v, cache, meta, D ** -0.5, sliding_window=window, softcap=softcap)
+    sink = torch.randn(kvh * ratio, generator=g) * 2 if sinks else None  # gpt-oss's per-head sinks
+    out = backend.forward(q, k, v, cache, meta, D ** -0.5, sliding_window=window, softcap=softcap, sinks=sink)
     return out, cache, meta
 
 
-CASES = [  # (seed, block size, kv heads, GQA ratio, sliding window, softcap)
-    (0, 16, 2, 1, None, None),
-    (1, 32, 1, 3, None, None),
-    (2, 16, 1, 8, None, None),
-    (3, 16, 2, 3, 7, None),
-    (4, 32, 1, 8, 20, None),
-    (5, 16, 1, 1, None, 5.0),
-    (6, 32, 2, 3, 11, 8.0),
+CASES = [  # (seed, block size, kv heads, GQA ratio, sliding window, softcap, attention sinks)
+    (0, 16, 2, 1, None, None, False),
+    (1, 32, 1, 3, None, None, False),
+    (2, 16, 1, 8, None, None, False),
+    (3, 16, 2, 3, 7, None, False),
+    (4, 32, 1, 8, 20, None, False),
+    (5, 16, 1, 1, None, 5.0, False),
+    (6, 32, 2, 3, 11, 8.0, False),
+    (7, 16, 2, 4, None, None, True),   # gpt-oss: sinks in full layers and in windowed ones
+    (8, 16, 1, 8, 9, None, True),
 ]
 
 
-@pytest.mark.parametrize("seed,bs,kvh,ratio,window,softcap", CASES)
-def test_triton_backend_equals_torch_reference(seed, bs, kvh, ratio, window, softcap):
+@pytest.mark.parametrize("seed,bs,kvh,ratio,window,softcap,sinks", CASES)
+def test_triton_backend_equals_torch_reference(seed, bs, kvh, ratio, window, softcap, sinks):
     batch, prefix = _random_step(seed, bs)
     # split_tokens of one block: a decode over n blocks runs n splits merged by the reduction
     got, got_cache, meta = _run("triton", batch, prefix, kvh, ratio, bs, torch.float32, window, softcap, seed,
-                                split_tokens=bs)
-    want, want_cache, _ = _run("torch", batch, prefix, kvh, ratio, bs, torch.float32, window, softcap, seed)
+                                split_tokens=bs, sinks=sinks)
+    want, want_cache, _ = _run("torch", batch, prefix, kvh, ratio, bs, torch.float32, window, softcap, seed,
+                               sinks=sinks)
     assert meta.num_splits > 1 and meta.decode_req.numel() >= 2 and meta.tile_req.numel() >= 2
     assert torch.equal(got_cache[0], want_cache[0]) and torch.equal(got_cache[1], want_cache[1])
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
