@@ -40,19 +40,26 @@ def cpu_flags() -> set[str]:
 
 
 @functools.lru_cache(maxsize=1)
-def detected_isa() -> str:
-    """The highest kernel build this CPU and OS can run (a ``kernels.cpu.ISAS`` name): the answer of
-    ``cpu_isa.c``'s ``pl_cpu_isa``; ``generic`` off x86 or when the probe cannot be built (logged)."""
+def _probe() -> tuple[str, tuple[str, ...]]:
+    """``(highest build, every build this CPU runs)`` from ``cpu_isa.c`` (``pl_cpu_isa`` and
+    ``pl_cpu_isa_mask``); ``("generic", ("generic",))`` off x86 or when the probe cannot be built (logged)."""
     from pagedllm.kernels import cpu_build as cpu  # the builder, not cpu.py (which imports this module)
     if not cpu._x86():
-        return "generic"
+        return "generic", ("generic",)
     try:
         lib = ctypes.CDLL(str(cpu.compile_library([Path(__file__).with_name("cpu_isa.c")],
                                                   ["-O2", "-fPIC", "-shared"], "cpu_isa")))
-        return cpu.ISAS[lib.pl_cpu_isa()]
-    except (OSError, RuntimeError, IndexError) as e:
+        mask = lib.pl_cpu_isa_mask()
+        return cpu.ISAS[lib.pl_cpu_isa()], tuple(n for i, n in enumerate(cpu.ISAS) if mask >> i & 1)
+    except (OSError, RuntimeError, IndexError, AttributeError) as e:
         logger.warning("could not ask the CPU for its instruction sets, using the generic kernels: %s", e)
-        return "generic"
+        return "generic", ("generic",)
+
+
+def detected_isa() -> str:
+    """The highest kernel build this CPU and OS can run (a ``kernels.cpu.ISAS`` name): the answer of
+    ``cpu_isa.c``'s ``pl_cpu_isa``; ``generic`` off x86 or when the probe cannot be built (logged)."""
+    return _probe()[0]
 
 
 def select_isa() -> tuple[str, str]:
@@ -70,16 +77,17 @@ def select_isa() -> tuple[str, str]:
         return best, f"the best this CPU runs: {best}"
     if forced not in ISAS:
         raise ValueError(f"PAGEDLLM_CPU_ISA={forced!r}: expected one of {', '.join(ISAS)}")
-    if ISAS.index(forced) > ISAS.index(best):
-        logger.warning("PAGEDLLM_CPU_ISA=%s is above what this CPU runs (%s): using %s", forced, best, best)
-        return best, f"PAGEDLLM_CPU_ISA={forced} refused: this CPU runs up to {best}"
+    if forced not in runnable_isas():  # above the CPU, or a tier it skips (AVX-VNNI on a Zen 4)
+        logger.warning("PAGEDLLM_CPU_ISA=%s is not one this CPU runs (%s): using %s", forced,
+                       ", ".join(runnable_isas()), best)
+        return best, f"PAGEDLLM_CPU_ISA={forced} refused: this CPU runs {', '.join(runnable_isas())}"
     return forced, f"PAGEDLLM_CPU_ISA={forced}; this CPU runs up to {best}"
 
 
 def runnable_isas() -> list[str]:
-    """Every kernel build this CPU runs, lowest first (tests run each)."""
-    from pagedllm.kernels.cpu_build import ISAS
-    return list(ISAS[:ISAS.index(detected_isa()) + 1])
+    """Every kernel build this CPU runs, lowest first (tests run each): not always every tier below
+    the highest (a Zen 4 runs avx512vnni and avx2 but not avxvnni)."""
+    return list(_probe()[1])
 
 
 @functools.lru_cache(maxsize=1)

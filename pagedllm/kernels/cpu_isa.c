@@ -12,6 +12,9 @@
  *   2 avxvnni:    AVX2, FMA and the VEX-encoded AVX-VNNI (Alder Lake and later clients);
  *   1 avx2:       AVX2 and FMA (Haswell, Zen 1-3);
  *   0 generic:    anything else (and every non-x86 CPU).
+ * The tiers are not nested: a Zen 4 runs avx512vnni but has no AVX-VNNI (Zen 5 and Intel cores
+ * since Alder Lake / Sapphire Rapids have both), so pl_cpu_isa_mask() says which builds run, one
+ * bit per tier.
  */
 #if defined(__x86_64__) || defined(__i386__)
 #include <cpuid.h>
@@ -21,6 +24,16 @@ static uint64_t xcr0(void) {
     uint32_t lo, hi;
     __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
     return ((uint64_t)hi << 32) | lo;
+}
+
+static int has_avxvnni(void) {
+    unsigned a, b, c, d, a1 = 0, b1, c1, d1;
+    if (__get_cpuid_max(0, 0) < 7)
+        return 0;
+    __cpuid_count(7, 0, a, b, c, d);
+    if (a >= 1) /* leaf 7's highest sub-leaf */
+        __cpuid_count(7, 1, a1, b1, c1, d1);
+    return (a1 >> 4) & 1; /* AVX-VNNI: VEX vpdpbusd on YMM, no new register state */
 }
 
 int pl_cpu_isa(void) {
@@ -47,6 +60,18 @@ int pl_cpu_isa(void) {
         return 2;
     return 1;
 }
+
+int pl_cpu_isa_mask(void) {
+    int top = pl_cpu_isa(), mask = 1; /* generic always runs */
+    if (top >= 1)
+        mask |= 2; /* every tier above generic includes AVX2 and FMA */
+    if (top >= 1 && has_avxvnni())
+        mask |= 4;
+    if (top == 3)
+        mask |= 8;
+    return mask;
+}
 #else
 int pl_cpu_isa(void) { return 0; }
+int pl_cpu_isa_mask(void) { return 1; }
 #endif

@@ -50,6 +50,17 @@ def test_pagedllm_cpu_isa_lowers_the_choice(monkeypatch):
     assert cpu_features.select_isa()[0] == best
 
 
+def test_a_tier_the_cpu_skips_is_refused(monkeypatch):
+    """A Zen 4 runs the AVX-512 VNNI build but has no AVX-VNNI: forcing ``avxvnni`` there would fault
+    on its first vpdpbusd (it did, in CI), so it is refused like a tier above the CPU."""
+    monkeypatch.setattr(cpu_features, "_probe", lambda: ("avx512vnni", ("generic", "avx2", "avx512vnni")))
+    monkeypatch.setenv("PAGEDLLM_CPU_ISA", "avxvnni")
+    isa, why = cpu_features.select_isa()
+    assert isa == "avx512vnni" and "refused" in why and "avxvnni" not in cpu_features.runnable_isas()
+    monkeypatch.setenv("PAGEDLLM_CPU_ISA", "avx2")
+    assert cpu_features.select_isa()[0] == "avx2"
+
+
 def test_a_forced_build_serves_and_says_so(monkeypatch):
     """``PAGEDLLM_CPU_ISA=generic`` in a fresh load: that build, float32 activations (it has no int8
     kernels), and ``quantized_kernels`` (the start-up log and ``/stats``) names it."""
