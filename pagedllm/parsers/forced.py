@@ -52,3 +52,24 @@ class ForcedCallsParser(ToolParser):
             return ToolSplit()
         calls, _ = _json_calls_from(text, j, [], ",", "]", final)
         return ToolSplit("", calls)
+
+
+class ForcedInMarkup(ToolParser):
+    """A forced answer written inside a format's markup (gpt-oss's harmony messages, where structured
+    outputs constrain the ``final`` body): ``markup`` (the reasoning parser's ``rest_parser``) reads
+    the content out of the markup, and ``forced`` parses that content as it would a bare answer.
+    Both are append-only, so this is too.
+
+    Args:
+        markup: the parser of the markup (its calls are not used).
+        forced: a ``ForcedFunctionParser`` or ``ForcedCallsParser``.
+    """
+
+    def __init__(self, markup: ToolParser, forced: ToolParser) -> None:
+        super().__init__()
+        self.markup, self.forced = markup, forced
+        self.keeps_finish_reason = getattr(forced, "keeps_finish_reason", False)
+
+    def parse(self, text: str, final: bool) -> ToolSplit:
+        """``forced``'s split of the content of ``text``; see ``ToolParser.parse``."""
+        return self.forced.parse(self.markup.parse(text, final).content, final)

@@ -60,6 +60,11 @@ class ReasoningParser:
     end_tag = "</think>"
     #: True when reasoning is assumed even without an opening tag (DeepSeek-R1's templates)
     implicit_start = False
+    #: True when the format's markers are special tokens: the server keeps them in the text
+    needs_special_tokens = False
+    #: the tool parser class ``make_parser`` puts after this one when the request has no tool parser
+    #: (a format whose ``rest`` is markup, not content); ``None``: the rest is the content as it is
+    rest_parser: type | None = None
 
     def __init__(self, thinking: bool = True, starts_in_reasoning: bool = False) -> None:
         self.thinking = thinking

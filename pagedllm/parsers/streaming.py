@@ -22,7 +22,7 @@ from typing import Callable
 
 from pagedllm.parsers.delta import DeltaMessage, DeltaToolCall, ParsedMessage, ToolCall
 from pagedllm.parsers.reasoning import REASONING_PARSERS, ReasoningParser
-from pagedllm.parsers.forced import ForcedCallsParser, ForcedFunctionParser
+from pagedllm.parsers.forced import ForcedCallsParser, ForcedFunctionParser, ForcedInMarkup
 from pagedllm.parsers.tools import TOOL_PARSERS, CallState, ToolParser
 
 logger = logging.getLogger(__name__)
@@ -140,9 +140,12 @@ def make_parser(reasoning_parser: str | None = None, tool_parser: str | None = N
     """Build a ``StreamingParser`` from registry names.
 
     Args:
-        reasoning_parser: a name in ``REASONING_PARSERS`` (``deepseek_r1``, ``qwen3``) or ``None``.
+        reasoning_parser: a name in ``REASONING_PARSERS`` (``deepseek_r1``, ``qwen3``,
+            ``openai_gptoss``) or ``None``.
         tool_parser: a name in ``TOOL_PARSERS`` (``hermes``, ``json``, ``llama3_json``, ``mistral``,
-            ``pythonic``) or ``None``.
+            ``openai``, ``pythonic``) or ``None``. A reasoning parser whose rest is markup
+            (``rest_parser``, e.g. ``openai_gptoss``) brings its own content parser when none is
+            given, and a forced answer is then read out of that markup first (``ForcedInMarkup``).
         thinking: False when the request turned thinking off.
         starts_in_reasoning: True when the prompt ends inside an open reasoning block.
         tools: the request's tools.
@@ -163,6 +166,11 @@ def make_parser(reasoning_parser: str | None = None, tool_parser: str | None = N
         t = ForcedFunctionParser(forced_function)
     elif forced_calls:
         t = ForcedCallsParser(tools)
+    markup = r.rest_parser if r is not None else None
+    if markup is not None and t is None:
+        t = markup(tools)
+    elif markup is not None and (forced_function is not None or forced_calls):
+        t = ForcedInMarkup(markup(tools), t)
     return StreamingParser(r, t)
 
 

@@ -13,7 +13,7 @@ Formats (vLLM's parser names): ``hermes`` (``<tool_call>{json}</tool_call>``),
 Qwen2.5-Coder emits), ``llama3_json`` (``{"name", "parameters"}`` objects
 separated by ``;``, optionally after ``<|python_tag|>``), ``mistral``
 (``[TOOL_CALLS]`` then a JSON array, or ``name[ARGS]{json}``) and ``pythonic``
-(``[f(a=1), g(b="x")]``).
+(``[f(a=1), g(b="x")]``). gpt-oss's harmony format (``openai``) is in ``harmony.py``.
 """
 
 from __future__ import annotations
@@ -101,6 +101,8 @@ class ToolParser:
     """
 
     name = ""
+    #: True when the format's markers are special tokens: the server keeps them in the text
+    needs_special_tokens = False
 
     def __init__(self, tools: list[dict] | None = None) -> None:
         self.tools = tools or []
@@ -312,6 +314,7 @@ class Llama3JSONToolParser(ToolParser):
     optionally after ``<|python_tag|>`` (visible only when special tokens are kept)."""
 
     tag = "<|python_tag|>"
+    needs_special_tokens = True
 
     def parse(self, text: str, final: bool) -> ToolSplit:
         """Split ``text`` (the answer so far) in this format; see ``ToolParser.parse``."""
@@ -335,6 +338,7 @@ class MistralToolParser(ToolParser):
     The marker is a special token: requests need ``skip_special_tokens: false`` (the server sets it)."""
 
     marker, args_marker = "[TOOL_CALLS]", "[ARGS]"
+    needs_special_tokens = True
     _name = re.compile(r"[A-Za-z_][\w.\-]*")
 
     def parse(self, text: str, final: bool) -> ToolSplit:

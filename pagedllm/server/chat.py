@@ -12,6 +12,7 @@ from typing import AsyncIterator
 from pagedllm.entrypoints.chat_utils import prepare_messages
 from pagedllm.parsers import DeltaMessage, StreamingParser, make_parser
 from pagedllm.parsers.reasoning import REASONING_PARSERS
+from pagedllm.parsers.tools import TOOL_PARSERS
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.server.base import Choice, OpenAIServingBase, Prepared, ServingContext, error_event, sse
 from pagedllm.server.errors import APIError
@@ -22,8 +23,15 @@ from pagedllm.server.protocol import (ChatChunkChoice, ChatCompletionChoice, Cha
                                       ChatCompletionRequest, ChatCompletionResponse, ChatResponseMessage,
                                       DeltaMessageOut, NamedToolChoice, UsageInfo, now, random_id)
 
-# tool-call formats whose markers are special tokens: the text must keep them
-_NEEDS_SPECIAL_TOKENS = {"mistral", "llama3_json"}
+
+def keeps_special_tokens(reasoning_parser: str | None, tool_parser: str | None) -> bool:
+    """Whether the output text must keep special tokens for these parsers (registry names, or
+    ``None`` for one not used): True when either format's markers are special tokens
+    (``needs_special_tokens``: ``openai_gptoss``, ``openai``, ``mistral``, ``llama3_json``).
+    Raises nothing: an unknown name counts as False (``make_parser`` refuses it).
+    """
+    classes = (REASONING_PARSERS.get(reasoning_parser or ""), TOOL_PARSERS.get(tool_parser or ""))
+    return any(getattr(cls, "needs_special_tokens", False) for cls in classes)
 
 
 def response_message(p: StreamingParser) -> ChatResponseMessage:
@@ -181,7 +189,9 @@ class OpenAIServingChat(OpenAIServingBase):
         check_choices(1, params.n)
         if structured is not None:
             params.structured_outputs = structured.params
-        elif use_tools and self.tool_call_parser in _NEEDS_SPECIAL_TOKENS:
+        # the reasoning parser reads every output; the tool parser only free (unconstrained) calls
+        if keeps_special_tokens(self.reasoning_parser,
+                                self.tool_call_parser if use_tools and structured is None else None):
             params.skip_special_tokens = False
         rid = f"chatcmpl-{body.request_id}" if body.request_id else random_id("chatcmpl")
 

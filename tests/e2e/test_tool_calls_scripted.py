@@ -485,6 +485,54 @@ def test_thinking_off_with_a_template_that_closes_the_block(stack, tp):
     assert (s.reasoning, s.content) == (None, ANSWER)
 
 
+# gpt-oss's harmony output (special tokens in its tokenizer; plain text in SmolLM2's, which keeps it verbatim)
+H_ANALYSIS = "<|channel|>analysis<|message|>"
+H_FINAL = "<|start|>assistant<|channel|>final<|message|>"
+H_CALL = "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+HARMONY = [  # (id, tool parser, request extras, script, expected (reasoning, content, calls, finish))
+    ("call", "openai", {"tools": TOOLS}, f"{H_ANALYSIS}Need the weather.<|end|>{H_CALL}{PARIS_JSON}",
+     ("Need the weather.", None, [WEATHER], "tool_calls")),
+    ("answer-no-tools", None, {}, f"{H_ANALYSIS}{THOUGHT}<|end|>{H_FINAL}{ANSWER}", (THOUGHT, ANSWER, [], "stop")),
+    ("call-tool-choice-none", "openai", {"tools": TOOLS, "tool_choice": "none"},
+     f"{H_ANALYSIS}Need the weather.<|end|>{H_CALL}{PARIS_JSON}", ("Need the weather.", None, [], "stop")),
+]
+
+
+@pytest.mark.parametrize("case", HARMONY, ids=[c[0] for c in HARMONY])
+def test_harmony(stack, case):
+    """``--reasoning-parser openai_gptoss`` (with ``--tool-call-parser openai`` or none): the analysis is
+    reasoning, the final body content, a functions.* message a call; no markup anywhere; streamed as not."""
+    _, tp, extra, text, (want_reasoning, want_content, want_calls, want_finish) = case
+    stack.script(text)
+    full, s = both(client(stack, reasoning="openai_gptoss", tools=tp), messages=ASK_WEATHER, max_tokens=200, **extra)
+    m = full.choices[0].message
+    assert (reasoning_of(m), m.content or None) == (want_reasoning, want_content)
+    assert_calls(full, want_calls)
+    assert full.choices[0].finish_reason == want_finish
+    assert (s.reasoning, s.content) == (want_reasoning, want_content)
+    assert not any("<|" in piece for piece in s.reasoning_pieces + s.content_pieces)
+
+
+def test_harmony_structured_output_starts_after_the_final_header(stack):
+    """A JSON constraint with ``openai_gptoss`` applies after ``<|channel|>final<|message|>``: free analysis
+    (its markup included), then the constrained final body; a final body breaking the schema is refused
+    (the engine ends the request: a 400 naming guided_json), also when the final message comes first."""
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+              "additionalProperties": False}
+    c = client(stack, reasoning="openai_gptoss")
+    stack.script(f'{H_ANALYSIS}Paris, surely.<|end|>{H_FINAL}{{"city": "Paris"}}')
+    full, s = both(c, messages=ASK_CAPITAL, max_tokens=100, extra_body={"guided_json": schema})
+    m = full.choices[0].message
+    assert reasoning_of(m) == "Paris, surely." and json.loads(m.content) == {"city": "Paris"}
+    assert s.content == m.content
+    for text in (f'{H_ANALYSIS}Paris, surely.<|end|>{H_FINAL}{{"city": 1}}', '<|channel|>final<|message|>{"city": 1}'):
+        stack.script(text)
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(model=MODEL, messages=ASK_CAPITAL, max_tokens=100,
+                                      extra_body={"guided_json": schema})
+        assert error_of(e.value)["param"] == "guided_json"
+
+
 def test_two_choices_each_parse_their_own_calls(stack):
     """n=2 with tools: each choice has its own two calls (indices 0 and 1 per choice) with ids unique overall."""
     text = TWO_BY_FORMAT["hermes"][2]
