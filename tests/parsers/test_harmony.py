@@ -17,6 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedllm.parsers import make_parser, parse_whole
+
+import parse_runs  # tests/parsers/parse_runs.py
 from pagedllm.parsers.forced import ForcedInMarkup
 from pagedllm.parsers.harmony import (GptOssReasoningParser, HarmonyContentParser, HarmonyToolParser,
                                       parse_header, read_messages)
@@ -102,25 +104,13 @@ IDS = [f"{i}-{c[0]}-{c[1]}" for i, c in enumerate(CORPUS)]
 
 
 def run_chunks(rp, tp, kw, chunks) -> tuple:
-    """Feed ``chunks`` one by one and rebuild the message from the deltas alone."""
-    p = make_parser(rp, tp, **kw)
-    reasoning, content, calls = "", "", []
-    for piece in list(chunks) + [None]:
-        d = p.feed(piece) if piece is not None else p.finish()
-        reasoning += d.reasoning_content
-        content += d.content
-        for tc in d.tool_calls:
-            if tc.id is not None:
-                assert tc.index == len(calls) and tc.name
-                calls.append([tc.name, tc.arguments])
-            else:
-                calls[tc.index][1] += tc.arguments
-    return reasoning or None, content or None, [tuple(c) for c in calls]
+    """``parse_runs.run_chunks`` with this file's (reasoning, tool) parser order."""
+    return parse_runs.run_chunks(tp, rp, kw, chunks)
 
 
 def whole(rp, tp, kw, text) -> tuple:
-    m = parse_whole(text, rp, tp, **kw)
-    return m.reasoning_content, m.content, [(c.name, c.arguments) for c in m.tool_calls]
+    """``parse_runs.whole`` with this file's parser order."""
+    return parse_runs.whole(tp, rp, kw, text)
 
 
 @pytest.mark.parametrize("case", CORPUS, ids=IDS)

@@ -18,6 +18,8 @@ from hypothesis import strategies as st
 
 from pagedllm.parsers import make_parser, parse_whole
 
+from parse_runs import run_chunks, whole  # tests/parsers/parse_runs.py
+
 CALL = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
 CALL2 = '{"name": "get_time", "arguments": {"tz": "Europe/Zürich"}}'
 ARGS1 = '{"city": "Paris", "unit": "celsius"}'
@@ -90,32 +92,6 @@ CORPUS = [
     (None, "qwen3", {"starts_in_reasoning": True}, "opened by the prompt\n</think>\nanswer", ("opened by the prompt", "answer", [])),
 ]
 IDS = [f"{i}-{c[0]}-{c[1]}" for i, c in enumerate(CORPUS)]
-
-
-def run_chunks(tp, rp, kw, chunks) -> tuple:
-    """Feed ``chunks`` one by one and rebuild the message from the deltas alone."""
-    p = make_parser(rp, tp, **kw)
-    reasoning, content, calls = "", "", []
-    for piece in list(chunks) + [None]:
-        d = p.feed(piece) if piece is not None else p.finish()
-        reasoning += d.reasoning_content
-        content += d.content
-        for tc in d.tool_calls:
-            if tc.id is not None:
-                assert tc.index == len(calls), "a new call must take the next index"
-                assert tc.name, "the first delta of a call carries its name"
-                calls.append([tc.id, tc.name, tc.arguments])
-            else:
-                assert tc.name is None
-                calls[tc.index][2] += tc.arguments
-    ids = [c[0] for c in calls]
-    assert len(set(ids)) == len(ids), "tool call ids must be distinct"
-    return reasoning or None, content or None, [(c[1], c[2]) for c in calls]
-
-
-def whole(tp, rp, kw, text) -> tuple:
-    m = parse_whole(text, rp, tp, **kw)
-    return m.reasoning_content, m.content, [(c.name, c.arguments) for c in m.tool_calls]
 
 
 @pytest.mark.parametrize("case", CORPUS, ids=IDS)
