@@ -173,11 +173,15 @@ def _shortest_float32(x: float) -> float:
     return float(str(np.float32(x)))
 
 
-def _write_tokenizer_files(gguf_path: Path, out: Path, config, chat_template: str | None) -> None:
-    """Tokenizer (built by ``transformers`` from the GGUF metadata) and generation config into ``out``."""
-    from transformers import AutoTokenizer, GenerationConfig
+def _write_tokenizer_files(gguf_path: Path, out: Path, config, chat_template: str | None,
+                           by_config: bool = True) -> None:
+    """Tokenizer (built by ``transformers`` from the GGUF metadata) and generation config into ``out``;
+    ``by_config=False`` builds the fast tokenizer without reading the file's model config (which
+    ``transformers`` 5.23 fails to read for gpt-oss files with YaRN keys)."""
+    from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerFast
 
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    cls = AutoTokenizer if by_config else PreTrainedTokenizerFast
+    tokenizer = cls.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     if chat_template is not None and not getattr(tokenizer, "chat_template", None):
         tokenizer.chat_template = chat_template
     tokenizer.save_pretrained(out)
@@ -300,6 +304,12 @@ def _write_model_from(reader, gguf_path: Path, out: Path) -> None:
     arch = arch_field.contents() if arch_field is not None else None
     template_field = reader.fields.get("tokenizer.chat_template")
     template = template_field.contents() if template_field is not None else None
+    if arch == "gpt-oss":  # a family table of ours: transformers' GGUF reader misnames its experts
+        from pagedllm.models.gguf_gpt_oss import write_model
+        config = write_model(reader, gguf_path, out)
+        del reader, arch_field
+        _write_tokenizer_files(gguf_path, out, config, template, by_config=False)
+        return
     if arch not in _SUPPORTED_ARCHS:
         scaling_field = reader.fields.get(f"{arch}.rope.scaling.type")
         scaling = scaling_field.contents() if scaling_field is not None else None

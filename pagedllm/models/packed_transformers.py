@@ -104,12 +104,17 @@ class Checkpoint:
         (``qual.0.gate_proj.weight``: how ``save_pretrained`` writes them)."""
         return f"{qual}.gate_up_proj" in self._where or f"{qual}.0.gate_proj.weight" in self._where
 
-    def expert_sample(self, qual: str, name: str, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def expert_sample(self, qual: str, name: str, expert: int,
+                      interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """``(row ids, float32 rows)`` of expert ``expert``'s ``name`` (``gate_up_proj``: gate rows then up
-        rows, or ``down_proj``): up to ``SAMPLE_ROWS`` rows spread over it."""
+        rows, or ``down_proj``): up to ``SAMPLE_ROWS`` rows spread over it. ``interleaved``: the
+        checkpoint holds gpt-oss's layout (``[H, 2I]`` gate/up alternating, ``[I, H]`` down), turned
+        into ours first."""
         if f"{qual}.{name}" in self._where:
             sl = self._where[f"{qual}.{name}"].get_slice(f"{qual}.{name}")
             w = sl[expert:expert + 1][0]
+            if interleaved:
+                w = torch.cat([w[:, 0::2].t(), w[:, 1::2].t()]) if name == "gate_up_proj" else w.t()
         else:
             parts = ("gate_proj", "up_proj") if name == "gate_up_proj" else ("down_proj",)
             w = torch.cat([self._where[k].get_tensor(k) for k in (f"{qual}.{expert}.{p}.weight" for p in parts)])
@@ -222,43 +227,56 @@ def pack_from_gguf(hf: nn.Module, model_dir: str | Path, gguf_path: Path, text_c
 
 
 def _pack_experts(qual: str, mod: nn.Module, ckpt: Checkpoint, tensors, counts, nbytes) -> None:
-    """Serve an experts module (``[E, 2I, H]`` / ``[E, H, I]``, ``moe.default_layout``) from the GGUF's
-    ``blk.N.ffn_{gate,up,down}_exps`` blocks, one packed gate|up and down per expert
-    (``moe.ExpertWeights``), checked on the first and last experts against the converted tensors; its
-    float parameters are dropped (never read). Otherwise it stays float32."""
+    """Serve an experts module (``[E, 2I, H]`` / ``[E, H, I]``, ``moe.default_layout``; or gpt-oss's
+    interleaved, biased one, ``moe.interleaved_layout``) from the GGUF's ``blk.N.ffn_{gate,up,down}_exps``
+    blocks, one packed gate|up and down per expert (``moe.ExpertWeights``; biases from the converted
+    checkpoint, de-interleaved), checked on the first and last experts against the converted tensors;
+    its float parameters are dropped (never read). Otherwise it stays float32."""
     import re
 
-    from pagedllm.models.moe import ExpertWeights, default_layout, expert_activation
+    from pagedllm.models.moe import ExpertWeights, default_layout, expert_activation, interleaved_layout
     layer = re.search(r"layers\.(\d+)\.", qual + ".")
     gu, dn = getattr(mod, "gate_up_proj", None), getattr(mod, "down_proj", None)
     b = f"blk.{layer.group(1)}." if layer else ""
     gate, up, down = (tensors.get(f"{b}ffn_{n}_exps.weight") for n in ("gate", "up", "down"))
-    ok = (layer and default_layout(mod) and isinstance(gu, torch.Tensor) and gu.dim() == 3
-          and getattr(mod, "gate_up_proj_bias", None) is None and None not in (gate, up, down)
+    interleaved = interleaved_layout(mod)
+    ok = (layer and (default_layout(mod) or interleaved) and isinstance(gu, torch.Tensor) and gu.dim() == 3
+          and (interleaved or getattr(mod, "gate_up_proj_bias", None) is None) and None not in (gate, up, down)
           and gate.tensor_type == up.tensor_type and gate.tensor_type.name in GGUF_LAYOUT
           and down.tensor_type.name in GGUF_LAYOUT and ckpt.has_experts(qual))
     weights = None
     if ok:
-        e_count, two_i, h = gu.shape
-        i = two_i // 2
+        e_count = gu.shape[0]
+        i, h = (gu.shape[2] // 2, gu.shape[1]) if interleaved else (gu.shape[1] // 2, gu.shape[2])
+        gb, db = _expert_biases(ckpt, qual) if interleaved else (None, None)
         g_per, d_per = gate.data.size // e_count, down.data.size // e_count
         gate_up, downs = [], []
         for e in range(e_count):
             (lg, pg), (_, pu) = (repack(gate.tensor_type.name, t.data[e * g_per:(e + 1) * g_per], i, h)
                                  for t in (gate, up))
-            gate_up.append(packed_linear(lg, {k: torch.cat([pg[k], pu[k]]) for k in pg}, two_i, h))
+            gate_up.append(packed_linear(lg, {k: torch.cat([pg[k], pu[k]]) for k in pg}, 2 * i, h,
+                                         None if gb is None else gb[e]))
             ld, pd = repack(down.tensor_type.name, down.data[e * d_per:(e + 1) * d_per], h, i)
-            downs.append(packed_linear(ld, pd, h, i))
-        if all(_matches(lins[e], *ckpt.expert_sample(qual, name, e))
+            downs.append(packed_linear(ld, pd, h, i, None if db is None else db[e]))
+        if all(_matches(lins[e], *ckpt.expert_sample(qual, name, e, interleaved))
                for e in (0, e_count - 1) for lins, name in ((gate_up, "gate_up_proj"), (downs, "down_proj"))):
             kind = "+".join(sorted({gate.tensor_type.name, down.tensor_type.name}))
-            weights = ExpertWeights(gate_up, downs, i, expert_activation(mod), kind)
+            weights = ExpertWeights(gate_up, downs, i, "swiglu_oai" if interleaved else expert_activation(mod), kind)
     if weights is None:
         _count(counts, nbytes, DIFFERS if ok else "float32", _float_bytes(mod))
         return
     mod.pagedllm_experts = weights
-    mod._parameters["gate_up_proj"] = mod._parameters["down_proj"] = None  # served from the blocks only
+    for name in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"):
+        if name in mod._parameters:
+            mod._parameters[name] = None  # served from the blocks only
     _count(counts, nbytes, f"experts {weights.kind}", weights.nbytes)
+
+
+def _expert_biases(ckpt: Checkpoint, qual: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """gpt-oss's expert biases from the converted checkpoint: ``[E, 2I]`` gate then up (de-interleaved)
+    and ``[E, H]`` down, float32 copies of their own."""
+    gb = ckpt.whole(f"{qual}.gate_up_proj_bias")
+    return torch.cat([gb[:, 0::2], gb[:, 1::2]], 1).contiguous(), ckpt.whole(f"{qual}.down_proj_bias")
 
 
 def _pack_embedding(hf, ckpt: Checkpoint, emb, tensor, counts, nbytes) -> GGUFLinear | None:
