@@ -4,7 +4,10 @@
   layer shapes: hidden 2048, 128 experts, top-8, expert width 768, 32 query / 4 KV heads of 128,
   ``--layers`` layers, SmolLM2's tokenizer (49,152 tokens) so the file stays small; converted by
   llama.cpp's own ``convert_hf_to_gguf.py`` (f16) and quantized by its ``llama-quantize`` (Q4_K_M),
-  both from the sdist ``peers/build_llama_cpp.sh`` builds.
+  both from the sdist ``peers/build_llama_cpp.sh`` builds. ``--family gpt-oss``: a gpt-oss at
+  gpt-oss-20b's shapes (hidden 2880, 32 experts, top-4, expert width 2880, 64 query / 8 KV heads of
+  64, sliding window 128 on every other layer, attention sinks, biases), bf16 through the converter,
+  then ``llama-quantize`` ``MXFP4_MOE`` (experts MXFP4, the rest Q8_0: what gpt-oss GGUFs ship).
 * pagedllm (the Transformers backend; experts on the experts kernel over the file's blocks) batch-1
   decode and 512-token prefill (``cpu_isa.measure``) against ``llama-bench`` tg128 / pp512 on the same
   file and threads; the resident memory of a fresh process (256 MiB pool) against the issue's bound,
@@ -15,7 +18,7 @@
 
 Results: ``results/moe-<date>.json`` with the CPU's model and flags.
 
-Usage: ``python benchmarks/moe.py [--layers 2] [--threads 2] [--repeats 2] [--serve]``
+Usage: ``python benchmarks/moe.py [--family qwen3moe|gpt-oss] [--layers 2] [--threads 2] [--repeats 2] [--serve]``
 """
 
 from __future__ import annotations
@@ -39,10 +42,19 @@ SHAPES = dict(hidden_size=2048, num_experts=128, num_experts_per_tok=8, moe_inte
               max_position_embeddings=4096, rms_norm_eps=1e-6, tie_word_embeddings=False)
 
 
-def build_gguf(layers: int, llama_dir: Path, src_dir: Path) -> Path:
-    """The Q4_K_M file of the random model (built once per layer count)."""
-    out = cache_root() / "bench" / f"qwen3moe-30b-a3b-shapes-{layers}l"
-    q4 = out / "model-Q4_K_M.gguf"
+GPT_OSS_SHAPES = dict(hidden_size=2880, num_local_experts=32, num_experts_per_tok=4, intermediate_size=2880,
+                      num_attention_heads=64, num_key_value_heads=8, head_dim=64, sliding_window=128,
+                      max_position_embeddings=4096, tie_word_embeddings=False)
+# family -> (directory name, transformers config class, shapes, llama-quantize type)
+FAMILIES = {"qwen3moe": ("qwen3moe-30b-a3b-shapes", "Qwen3MoeConfig", SHAPES, "Q4_K_M"),
+            "gpt-oss": ("gpt-oss-20b-shapes", "GptOssConfig", GPT_OSS_SHAPES, "MXFP4_MOE")}
+
+
+def build_gguf(layers: int, llama_dir: Path, src_dir: Path, family: str = "qwen3moe") -> Path:
+    """The quantized file of the random model (built once per family and layer count)."""
+    name, config_cls, shapes, qtype = FAMILIES[family]
+    out = cache_root() / "bench" / f"{name}-{layers}l"
+    q4 = out / f"model-{qtype}.gguf"
     if q4.exists():
         return q4
     import shutil
@@ -53,8 +65,8 @@ def build_gguf(layers: int, llama_dir: Path, src_dir: Path) -> Path:
     from pagedllm.models.resolve import resolve_model
     hf_dir = out / "hf"
     tok = Path(resolve_model(None))  # SmolLM2's converted directory: its tokenizer
-    config = transformers.Qwen3MoeConfig(vocab_size=49152, num_hidden_layers=layers, bos_token_id=1, eos_token_id=2,
-                                         **SHAPES)
+    config = getattr(transformers, config_cls)(vocab_size=49152, num_hidden_layers=layers, bos_token_id=1,
+                                               eos_token_id=2, **shapes)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(hf_dir)
@@ -65,7 +77,7 @@ def build_gguf(layers: int, llama_dir: Path, src_dir: Path) -> Path:
     f16 = out / "model-f16.gguf"
     subprocess.run([sys.executable, str(src_dir / "convert_hf_to_gguf.py"), str(hf_dir), "--outfile", str(f16),
                     "--outtype", "f16"], check=True)
-    subprocess.run([str(llama_dir / "llama-quantize"), str(f16), str(q4), "Q4_K_M"], check=True)
+    subprocess.run([str(llama_dir / "llama-quantize"), str(f16), str(q4), qtype], check=True)
     f16.unlink()
     shutil.rmtree(hf_dir)
     return q4
@@ -107,6 +119,7 @@ def serve(gguf: Path, bin_dir: Path, threads: int, requests: int) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--family", choices=list(FAMILIES), default="qwen3moe")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--threads", type=int, nargs="+", default=[2])
     ap.add_argument("--repeats", type=int, default=2)
@@ -117,7 +130,7 @@ def main() -> int:
     ap.add_argument("--llama-cpp-src", default="/work/peers/llamacpp-src/llama_cpp_python-0.3.36/vendor/llama.cpp")
     args = ap.parse_args()
     cpu.available()
-    gguf = build_gguf(args.layers, Path(args.llama_cpp_bin), Path(args.llama_cpp_src))
+    gguf = build_gguf(args.layers, Path(args.llama_cpp_bin), Path(args.llama_cpp_src), args.family)
     res: dict = {"machine": machine_facts(), "start": idle(), "isa": cpu.isa(), "args": vars(args),
                  "gguf_file_mib": round(gguf.stat().st_size / 2**20, 1), "runs": {}}
     res["memory"] = resident_mib(str(gguf), "auto")
@@ -134,7 +147,7 @@ def main() -> int:
               f"{ours['prefill_tok_s'] / peer['pp512']:.2f}x")
     if args.serve:
         res["serve"] = serve(gguf, Path(args.llama_cpp_bin), max(args.threads), args.serve_requests)
-    write_result("moe", res, args.json_out)
+    write_result("moe" if args.family == "qwen3moe" else f"moe-{args.family}", res, args.json_out)
     return 0
 
 
