@@ -326,7 +326,7 @@ def _load_tensor_parallel(model_dir, config, dtype: torch.dtype, device: torch.d
     shard = shard_transformers_model(hf, _text_config(hf.config), get_tp_size(), get_tp_rank(), expert_parallel)
     load_sharded(hf, model_dir, device)  # this rank's slices only (transformers_tp_load.py)
     if (n := moe.install_expert_parallel(hf)):
-        logger.info("expert parallel: %d experts layers, experts %s of each on this rank", n,
+        logger.info("expert parallel: %d MoE layers; (first expert, experts, of all) on this rank: %s", n,
                     next(m.pagedllm_ep for m in hf.modules() if getattr(m, "pagedllm_ep", None)))
     hf = hf.to(device).eval()
     return TransformersCausalLM(hf, attention_backend, (shard.q_heads, shard.kv_heads))
