@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 ARCH = "gpt-oss"
-# GGUF tensor (after "blk.N.") -> parameter of model.layers.N (None: the experts, placed by _experts)
+# GGUF tensor (after "blk.N.") -> parameter of model.layers.N; the experts are placed by _experts
 TENSORS = {
     "attn_norm.weight": "input_layernorm.weight",
     "post_attention_norm.weight": "post_attention_layernorm.weight",
