@@ -12,7 +12,8 @@
  *   -128..127). A pair is then at most 2 * 63 * 128 = 16128, so 2 (offset quants), 4 (0..31: 7936
  *   each) or 8 (nibbles: 3840) vpmaddubsw results add up exactly in int16 before one vpmaddwd. The offset's
  *   share is subtracted once per group: off * (256 * sum q1 + sum q2) of the input row, precomputed
- *   when the row is quantized. Full-range int8 weights (Q8_0, int8 per channel) would saturate
+ *   when the row is quantized. Full-range int8 weights (Q8_0, int8 per channel, the IQ4 / E2M1
+ *   codebook values looked up from their nibbles with vpshufb) would saturate
  *   vpmaddubsw as unsigned; they are sign-extended to int16 instead and multiplied (vpmaddwd) with
  *   both levels at once, X = 256 q1 + q2 (|X| <= 32640 fits int16; the int32 sum is then exactly
  *   256 s1 + s2): half the instructions of moving the sign onto the activations (vpsignb) and
@@ -104,8 +105,12 @@ static void quantize_row(const float *x, long K, uint8_t *mem, qrow *r) {
 static inline int q_off(int fmt) {
     if (fmt == 2 || fmt == 3)
         return 32;
-    return fmt == 1 && QI8_ISA == 2 ? 128 : 0;
+    return (fmt == 1 || q_code(fmt)) && QI8_ISA == 2 ? 128 : 0;
 }
+
+/* the formats whose bytes span int8 and so take the int16 product on AVX2 (s8_dot): S8 and the
+ * codebooks (IQ4_NL's values reach -127 and 113) */
+static inline int q_wide(int fmt) { return QI8_ISA == 1 && (fmt == 1 || q_code(fmt)); }
 
 /* The 8 quads of half h of a tile-block (quad q: weights 4q .. 4q + 3 of rows 8h .. 8h + 7): u[q]
  * the unsigned operand (not for full-range S8 on AVX2: s8_dot reads the tile itself). */
@@ -116,6 +121,11 @@ static inline __attribute__((always_inline)) void half_quads(int fmt, const uint
             __m256i v = _mm256_loadu_si256((const __m256i *)(tb + 64 * c + 32 * h));
             u[2 * c] = _mm256_and_si256(v, m4);
             u[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+        }
+        if (q_code(fmt)) { /* the codebook's values by vpshufb: signed (AVX2), + 128 (AVX-VNNI) */
+            __m256i cb = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)q_codebook[fmt - 5]));
+            if (q_off(fmt) == 128) cb = _mm256_xor_si256(cb, _mm256_set1_epi8((char)0x80));
+            for (int q = 0; q < 8; q++) u[q] = _mm256_shuffle_epi8(cb, u[q]);
         }
         return;
     }
@@ -176,6 +186,19 @@ static inline __attribute__((always_inline)) __m256i s8_dot(const uint8_t *tb, i
     return _mm256_permutevar8x32_epi32(_mm256_hadd_epi32(a, c), _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7));
 }
 
+/* s8_dot over quads already in registers (a codebook format's values, signed bytes) */
+static inline __attribute__((always_inline)) __m256i s8_dot_u(const __m256i *u, const int16_t *xw) {
+    __m256i a = _mm256_setzero_si256(), c = _mm256_setzero_si256();
+    for (int q = 0; q < 8; q++) {
+        int64_t x4;
+        memcpy(&x4, xw + 4 * q, 8);
+        __m256i xb = _mm256_set1_epi64x(x4);
+        a = _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm256_castsi256_si128(u[q])), xb));
+        c = _mm256_add_epi32(c, _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm256_extracti128_si256(u[q], 1)), xb));
+    }
+    return _mm256_permutevar8x32_epi32(_mm256_hadd_epi32(a, c), _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7));
+}
+
 /* acc + (rows 8h .. 8h + 7 of block b) . (row r's block b, both levels) x scales (+ min x block sum):
  * 256 s1 + s2 - off * c combined exactly in int32, then one conversion and one scale per group */
 static inline __attribute__((always_inline)) __m256 half_block(int fmt, const __m256i *u, const uint8_t *tb,
@@ -186,9 +209,8 @@ static inline __attribute__((always_inline)) __m256 half_block(int fmt, const __
     __m256 dxv = _mm256_set1_ps(r->dx[b]);
     int off = q_off(fmt), ng = fmt == 3 ? 2 : 1, per = 8 / ng;
     for (int g = 0; g < ng; g++) {
-        __m256i v = fmt == 1 && QI8_ISA == 1
-                        ? s8_dot(tb, h, r->xw + b * QBLOCK)
-                        : _mm256_add_epi32(_mm256_slli_epi32(quads_dot(fmt, u, x1, g * per, (g + 1) * per), 8),
+        __m256i v = q_wide(fmt) ? (q_code(fmt) ? s8_dot_u(u, r->xw + b * QBLOCK) : s8_dot(tb, h, r->xw + b * QBLOCK))
+                                : _mm256_add_epi32(_mm256_slli_epi32(quads_dot(fmt, u, x1, g * per, (g + 1) * per), 8),
                                            quads_dot(fmt, u, x2, g * per, (g + 1) * per));
         if (off)
             v = _mm256_sub_epi32(v, _mm256_set1_epi32(off * (ng == 2 ? c[g] : c[0] + c[1])));

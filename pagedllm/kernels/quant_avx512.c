@@ -80,6 +80,11 @@ static inline __attribute__((always_inline)) void block_quads(int fmt, const uin
             w[2 * c] = _mm512_and_si512(v, m4);
             w[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
         }
+        if (q_code(fmt)) { /* codebook values + 128 (unsigned, as S8's flipped bytes) by vpshufb */
+            __m512i cb = _mm512_xor_si512(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)q_codebook[fmt - 5])),
+                                          _mm512_set1_epi8((char)0x80));
+            for (int q = 0; q < 8; q++) w[q] = _mm512_shuffle_epi8(cb, w[q]);
+        }
     } else {
         const __m512i flip = _mm512_set1_epi8((char)0x80);
         for (int c = 0; c < 8; c++) w[c] = _mm512_xor_si512(_mm512_loadu_si512(tb + 64 * c), flip);
@@ -109,7 +114,7 @@ static inline __attribute__((always_inline)) __m512 levels_dot(const __m512i *w,
 }
 
 /* acc + (row n of block b) . (an input row's block b, both levels) * its scales, per lane n */
-static inline __attribute__((always_inline)) __m512 block_acc(int fmt, int nib, const __m512i *w, const float *dt,
+static inline __attribute__((always_inline)) __m512 block_acc(int fmt, int plain, const __m512i *w, const float *dt,
                                                                long b, const qrow *r, __m512 acc) {
     const int8_t *x1 = r->xq + b * QBLOCK, *x2 = r->xq2 + b * QBLOCK;
     const int32_t *c1 = r->c16 + 2 * b, *c2 = r->c16_2 + 2 * b;
@@ -120,7 +125,7 @@ static inline __attribute__((always_inline)) __m512 block_acc(int fmt, int nib, 
         return _mm512_fmadd_ps(levels_dot(w, x1, x2, 4, 8, c1[1], c2[1]),
                                _mm512_mul_ps(_mm512_loadu_ps(dt + (2 * b + 1) * QT), dxv), acc);
     }
-    return _mm512_fmadd_ps(levels_dot(w, x1, x2, 0, 8, nib ? 0 : c1[0] + c1[1], nib ? 0 : c2[0] + c2[1]),
+    return _mm512_fmadd_ps(levels_dot(w, x1, x2, 0, 8, plain ? 0 : c1[0] + c1[1], plain ? 0 : c2[0] + c2[1]),
                            _mm512_mul_ps(_mm512_loadu_ps(dt + b * QT), dxv), acc);
 }
 
@@ -131,10 +136,10 @@ static inline __attribute__((always_inline)) void tile_block_i8(int fmt, const u
                                                                 __m512 *acc) {
     __m512i w[8];
     block_quads(fmt, tb, w);
-    int nib = q_nib(fmt);
+    int plain = fmt == 0; /* U4M's nibbles are the unsigned operand as they are: no +128 to take off */
 #pragma GCC unroll 16
     for (int i = 0; i < R; i++) {
-        acc[i] = block_acc(fmt, nib, w, dt, b, xr + i, acc[i]);
+        acc[i] = block_acc(fmt, plain, w, dt, b, xr + i, acc[i]);
         if (q_min(fmt)) acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(mt + b * QT), _mm512_set1_ps(xr[i].sxd[b]), acc[i]);
     }
 }

@@ -28,10 +28,16 @@
 
 /* fmt codes (kernels/cpu.py QUANT_LAYOUTS): 0 U4M, 1 S8, 2 S6 (S8 whose quants are all in
  * -32..31: Q5_0; the AVX2 kernels may add 32 to make them unsigned without vpmaddubsw saturating),
- * 3 S8H, 4 S8M */
-static inline int q_nib(int fmt) { return fmt == 0; }
+ * 3 S8H, 4 S8M, 5 IQ4 and 6 E2M1 (U4M's nibbles as indices into a 16-value codebook, q_codebook:
+ * IQ4_NL / IQ4_XS's, MXFP4's e2m1 values doubled; one d per 32, no min) */
+static inline int q_code(int fmt) { return fmt >= 5; }
+static inline int q_nib(int fmt) { return fmt == 0 || q_code(fmt); }
 static inline int q_min(int fmt) { return fmt == 0 || fmt == 4; }
-static inline long q_tb(int fmt) { return fmt == 0 ? 256 : 512; }        /* bytes per tile-block */
+static inline long q_tb(int fmt) { return q_nib(fmt) ? 256 : 512; }      /* bytes per tile-block */
+/* the codebooks of fmt 5 and 6 (llama.cpp's ggml-common.h kvalues_iq4nl and kvalues_mxfp4) */
+static const int8_t q_codebook[2][16] = {
+    {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113},
+    {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12}};
 static inline long q_groups(int fmt, long nb) { return fmt == 3 ? 2 * nb : nb; } /* scales per row */
 
 

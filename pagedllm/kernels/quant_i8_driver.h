@@ -39,6 +39,8 @@ static void tile_rows_fmt(int fmt, const uint8_t *tq, const float *dt, const flo
     case 1: tile_rows(1, tq, dt, mt, nb, rows, M, bias, y, N, n0); break;
     case 2: tile_rows(2, tq, dt, mt, nb, rows, M, bias, y, N, n0); break;
     case 3: tile_rows(3, tq, dt, mt, nb, rows, M, bias, y, N, n0); break;
+    case 5: tile_rows(5, tq, dt, mt, nb, rows, M, bias, y, N, n0); break;
+    case 6: tile_rows(6, tq, dt, mt, nb, rows, M, bias, y, N, n0); break;
     default: tile_rows(4, tq, dt, mt, nb, rows, M, bias, y, N, n0); break;
     }
 }

@@ -16,6 +16,8 @@
  *   2 S6:  as S8, every q in -32..31 (Q5_0): the AVX2 kernels may offset it into unsigned bytes.
  *   3 S8H: as S8 with two scales per block, one per 16 weights (Q6_K).
  *   4 S8M: as S8 with d and m (Q5_1, Q5_K).
+ *   5 IQ4, 6 E2M1: U4M's nibbles as indices into a codebook (quant_common.h q_codebook), w = cb[q] d
+ *          (IQ4_NL, IQ4_XS; MXFP4): the file's 4 bits per weight stay 4 bits in memory.
  * qs: [tiles][K/32][bytes per tile-block]; d, m: [tiles][groups per row][16] float32 (lane n = row
  * 16 t + n). N is padded to a multiple of 16 with zero rows.
  *
@@ -59,6 +61,15 @@ static inline f16v i2f(i16v v) { return __builtin_convertvector(v, f16v); }
 /* the 8 (nibbles) or 4 (bytes) weight vectors of chunk c of a tile-block, as q (unscaled float) */
 static inline __attribute__((always_inline)) int chunk_q(int fmt, const uint8_t *tb, int c, f16v *w) {
     i16v v = load16i(tb + 64 * c);
+    if (q_code(fmt)) {
+        i16v cb;
+        for (int i = 0; i < 16; i++) cb[i] = q_codebook[fmt - 5][i];
+        for (int j = 0; j < 4; j++) {
+            w[j] = i2f(__builtin_shuffle(cb, (v >> (8 * j)) & 15));
+            w[4 + j] = i2f(__builtin_shuffle(cb, (v >> (8 * j + 4)) & 15));
+        }
+        return 8;
+    }
     if (q_nib(fmt)) {
         for (int j = 0; j < 4; j++) {
             w[j] = i2f((v >> (8 * j)) & 15);
@@ -159,6 +170,8 @@ static void f32_tile_rows_fmt(int fmt, const uint8_t *tq, const float *dt, const
     case 0: f32_tile_rows(0, tq, dt, mt, nb, x, sums, M, K, bias, y, N, n0); break;
     case 1: case 2: f32_tile_rows(1, tq, dt, mt, nb, x, sums, M, K, bias, y, N, n0); break;
     case 3: f32_tile_rows(3, tq, dt, mt, nb, x, sums, M, K, bias, y, N, n0); break;
+    case 5: f32_tile_rows(5, tq, dt, mt, nb, x, sums, M, K, bias, y, N, n0); break;
+    case 6: f32_tile_rows(6, tq, dt, mt, nb, x, sums, M, K, bias, y, N, n0); break;
     default: f32_tile_rows(4, tq, dt, mt, nb, x, sums, M, K, bias, y, N, n0); break;
     }
 }
@@ -245,6 +258,8 @@ static void dequant_tile_fmt(int fmt, const uint8_t *tq, const float *dt, const 
     case 0: dequant_tile(0, tq, dt, mt, nb, nc, K, out); break;
     case 1: case 2: dequant_tile(1, tq, dt, mt, nb, nc, K, out); break;
     case 3: dequant_tile(3, tq, dt, mt, nb, nc, K, out); break;
+    case 5: dequant_tile(5, tq, dt, mt, nb, nc, K, out); break;
+    case 6: dequant_tile(6, tq, dt, mt, nb, nc, K, out); break;
     default: dequant_tile(4, tq, dt, mt, nb, nc, K, out); break;
     }
 }

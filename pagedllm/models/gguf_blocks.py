@@ -12,8 +12,10 @@ rearranges them into the tiles of 16 rows the kernels multiply (``quant_kernels.
 layout   arrays (weight matrix ``[N, K]``)           GGUF formats served by it (exactly)
 =======  ==========================================  ======================================
 ``U4M``  qs uint8 [N, K/2], d, m float32 [N, K/32]   Q4_1, Q4_K      (``w = q d + m``)
-``S8``   qs int8 [N, K], d float32 [N, K/32]         Q8_0, Q5_0 (q - 16), int8 per channel,
-                                                     IQ4_NL, IQ4_XS, MXFP4 (codebook values)
+``S8``   qs int8 [N, K], d float32 [N, K/32]         Q8_0, Q5_0 (q - 16), int8 per channel
+``IQ4``  qs uint8 [N, K/2], d float32 [N, K/32]      IQ4_NL, IQ4_XS (``w = cb[q] d``, the nibble
+                                                     an index into ``_IQ4_VALUES``)
+``E2M1`` as ``IQ4``                                  MXFP4 (into ``_E2M1_X2``; ``d = 2^(e-128)``)
 ``U4``   qs uint8 [N, K/2], d float32 [N, K/32]      Q4_0            (``w = (q - 8) d``)
 ``S8H``  qs int8 [N, K], d float32 [N, K/16]         Q6_K (q - 32), Q3_K (q - 4; ``w = q d``)
 ``S8M``  qs int8 [N, K], d, m float32 [N, K/32]      Q5_1, Q5_K      (``w = q d + m``)
@@ -25,7 +27,7 @@ layout   arrays (weight matrix ``[N, K]``)           GGUF formats served by it (
 ``BF16``
 =======  ==========================================  ======================================
 
-In ``U4M``/``U4`` byte ``j`` of a 32-weight group holds weight ``j`` (low nibble) and ``j + 16``
+In ``U4M``/``U4``/``IQ4``/``E2M1`` byte ``j`` of a 32-weight group holds weight ``j`` (low nibble) and ``j + 16``
 (high nibble). Block layouts follow llama.cpp's ``ggml-common.h`` as documented by ``gguf.quants``
 (which the tests use as the reference dequantization).
 """
@@ -49,11 +51,11 @@ def unpermute_rows(w, n_head: int):
     """
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
-LAYOUTS = {"U4M": 0, "S8": 1, "S6": 2, "S8H": 3, "S8M": 4}  # pl_qgemm's tile layout codes (U4 tiles as U4M)
+LAYOUTS = {"U4M": 0, "S8": 1, "S6": 2, "S8H": 3, "S8M": 4, "IQ4": 5, "E2M1": 6}  # pl_qgemm's tile layout codes (U4 tiles as U4M)
 TILE = 16  # output rows per tile
 GGUF_LAYOUT = {"Q4_0": "U4", "Q4_1": "U4M", "Q8_0": "S8", "Q5_0": "S8", "Q5_1": "S8M",
                "Q4_K": "U4M", "Q5_K": "S8M", "Q6_K": "S8H", "Q3_K": "S8H",
-               "IQ4_NL": "S8", "IQ4_XS": "S8", "MXFP4": "S8", "Q2_K": "S8HM", "F16": "F16", "BF16": "BF16"}
+               "IQ4_NL": "IQ4", "IQ4_XS": "IQ4", "MXFP4": "E2M1", "Q2_K": "S8HM", "F16": "F16", "BF16": "BF16"}
 _BLOCK = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34), "Q5_0": (32, 22), "Q5_1": (32, 24),
           "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210), "Q3_K": (256, 110),
           "IQ4_NL": (32, 18), "IQ4_XS": (256, 136), "MXFP4": (32, 17)}  # weights, bytes per block
@@ -61,6 +63,7 @@ _GROUP16 = ("Q6_K", "Q3_K")  # one scale per 16 weights (S8H)
 # the non-linear 4-bit codebooks: IQ4_NL / IQ4_XS's, and MXFP4's e2m1 values doubled (so integers)
 _IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
 _E2M1_X2 = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=np.int8)
+_CODEBOOK = {"IQ4": _IQ4_VALUES, "E2M1": _E2M1_X2}  # the nibble layouts' tables (quant_common.h q_codebook)
 
 
 def _f16(b: np.ndarray) -> np.ndarray:
@@ -216,7 +219,11 @@ def repack(kind: str, raw: np.ndarray, n: int, k: int) -> tuple[str, dict[str, t
     layout = GGUF_LAYOUT[kind]
     if layout == "U4":
         q = q + 8
-    qs = _pack_nibbles(q) if layout in ("U4", "U4M") else q
+    elif layout in _CODEBOOK:  # the values back to their indices (MXFP4's two zeros: either index)
+        index = np.zeros(256, dtype=np.int8)
+        index[_CODEBOOK[layout].view(np.uint8)] = np.arange(16, dtype=np.int8)
+        q = index[q.view(np.uint8)]
+    qs = _pack_nibbles(q) if layout in ("U4", "U4M", *_CODEBOOK) else q
     out = {"qs": torch.from_numpy(np.ascontiguousarray(qs)), "d": torch.from_numpy(d)}
     if m is not None:
         out["m"] = torch.from_numpy(m)
@@ -299,7 +306,7 @@ def to_tiles(layout: str, packed: dict[str, torch.Tensor], n: int, k: int) -> tu
     def rows(t: torch.Tensor) -> torch.Tensor:
         return torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) if pad else t
 
-    if layout == "U4M":
+    if layout in ("U4M", *_CODEBOOK):
         b = rows(qs.view(torch.uint8)).reshape(tiles * TILE, nb, 16)
         q = torch.stack([b & 15, b >> 4], 2).reshape(tiles, TILE, nb, 4, 2, 4)  # weight 8c + 4h + j
         q = q.permute(0, 2, 3, 1, 4, 5)  # [tile, block, chunk, lane, h, j]

@@ -339,20 +339,21 @@ def test_int8_activation_products(int8_activations, kind):
 
 
 @pytest.mark.parametrize("layout,q", [("U4M", 15), ("S8", -128), ("S8", 127), ("S6", -32), ("S8H", -32),
-                                       ("S8M", 31)])
+                                       ("S8M", 31), ("IQ4", 0), ("IQ4", 15), ("E2M1", 7), ("E2M1", 15)])
 def test_int8_activations_at_the_extremes_stay_exact(int8_activations, layout, q):
     """Every weight at its format's extreme quant and every activation at +-127 (the first level) or
     with the residual at its extreme: the AVX2 kernels' int16 partial sums (vpmaddubsw saturates)
     and int16 activations (256 q1 + q2) must not overflow; results equal the exact product."""
     n, k = 16, 256
     group = 16 if layout == "S8H" else 32
-    qs = torch.full((n, k // 2), 0xFF, dtype=torch.uint8) if layout == "U4M" else torch.full((n, k), q, dtype=torch.int8)
+    nibbles = layout in ("U4M", "IQ4", "E2M1")  # the codebooks' q: an index (IQ4 0: -127, E2M1 15: -12)
+    qs = torch.full((n, k // 2), q | q << 4, dtype=torch.uint8) if nibbles else torch.full((n, k), q, dtype=torch.int8)
     packed = {"qs": qs, "d": torch.full((n, k // group), 0.5)}
     if layout in ("U4M", "S8M"):
         packed["m"] = torch.full((n, k // 32), -0.25)
     lin = GGUFLinear(layout, packed, n, k)
     w = lin.dequantize().double()
-    sign = 1.0 if q > 0 else -1.0
+    sign = 1.0 if w[0, 0] > 0 else -1.0
     x = torch.full((3, k), sign)  # q1 = +-127 everywhere, with the weights' sign: the largest sums
     x[1] = sign * (1 + 0.5 / 127 * torch.arange(k).remainder(2))  # residuals near half a step
     x[2] = -x[1]
