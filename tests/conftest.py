@@ -42,6 +42,8 @@ TINY_KINDS = {
                                          moe_intermediate_size=32, head_dim=16, mlp_only_layers=[1])),
     "mixtral": ("MixtralConfig", dict(num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2,
                                       sliding_window=8)),
+    "gpt_oss": ("GptOssConfig", dict(num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2, head_dim=16,
+                                     sliding_window=8, layer_types=["sliding_attention", "full_attention"])),
     # expert parallelism: a shared expert kept whole beside 6 routed experts (3 per rank of 2); Granite
     # MoE's plan splits only its experts (attention whole on every rank)
     "qwen2_moe": ("Qwen2MoeConfig", dict(num_hidden_layers=2, num_experts=6, num_experts_per_tok=2,

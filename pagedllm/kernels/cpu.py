@@ -377,7 +377,7 @@ def _address(t: torch.Tensor | None, dtype: torch.dtype | None, name: str) -> in
 
 
 def stack_table(rows: list[dict]) -> torch.Tensor:
-    """The ``[num_layers, 52]`` int64 table of ``decode_stack`` from one dict per layer.
+    """The ``[num_layers, 54]`` int64 table of ``decode_stack`` from one dict per layer.
 
     Each dict has ``STACK_NORMS`` (``[H]`` or, for the q/k head norms, ``[head_dim]`` float32 effective
     weights, or ``None`` where the layer has no such norm; ``in_norm`` and ``pre_ff_norm`` always),
@@ -385,7 +385,8 @@ def stack_table(rows: list[dict]) -> torch.Tensor:
     ``decode_stack``'s ``cos``/``sin``), ``window`` (sliding window in tokens, 0: none), optionally
     ``moe``: ``None`` (a dense MLP) or ``(router [E, H] float32, experts [E, 2, 5] int64 descriptors
     (``moe_experts``'), top_k, renormalize the top-k weights, chosen [E] int64 counts to add to,
-    expert width)`` for a mixture-of-experts MLP (softmax router), and ``matmuls``:
+    expert width[, router bias [E] float32 or None])`` for a mixture-of-experts MLP (softmax router),
+    optionally ``sinks`` (``[num_heads]`` float32 attention-sink logits: gpt-oss), and ``matmuls``:
     for each of ``STACK_MATMULS`` ``None`` (absent: ``q`` then holds the fused q|k|v rows, ``gate`` the
     fused gate|up rows) or ``(fmt, weight, d, m, bias)``: ``fmt`` a ``QUANT_LAYOUTS`` code with the
     packed ``qs``/``d``/``m`` tensors, or ``MATMUL_FLOAT32`` with the ``[N, K]`` float32 weight (``d``,
@@ -402,12 +403,13 @@ def stack_table(rows: list[dict]) -> torch.Tensor:
                  _address(row["value_cache"], torch.float32, "value_cache"), int(row["rope"]), int(row["window"])]
         moe = row.get("moe")
         if moe is None:
-            cols += [0] * 7
+            cols += [0] * 8
         else:
-            router, experts, top_k, norm_topk, chosen, inter = moe
+            router, experts, top_k, norm_topk, chosen, inter, *bias = moe
             cols += [_address(router, torch.float32, "router"), _address(experts, torch.int64, "experts"),
                      router.shape[0], int(top_k), int(bool(norm_topk)), _address(chosen, torch.int64, "chosen"),
-                     int(inter)]
+                     int(inter), _address(bias[0] if bias else None, torch.float32, "router bias")]
+        cols.append(_address(row.get("sinks"), torch.float32, "sinks"))
         for name in STACK_MATMULS:
             mm = row["matmuls"].get(name)
             if mm is None:
@@ -425,11 +427,11 @@ def decode_stack(table: torch.Tensor, x: torch.Tensor, num_heads: int, num_kv_he
                  num_slots: int, block_table: torch.Tensor, seq_len: int, scale: float, activation: str = "silu",
                  softcap: float | None = None) -> torch.Tensor:
     """The last ``T`` tokens of one sequence through every layer of a pre-norm decoder (Llama,
-    Mistral, Qwen2/3, Phi-3, Gemma 3) in one C call: batch-1 decode (``T = 1``) and the verification
+    Mistral, Qwen2/3, Phi-3, Gemma 3, Qwen3-MoE, Mixtral, gpt-oss) in one C call: batch-1 decode (``T = 1``) and the verification
     of speculative drafts (``T`` up to 16), without a return to Python between operations.
 
     Args:
-        table: ``stack_table`` of the layers, ``[num_layers, 52]`` int64.
+        table: ``stack_table`` of the layers, ``[num_layers, 54]`` int64.
         x: ``[T, hidden]`` float32 contiguous, the tokens' embeddings; overwritten with the last
             layer's MLP output (after its post-MLP norm, if any).
         eps: the RMSNorms' epsilon (one for all of them).

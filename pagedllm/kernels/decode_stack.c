@@ -6,11 +6,12 @@
  * such norm), the layer's K/V cache, its rotary table index and sliding window, then MM_COLS columns
  * for each of seven matrix products */
 enum { L_IN_NORM, L_POST_ATTN_NORM, L_PRE_FF_NORM, L_POST_FF_NORM, L_Q_NORM, L_K_NORM, L_KC, L_VC, L_ROPE,
-       L_WINDOW, L_ROUTER, L_EXPERTS, L_NEXP, L_TOPK, L_NORM_TOPK, L_CHOSEN, L_MOE_I, L_MM };
+       L_WINDOW, L_ROUTER, L_EXPERTS, L_NEXP, L_TOPK, L_NORM_TOPK, L_CHOSEN, L_MOE_I, L_ROUTER_B, L_SINKS, L_MM };
 /* L_ROUTER != 0: the layer's MLP is a mixture of experts: router [NEXP, H] float32, softmax over the
  * experts, the TOPK largest (their weights renormalized to sum 1 when L_NORM_TOPK), then
  * pl_moe_experts over L_EXPERTS ([NEXP][2][5] descriptors, expert width L_MOE_I); L_CHOSEN: int64
- * [NEXP] counts of the choices (the routing histogram), or 0 */
+ * [NEXP] counts of the choices (the routing histogram), or 0; L_ROUTER_B: the router's bias [NEXP]
+ * float32, or 0 (gpt-oss). L_SINKS: the attention sinks' logits [NH] float32, or 0 (gpt-oss) */
 /* the matrix products: q (with k and v absent: the fused q|k|v rows), k, v, o, gate (with up absent:
  * the fused gate|up rows), up, down; each {fmt, weight, d, m, bias}: fmt >= 0 a pl_qgemm layout with
  * its qs / d / m arrays in the weight / d / m columns; fmt -1 a float32 [N, K] weight; fmt -2 absent */
@@ -178,7 +179,7 @@ static int moe_mlp(const int64_t *p, const float *h, float *x, long T, long H, i
     float *w = logits + E;
     int64_t *chosen = (int64_t *)(intptr_t)p[L_CHOSEN];
     for (long t = 0; t < T; t++) {
-        pl_gemv(h + t * H, addr(p, L_ROUTER), NULL, logits, E, H, nt);
+        pl_gemv(h + t * H, addr(p, L_ROUTER), addr(p, L_ROUTER_B), logits, E, H, nt);
         float m = -INFINITY, sum = 0.0f, kept = 0.0f;
         for (long e = 0; e < E; e++) m = logits[e] > m ? logits[e] : m;
         for (long e = 0; e < E; e++) sum += (logits[e] = expf(logits[e] - m));
@@ -204,7 +205,7 @@ static int moe_mlp(const int64_t *p, const float *h, float *x, long T, long H, i
 }
 
 /* The last T (<= QGEMM_MAX_ROWS) tokens of one sequence through n_layers pre-norm decoder layers
- * (Llama, Mistral, Qwen2/3, Phi-3, Gemma 3: optional q/k head norms and post-attention / post-MLP
+ * (Llama, Mistral, Qwen2/3, Phi-3, Gemma 3, gpt-oss: optional q/k head norms and post-attention / post-MLP
  * "sandwich" norms, SiLU or tanh-GELU gated MLP, a rotary table and sliding window per layer,
  * grouped-query attention over the paged cache), without returning to Python between operations:
  * batch-1 decode (T = 1) and the verification of speculative draft tokens (T = 1 + drafts).
@@ -250,7 +251,8 @@ int pl_decode_stack(long n_layers, long T, const int64_t *layers, float *x, floa
 #pragma omp parallel for num_threads(nt) schedule(static) if ((L - first) * NH * D >= PAR_MIN_WORK && KVH > 1)
             for (long g = 0; g < KVH; g++)
                 decode_task(qkv + t * nqkv + g * G * D, D, table, first, L, kc + g * num_slots * D,
-                            vc + g * num_slots * D, block_size, D, G, scale, softcap, NULL, scores + g * G * seq_len,
+                            vc + g * num_slots * D, block_size, D, G, scale, softcap,
+                            addr(p, L_SINKS) ? addr(p, L_SINKS) + g * G : NULL, scores + g * G * seq_len,
                             attn + t * NH * D + g * G * D, D);
         }
         layer_matmul(p, MM_O, attn, T, x, H, NH * D, nt);

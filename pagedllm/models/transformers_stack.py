@@ -15,7 +15,8 @@ and every layer holds attention; anything else keeps the per-layer path. Embeddi
 head and final logit soft-capping stay the module's own.
 
 Source: the decoder layers of transformers 5's ``modeling_llama``, ``_mistral``, ``_qwen2``,
-``_qwen3``, ``_phi3`` and ``_gemma3``.
+``_qwen3``, ``_phi3``, ``_gemma3``, ``_qwen3_moe``, ``_mixtral`` and ``_gpt_oss`` (biased router, attention
+sinks, half-width rotary tables).
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ class StackFamily:
     act: str = "mlp.act_fn"
     window_in_config: bool = False
     moe: bool = False  # ``mlp`` may be a softmax-routed mixture of experts (``gate`` router, ``experts``)
+    half_rotary: bool = False  # the rotary module returns cos / sin for half a head (gpt-oss): doubled here
+    sinks: str | None = None  # attribute path of the attention-sink logits (gpt-oss)
 
 
 _PRE_NORM = {"in_norm": "input_layernorm", "pre_ff_norm": "post_attention_layernorm",
@@ -69,29 +72,33 @@ FAMILIES: dict[str, StackFamily] = {
                                        "pre_ff_norm": "pre_feedforward_layernorm",
                                        "post_ff_norm": "post_feedforward_layernorm", "q_norm": "self_attn.q_norm",
                                        "k_norm": "self_attn.k_norm"}, _SPLIT),
+    "GptOssDecoderLayer": StackFamily(_PRE_NORM, _SPLIT, moe=True, half_rotary=True, sinks="self_attn.sinks"),
 }
+_MOE_BLOCKS = ("SparseMoeBlock", "GptOssMLP")  # the MLP classes (name endings) whose routers moe_routing reads
 _REQUIRED_NORMS = ("in_norm", "pre_ff_norm")
 _ATTENTION = ("q", "k", "v", "o")
 
 
 def moe_routing(mlp: nn.Module) -> tuple | None:
-    """``(router weight [E, H], top_k, renormalize)`` of a mixture-of-experts MLP whose router the C
-    stack reproduces (softmax over the experts, the top k, optionally renormalized: checked on a
-    random input against the module's own router) and whose experts run on the experts kernel
-    (``moe.ExpertWeights``); else ``None``."""
-    gate, experts = getattr(mlp, "gate", None), getattr(mlp, "experts", None)
-    w, k = getattr(gate, "weight", None), getattr(gate, "top_k", None)
+    """``(router weight [E, H], router bias [E] or None, top_k, renormalize)`` of a mixture-of-experts
+    MLP whose router (``gate``, or gpt-oss's ``router``) the C stack reproduces (softmax over the
+    experts' logits, the top k, optionally renormalized; gpt-oss's softmax over its top-k logits is
+    the renormalized one: checked on a random input against the module's own router) and whose
+    experts run on the experts kernel (``moe.ExpertWeights``); else ``None``."""
+    gate, experts = getattr(mlp, "gate", None) or getattr(mlp, "router", None), getattr(mlp, "experts", None)
+    w, k, b = getattr(gate, "weight", None), getattr(gate, "top_k", None), getattr(gate, "bias", None)
     if not (isinstance(w, torch.Tensor) and w.dim() == 2 and w.dtype == torch.float32 and isinstance(k, int)
-            and getattr(experts, "pagedllm_experts", None) and type(mlp).__name__.endswith("SparseMoeBlock")):
+            and (b is None or (isinstance(b, torch.Tensor) and b.dtype == torch.float32))
+            and getattr(experts, "pagedllm_experts", None) and type(mlp).__name__.endswith(_MOE_BLOCKS)):
         return None
     x = torch.randn(4, w.shape[1], generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         _, scores, index = gate(x)
-        top, idx = torch.topk(torch.softmax(x @ w.T, dim=-1), k, dim=-1)
+        top, idx = torch.topk(torch.softmax(x @ w.T + (0 if b is None else b), dim=-1), k, dim=-1)
     for renorm in (True, False):
         want = top / top.sum(-1, keepdim=True) if renorm else top
         if torch.equal(idx, index) and torch.allclose(want, scores.float(), rtol=0, atol=1e-6):
-            return w.detach(), k, renorm
+            return w.detach(), None if b is None else b.detach(), k, renorm
     return None
 
 
@@ -137,9 +144,11 @@ class TransformersDecodeStack:
             row.update({"key_cache": kc, "value_cache": vc, "rope": self.layer_rope[i], "window": self.windows[i],
                         "matmuls": {n: matmul_entry(_get(layer, self.family.matmuls[n])) for n in names}})
             if moe:
-                router, top_k, renorm = moe
+                router, bias, top_k, renorm = moe
                 w = layer.mlp.experts.pagedllm_experts
-                row["moe"] = (router, w.table, top_k, renorm, w.chosen, w.intermediate)
+                row["moe"] = (router, w.table, top_k, renorm, w.chosen, w.intermediate, bias)
+            if self.family.sinks:
+                row["sinks"] = _get(layer, self.family.sinks).detach()
             rows.append(row)
         return rows
 
@@ -149,6 +158,8 @@ class TransformersDecodeStack:
         pos = positions.unsqueeze(0)
         pairs = [self.inner.rotary_emb(x, pos) if k is None else self.inner.rotary_emb(x, pos, k)
                  for k in self.rope_kinds]
+        if self.family.half_rotary:  # first half x cos - second half x sin: rotate-half with cos, sin doubled
+            pairs = [(torch.cat([c, c], -1), torch.cat([s, s], -1)) for c, s in pairs]
         return torch.cat([c for c, _ in pairs]).float(), torch.cat([s for _, s in pairs]).float()
 
     def logits(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, logits_indices: torch.Tensor,
@@ -219,7 +230,7 @@ def plan_decode_stack(hf: nn.Module, heads: tuple[int, int, int]) -> Transformer
     probe = torch.zeros(1, 1, cfg.hidden_size)
     with torch.no_grad():
         cos = inner.rotary_emb(probe, torch.zeros(1, 1, dtype=torch.long), *([rope_kinds[0]] * (rope_kinds != [None])))[0]
-    if cos.shape[-1] != hd:  # partial rotary: the C stack rotates whole heads
+    if cos.shape[-1] * (2 if family.half_rotary else 1) != hd:  # partial rotary: the C stack rotates whole heads
         return None
     if len(inters) > 1:  # one width for the dense MLPs (the experts carry their own)
         return None

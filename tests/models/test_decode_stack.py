@@ -79,7 +79,8 @@ def test_fused_stack_takes_up_to_16_tokens_of_one_sequence(kind, tiny_model_dir,
     assert len(calls) == before
 
 
-STACK_KINDS = ["llama_bias_tied", "qwen2", "mistral", "qwen3", "gemma3_text", "phi3", "qwen3_moe", "mixtral"]
+STACK_KINDS = ["llama_bias_tied", "qwen2", "mistral", "qwen3", "gemma3_text", "phi3", "qwen3_moe", "mixtral",
+               "gpt_oss"]
 
 
 @pytest.mark.parametrize("kind", STACK_KINDS)
