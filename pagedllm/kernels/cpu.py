@@ -67,7 +67,8 @@ INT8_MAX_ROWS = {"avx2": 128, "avxvnni": 128, "avx512vnni": 1 << 62}
 # against 4.1 at 256 rows and 11.7 against 6.2 at 512 of a Q4_K 896 x 4864 product, SmolLM2's
 # 512-token prefill ran 1,305 against 1,833 tokens/s (results/cpu_isa-2026-12-05-spr.json)
 AMX_INT8_MAX_ROWS = 256
-QUANT_LAYOUTS = {"U4M": 0, "S8": 1, "S6": 2, "S8H": 3, "S8M": 4, "IQ4": 5, "E2M1": 6}  # pl_qgemm's tile layout codes (models/gguf_blocks.py)
+QUANT_LAYOUTS = {"U4M": 0, "S8": 1, "S6": 2, "S8H": 3, "S8M": 4, "IQ4": 5, "E2M1": 6,
+                 "S8/f16": 9, "S6/f16": 10, "IQ4/f16": 13, "E2M1/f16": 14}  # pl_qgemm's tile layout codes (models/gguf_blocks.py)
 QUANT_TILE = 16  # output rows per tile (quant_kernels.c QT)
 _lib: ctypes.CDLL | None = None
 _tried = False

@@ -103,14 +103,20 @@ static void quantize_row(const float *x, long K, uint8_t *mem, qrow *r) {
 
 /* what this build adds to a format's quants to make them the unsigned operand (see the top) */
 static inline int q_off(int fmt) {
-    if (fmt == 2 || fmt == 3)
+    if (q_base(fmt) == 2 || q_base(fmt) == 3)
         return 32;
-    return (fmt == 1 || q_code(fmt)) && QI8_ISA == 2 ? 128 : 0;
+    return (q_base(fmt) == 1 || q_code(fmt)) && QI8_ISA == 2 ? 128 : 0;
 }
 
 /* the formats whose bytes span int8 and so take the int16 product on AVX2 (s8_dot): S8 and the
  * codebooks (IQ4_NL's values reach -127 and 113) */
-static inline int q_wide(int fmt) { return QI8_ISA == 1 && (fmt == 1 || q_code(fmt)); }
+static inline int q_wide(int fmt) { return QI8_ISA == 1 && (q_base(fmt) == 1 || q_code(fmt)); }
+
+/* scales i .. i + 7 (float32 or float16: quant_common.h Q_HALF) */
+static inline __m256 ld_d(int fmt, const float *dt, long i) {
+    return q_half(fmt) ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)dt + i)))
+                       : _mm256_loadu_ps(dt + i);
+}
 
 /* The 8 quads of half h of a tile-block (quad q: weights 4q .. 4q + 3 of rows 8h .. 8h + 7): u[q]
  * the unsigned operand (not for full-range S8 on AVX2: s8_dot reads the tile itself). */
@@ -123,14 +129,14 @@ static inline __attribute__((always_inline)) void half_quads(int fmt, const uint
             u[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
         }
         if (q_code(fmt)) { /* the codebook's values by vpshufb: signed (AVX2), + 128 (AVX-VNNI) */
-            __m256i cb = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)q_codebook[fmt - 5]));
+            __m256i cb = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)q_codebook[q_base(fmt) - 5]));
             if (q_off(fmt) == 128) cb = _mm256_xor_si256(cb, _mm256_set1_epi8((char)0x80));
             for (int q = 0; q < 8; q++) u[q] = _mm256_shuffle_epi8(cb, u[q]);
         }
         return;
     }
     int off = q_off(fmt);
-    if (fmt == 1 && QI8_ISA == 1)
+    if (q_base(fmt) == 1 && QI8_ISA == 1)
         return;
     for (int c = 0; c < 8; c++) {
         __m256i v = _mm256_loadu_si256((const __m256i *)(tb + 64 * c + 32 * h));
@@ -160,7 +166,7 @@ static inline __attribute__((always_inline)) __m256i quads_dot(int fmt, const __
     return _mm256_add_epi32(a, b);
 #else
     const __m256i ones = _mm256_set1_epi16(1);
-    int chain = fmt == 0 ? 8 : fmt == 4 ? 4 : 2; /* exact int16 sums (see the top) */
+    int chain = q_base(fmt) == 0 ? 8 : q_base(fmt) == 4 ? 4 : 2; /* exact int16 sums (see the top) */
     __m256i acc = _mm256_setzero_si256();
     for (int q = q0; q < q1; q += chain) {
         __m256i p = _mm256_setzero_si256();
@@ -207,14 +213,14 @@ static inline __attribute__((always_inline)) __m256 half_block(int fmt, const __
     const int8_t *x1 = r->xq + b * QBLOCK, *x2 = r->xq2 + b * QBLOCK;
     const int32_t *c = r->c16 + 2 * b;
     __m256 dxv = _mm256_set1_ps(r->dx[b]);
-    int off = q_off(fmt), ng = fmt == 3 ? 2 : 1, per = 8 / ng;
+    int off = q_off(fmt), ng = q_base(fmt) == 3 ? 2 : 1, per = 8 / ng;
     for (int g = 0; g < ng; g++) {
         __m256i v = q_wide(fmt) ? (q_code(fmt) ? s8_dot_u(u, r->xw + b * QBLOCK) : s8_dot(tb, h, r->xw + b * QBLOCK))
                                 : _mm256_add_epi32(_mm256_slli_epi32(quads_dot(fmt, u, x1, g * per, (g + 1) * per), 8),
                                            quads_dot(fmt, u, x2, g * per, (g + 1) * per));
         if (off)
             v = _mm256_sub_epi32(v, _mm256_set1_epi32(off * (ng == 2 ? c[g] : c[0] + c[1])));
-        __m256 dv = _mm256_loadu_ps(dt + (ng == 2 ? 2 * b + g : b) * QT + 8 * h);
+        __m256 dv = ld_d(fmt, dt, (ng == 2 ? 2 * b + g : b) * QT + 8 * h);
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), _mm256_mul_ps(dv, dxv), acc);
     }
     if (q_min(fmt))
@@ -236,7 +242,7 @@ static inline __attribute__((always_inline)) void half_block_rows(int fmt, const
                                                                   const float *mt, long b, const qrow *xr, int R,
                                                                   __m256 *acc) {
     const __m256i order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);
-    int ng = fmt == 3 ? 2 : 1, per = 8 / ng;
+    int ng = q_base(fmt) == 3 ? 2 : 1, per = 8 / ng;
     for (int g = 0; g < ng; g++) {
         __m256i a[QI_MAXR], c[QI_MAXR];
         for (int i = 0; i < R; i++) a[i] = c[i] = _mm256_setzero_si256();
@@ -252,7 +258,7 @@ static inline __attribute__((always_inline)) void half_block_rows(int fmt, const
                 c[i] = DOT16(c[i], wb, xb);
             }
         }
-        __m256 dv = _mm256_loadu_ps(dt + (ng == 2 ? 2 * b + g : b) * QT + 8 * h);
+        __m256 dv = ld_d(fmt, dt, (ng == 2 ? 2 * b + g : b) * QT + 8 * h);
         for (int i = 0; i < R; i++) {
             __m256i v = _mm256_permutevar8x32_epi32(_mm256_hadd_epi32(a[i], c[i]), order);
             acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), _mm256_mul_ps(dv, _mm256_set1_ps(xr[i].dx[b])), acc[i]);

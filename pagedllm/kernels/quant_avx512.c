@@ -81,7 +81,7 @@ static inline __attribute__((always_inline)) void block_quads(int fmt, const uin
             w[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
         }
         if (q_code(fmt)) { /* codebook values + 128 (unsigned, as S8's flipped bytes) by vpshufb */
-            __m512i cb = _mm512_xor_si512(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)q_codebook[fmt - 5])),
+            __m512i cb = _mm512_xor_si512(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)q_codebook[q_base(fmt) - 5])),
                                           _mm512_set1_epi8((char)0x80));
             for (int q = 0; q < 8; q++) w[q] = _mm512_shuffle_epi8(cb, w[q]);
         }
@@ -113,20 +113,26 @@ static inline __attribute__((always_inline)) __m512 levels_dot(const __m512i *w,
     return _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(a, 8), c));
 }
 
+/* scales i .. i + 15 (float32 or float16: quant_common.h Q_HALF) */
+static inline __m512 ld_d(int fmt, const float *dt, long i) {
+    return q_half(fmt) ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)dt + i)))
+                       : _mm512_loadu_ps(dt + i);
+}
+
 /* acc + (row n of block b) . (an input row's block b, both levels) * its scales, per lane n */
 static inline __attribute__((always_inline)) __m512 block_acc(int fmt, int plain, const __m512i *w, const float *dt,
                                                                long b, const qrow *r, __m512 acc) {
     const int8_t *x1 = r->xq + b * QBLOCK, *x2 = r->xq2 + b * QBLOCK;
     const int32_t *c1 = r->c16 + 2 * b, *c2 = r->c16_2 + 2 * b;
     __m512 dxv = _mm512_set1_ps(r->dx[b]);
-    if (fmt == 3) { /* two scale groups of 16 weights */
+    if (q_base(fmt) == 3) { /* two scale groups of 16 weights */
         acc = _mm512_fmadd_ps(levels_dot(w, x1, x2, 0, 4, c1[0], c2[0]),
-                              _mm512_mul_ps(_mm512_loadu_ps(dt + 2 * b * QT), dxv), acc);
+                              _mm512_mul_ps(ld_d(fmt, dt, 2 * b * QT), dxv), acc);
         return _mm512_fmadd_ps(levels_dot(w, x1, x2, 4, 8, c1[1], c2[1]),
-                               _mm512_mul_ps(_mm512_loadu_ps(dt + (2 * b + 1) * QT), dxv), acc);
+                               _mm512_mul_ps(ld_d(fmt, dt, (2 * b + 1) * QT), dxv), acc);
     }
     return _mm512_fmadd_ps(levels_dot(w, x1, x2, 0, 8, plain ? 0 : c1[0] + c1[1], plain ? 0 : c2[0] + c2[1]),
-                           _mm512_mul_ps(_mm512_loadu_ps(dt + b * QT), dxv), acc);
+                           _mm512_mul_ps(ld_d(fmt, dt, b * QT), dxv), acc);
 }
 
 /* acc[i] (lane n) += row n of block b . row i's activations (both levels), i < R */
@@ -136,7 +142,7 @@ static inline __attribute__((always_inline)) void tile_block_i8(int fmt, const u
                                                                 __m512 *acc) {
     __m512i w[8];
     block_quads(fmt, tb, w);
-    int plain = fmt == 0; /* U4M's nibbles are the unsigned operand as they are: no +128 to take off */
+    int plain = q_base(fmt) == 0; /* U4M's nibbles are the unsigned operand as they are: no +128 to take off */
 #pragma GCC unroll 16
     for (int i = 0; i < R; i++) {
         acc[i] = block_acc(fmt, plain, w, dt, b, xr + i, acc[i]);

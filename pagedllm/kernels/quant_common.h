@@ -10,6 +10,7 @@
 #define PL_QUANT_COMMON_H
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #define QBLOCK 32
 #define QT 16 /* output rows per tile (one per 32-bit lane of a 64-byte chunk) */
@@ -29,16 +30,32 @@
 /* fmt codes (kernels/cpu.py QUANT_LAYOUTS): 0 U4M, 1 S8, 2 S6 (S8 whose quants are all in
  * -32..31: Q5_0; the AVX2 kernels may add 32 to make them unsigned without vpmaddubsw saturating),
  * 3 S8H, 4 S8M, 5 IQ4 and 6 E2M1 (U4M's nibbles as indices into a 16-value codebook, q_codebook:
- * IQ4_NL / IQ4_XS's, MXFP4's e2m1 values doubled; one d per 32, no min) */
-static inline int q_code(int fmt) { return fmt >= 5; }
-static inline int q_nib(int fmt) { return fmt == 0 || q_code(fmt); }
-static inline int q_min(int fmt) { return fmt == 0 || fmt == 4; }
+ * IQ4_NL / IQ4_XS's, MXFP4's e2m1 values doubled; one d per 32, no min).
+ * fmt | Q_HALF (of S8, S6, IQ4, E2M1): the scales d are float16, not float32 (gguf_blocks.to_tiles stores
+ * them so when every one is exact in float16: Q8_0's, Q5_0's and IQ4_NL's fp16 d, MXFP4's powers of two):
+ * Q8_0 then reads its file's 34 bytes per 32 weights, not 36, MXFP4 18 instead of 20. */
+#define Q_HALF 8
+static inline int q_base(int fmt) { return fmt & 7; }
+static inline int q_half(int fmt) { return (fmt & Q_HALF) != 0; }
+static inline int q_code(int fmt) { return q_base(fmt) >= 5; }
+static inline int q_nib(int fmt) { return q_base(fmt) == 0 || q_code(fmt); }
+static inline int q_min(int fmt) { return q_base(fmt) == 0 || q_base(fmt) == 4; }
 static inline long q_tb(int fmt) { return q_nib(fmt) ? 256 : 512; }      /* bytes per tile-block */
 /* the codebooks of fmt 5 and 6 (llama.cpp's ggml-common.h kvalues_iq4nl and kvalues_mxfp4) */
 static const int8_t q_codebook[2][16] = {
     {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113},
     {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12}};
-static inline long q_groups(int fmt, long nb) { return fmt == 3 ? 2 * nb : nb; } /* scales per row */
+static inline long q_groups(int fmt, long nb) { return q_base(fmt) == 3 ? 2 * nb : nb; } /* scales per row */
+/* the scales from entry i on, and entry i as float (float32 or float16 arrays alike) */
+static inline const float *q_dat(int fmt, const float *d, long i) {
+    return (const float *)((const char *)d + i * (q_half(fmt) ? 2 : 4));
+}
+static inline float q_dval(int fmt, const float *d, long i) {
+    if (!q_half(fmt)) return d[i];
+    _Float16 h;
+    memcpy(&h, (const char *)d + 2 * i, 2);
+    return (float)h;
+}
 
 
 /* y [M, N] = x W^T (+ bias): float32 activations (quant_kernels.c; any build) */

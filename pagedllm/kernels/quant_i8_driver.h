@@ -41,6 +41,10 @@ static void tile_rows_fmt(int fmt, const uint8_t *tq, const float *dt, const flo
     case 3: tile_rows(3, tq, dt, mt, nb, rows, M, bias, y, N, n0); break;
     case 5: tile_rows(5, tq, dt, mt, nb, rows, M, bias, y, N, n0); break;
     case 6: tile_rows(6, tq, dt, mt, nb, rows, M, bias, y, N, n0); break;
+    case 1 | Q_HALF: tile_rows(1 | Q_HALF, tq, dt, mt, nb, rows, M, bias, y, N, n0); break;
+    case 2 | Q_HALF: tile_rows(2 | Q_HALF, tq, dt, mt, nb, rows, M, bias, y, N, n0); break;
+    case 5 | Q_HALF: tile_rows(5 | Q_HALF, tq, dt, mt, nb, rows, M, bias, y, N, n0); break;
+    case 6 | Q_HALF: tile_rows(6 | Q_HALF, tq, dt, mt, nb, rows, M, bias, y, N, n0); break;
     default: tile_rows(4, tq, dt, mt, nb, rows, M, bias, y, N, n0); break;
     }
 }
@@ -68,7 +72,7 @@ void pl_qgemm_i8(int fmt, const float *x, long M, const uint8_t *qs, const float
         }
         #pragma omp for schedule(static)
         for (long t = 0; t < tiles; t++)
-            tile_rows_fmt(fmt, qs + t * nb * tbb, d + t * ng * QT, mn ? mn + t * nb * QT : NULL, nb, rows, M, bias, y,
+            tile_rows_fmt(fmt, qs + t * nb * tbb, q_dat(fmt, d, t * ng * QT), mn ? mn + t * nb * QT : NULL, nb, rows, M, bias, y,
                           N, t * QT);
     }
     free(mem);

@@ -58,12 +58,20 @@ static inline i16v load16i(const uint8_t *p) {
 
 static inline f16v i2f(i16v v) { return __builtin_convertvector(v, f16v); }
 
+/* scales i .. i + 15 as float32 (quant_common.h Q_HALF: float16 arrays converted) */
+static inline f16v load_d(int fmt, const float *dt, long i) {
+    if (!q_half(fmt)) return load16(dt + i);
+    f16v v;
+    for (int l = 0; l < 16; l++) v[l] = q_dval(fmt, dt, i + l);
+    return v;
+}
+
 /* the 8 (nibbles) or 4 (bytes) weight vectors of chunk c of a tile-block, as q (unscaled float) */
 static inline __attribute__((always_inline)) int chunk_q(int fmt, const uint8_t *tb, int c, f16v *w) {
     i16v v = load16i(tb + 64 * c);
     if (q_code(fmt)) {
         i16v cb;
-        for (int i = 0; i < 16; i++) cb[i] = q_codebook[fmt - 5][i];
+        for (int i = 0; i < 16; i++) cb[i] = q_codebook[q_base(fmt) - 5][i];
         for (int j = 0; j < 4; j++) {
             w[j] = i2f(__builtin_shuffle(cb, (v >> (8 * j)) & 15));
             w[4 + j] = i2f(__builtin_shuffle(cb, (v >> (8 * j + 4)) & 15));
@@ -93,7 +101,7 @@ static inline int chunk_count(int fmt) { return q_nib(fmt) ? 4 : 8; }
 static inline __attribute__((always_inline)) void tile_block_f32(int fmt, const uint8_t *tb, const float *dt,
                                                                  const float *mt, long b, const float *const *xr,
                                                                  const float *const *xs, int R, int P, f16v *acc) {
-    int ngrp = fmt == 3 ? 2 : 1, per = chunk_count(fmt) / ngrp;
+    int ngrp = q_base(fmt) == 3 ? 2 : 1, per = chunk_count(fmt) / ngrp;
     /* unrolled: S8H's two groups otherwise kept their accumulators on the stack (7x slower) */
 #pragma GCC unroll 2
     for (int g = 0; g < ngrp; g++) {
@@ -107,7 +115,7 @@ static inline __attribute__((always_inline)) void tile_block_f32(int fmt, const 
                 for (int j = 0; j < nw; j++) accq[i][j % P] += w[j] * xp[j];
             }
         }
-        f16v dv = load16(dt + (fmt == 3 ? 2 * b + g : b) * QT);
+        f16v dv = load_d(fmt, dt, (ngrp == 2 ? 2 * b + g : b) * QT);
         for (int i = 0; i < R; i++) {
             f16v sq = accq[i][0];
             for (int p = 1; p < P; p++) sq += accq[i][p];
@@ -169,6 +177,9 @@ static void f32_tile_rows_fmt(int fmt, const uint8_t *tq, const float *dt, const
     switch (fmt) {
     case 0: f32_tile_rows(0, tq, dt, mt, nb, x, sums, M, K, bias, y, N, n0); break;
     case 1: case 2: f32_tile_rows(1, tq, dt, mt, nb, x, sums, M, K, bias, y, N, n0); break;
+    case 1 | Q_HALF: case 2 | Q_HALF: f32_tile_rows(1 | Q_HALF, tq, dt, mt, nb, x, sums, M, K, bias, y, N, n0); break;
+    case 5 | Q_HALF: f32_tile_rows(5 | Q_HALF, tq, dt, mt, nb, x, sums, M, K, bias, y, N, n0); break;
+    case 6 | Q_HALF: f32_tile_rows(6 | Q_HALF, tq, dt, mt, nb, x, sums, M, K, bias, y, N, n0); break;
     case 3: f32_tile_rows(3, tq, dt, mt, nb, x, sums, M, K, bias, y, N, n0); break;
     case 5: f32_tile_rows(5, tq, dt, mt, nb, x, sums, M, K, bias, y, N, n0); break;
     case 6: f32_tile_rows(6, tq, dt, mt, nb, x, sums, M, K, bias, y, N, n0); break;
@@ -193,7 +204,7 @@ void pl_qgemm_f32(int fmt, const float *x, long M, const uint8_t *qs, const floa
     }
     #pragma omp parallel for num_threads(nt) schedule(static)
     for (long t = 0; t < tiles; t++)
-        f32_tile_rows_fmt(fmt, qs + t * nb * tbb, d + t * ng * QT, mn ? mn + t * nb * QT : NULL, nb, x, sums, M, K,
+        f32_tile_rows_fmt(fmt, qs + t * nb * tbb, q_dat(fmt, d, t * ng * QT), mn ? mn + t * nb * QT : NULL, nb, x, sums, M, K,
                           bias, y, N, t * QT);
     if (sums != small) free(sums);
 }
@@ -222,15 +233,15 @@ void pl_qgemm(int fmt, const float *x, long M, const uint8_t *qs, const float *d
 static void dequant_row(int fmt, const uint8_t *qs, const float *d, const float *mn, long n, long K, float *out) {
     long nb = K / QBLOCK, t = n / QT, lane = n % QT, ng = q_groups(fmt, nb), tbb = q_tb(fmt);
     const uint8_t *tq = qs + t * nb * tbb;
-    const float *dt = d + t * ng * QT, *mt = mn ? mn + t * nb * QT : NULL;
+    const float *dt = q_dat(fmt, d, t * ng * QT), *mt = mn ? mn + t * nb * QT : NULL;
     for (long b = 0; b < nb; b++)
         for (int c = 0; c < chunk_count(fmt); c++) {
             f16v w[8];
             int nw = chunk_q(fmt, tq + b * tbb, c, w), k0 = chunk_k0(fmt, c);
-            long g = fmt == 3 ? 2 * b + (c >= 4) : b;
+            long g = q_base(fmt) == 3 ? 2 * b + (c >= 4) : b;
             for (int j = 0; j < nw; j++) /* the products' arithmetic: q * d (+ m), exact for every format */
                 out[b * QBLOCK + k0 + j] = q_min(fmt) ? w[j][lane] * dt[g * QT + lane] + mt[b * QT + lane]
-                                                      : w[j][lane] * dt[g * QT + lane];
+                                                      : w[j][lane] * q_dval(fmt, dt, g * QT + lane);
         }
 }
 
@@ -243,7 +254,7 @@ static inline __attribute__((always_inline)) void dequant_tile(int fmt, const ui
         for (int c = 0; c < chunk_count(fmt); c++) {
             f16v w[8];
             int nw = chunk_q(fmt, tq + b * tbb, c, w), k0 = chunk_k0(fmt, c);
-            f16v dv = load16(dt + (fmt == 3 ? 2 * b + (c >= 4) : b) * QT);
+            f16v dv = load_d(fmt, dt, (q_base(fmt) == 3 ? 2 * b + (c >= 4) : b) * QT);
             for (int j = 0; j < nw; j++) { /* the products' arithmetic: q * d (+ m), exact for every format */
                 f16v v = q_min(fmt) ? w[j] * dv + load16(mt + b * QT) : w[j] * dv;
                 for (long lane = 0; lane < nc; lane++) out[lane * K + b * QBLOCK + k0 + j] = v[lane];
@@ -257,6 +268,9 @@ static void dequant_tile_fmt(int fmt, const uint8_t *tq, const float *dt, const 
     switch (fmt) {
     case 0: dequant_tile(0, tq, dt, mt, nb, nc, K, out); break;
     case 1: case 2: dequant_tile(1, tq, dt, mt, nb, nc, K, out); break;
+    case 1 | Q_HALF: case 2 | Q_HALF: dequant_tile(1 | Q_HALF, tq, dt, mt, nb, nc, K, out); break;
+    case 5 | Q_HALF: dequant_tile(5 | Q_HALF, tq, dt, mt, nb, nc, K, out); break;
+    case 6 | Q_HALF: dequant_tile(6 | Q_HALF, tq, dt, mt, nb, nc, K, out); break;
     case 3: dequant_tile(3, tq, dt, mt, nb, nc, K, out); break;
     case 5: dequant_tile(5, tq, dt, mt, nb, nc, K, out); break;
     case 6: dequant_tile(6, tq, dt, mt, nb, nc, K, out); break;
@@ -268,7 +282,7 @@ void pl_qdequant(int fmt, const uint8_t *qs, const float *d, const float *mn, fl
     long nb = K / QBLOCK, tiles = (N + QT - 1) / QT, ng = q_groups(fmt, nb), tbb = q_tb(fmt);
     #pragma omp parallel for num_threads(nt) schedule(static)
     for (long t = 0; t < tiles; t++)
-        dequant_tile_fmt(fmt, qs + t * nb * tbb, d + t * ng * QT, mn ? mn + t * nb * QT : NULL, nb,
+        dequant_tile_fmt(fmt, qs + t * nb * tbb, q_dat(fmt, d, t * ng * QT), mn ? mn + t * nb * QT : NULL, nb,
                          N - t * QT < QT ? N - t * QT : QT, K, out + t * QT * K);
 }
 

@@ -51,7 +51,8 @@ def unpermute_rows(w, n_head: int):
     """
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
-LAYOUTS = {"U4M": 0, "S8": 1, "S6": 2, "S8H": 3, "S8M": 4, "IQ4": 5, "E2M1": 6}  # pl_qgemm's tile layout codes (U4 tiles as U4M)
+LAYOUTS = {"U4M": 0, "S8": 1, "S6": 2, "S8H": 3, "S8M": 4, "IQ4": 5, "E2M1": 6}
+HALF_SCALES = ("S8", "S6", "IQ4", "E2M1")  # tile layouts whose d may be float16 ("S8/f16": quant_common.h Q_HALF)  # pl_qgemm's tile layout codes (U4 tiles as U4M)
 TILE = 16  # output rows per tile
 GGUF_LAYOUT = {"Q4_0": "U4", "Q4_1": "U4M", "Q8_0": "S8", "Q5_0": "S8", "Q5_1": "S8M",
                "Q4_K": "U4M", "Q5_K": "S8M", "Q6_K": "S8H", "Q3_K": "S8H",
@@ -287,13 +288,15 @@ def to_tiles(layout: str, packed: dict[str, torch.Tensor], n: int, k: int) -> tu
     the byte layouts' chunk ``c`` byte ``j`` holds weight ``4c + j``. ``U4`` becomes ``U4M`` with
     ``m = -8 d`` (exact: a power-of-two multiple). ``S8`` whose quants all lie in -32..31 (Q5_0)
     becomes ``S6``: the same bytes, which the AVX2 kernels may offset by 32 into an unsigned operand
-    that ``vpmaddubsw`` cannot saturate (``quant_avx2.c``).
+    that ``vpmaddubsw`` cannot saturate (``quant_avx2.c``). The ``HALF_SCALES`` layouts keep ``d``
+    in float16 (layout ``"S8/f16"`` etc.) when every scale is exact there (Q8_0, Q5_0 and IQ4_NL's
+    fp16 scales, MXFP4's powers of two): the bytes a product reads are then the file's.
 
     Args:
         layout: the row layout; packed: its ``{"qs", "d"[, "m"]}``; n, k: the matrix's shape.
     Returns:
-        ``(tile layout, {"qs": uint8 [tiles, K/32 * (256 | 512)], "d": float32 [tiles, groups, 16]
-        [, "m": float32 [tiles, K/32, 16]]})``.
+        ``(tile layout, {"qs": uint8 [tiles, K/32 * (256 | 512)], "d": float32 (or float16 for a
+        ``/f16`` layout) [tiles, groups, 16] [, "m": float32 [tiles, K/32, 16]]})``.
     """
     qs, d, m = packed["qs"], packed["d"], packed.get("m")
     if layout == "U4":
@@ -322,4 +325,7 @@ def to_tiles(layout: str, packed: dict[str, torch.Tensor], n: int, k: int) -> tu
     out["d"] = lanes(d)
     if m is not None:
         out["m"] = lanes(m)
+    half = out["d"].to(torch.float16)
+    if layout in HALF_SCALES and torch.equal(half.float(), out["d"]):
+        layout, out["d"] = f"{layout}/f16", half
     return layout, out
