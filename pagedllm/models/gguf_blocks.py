@@ -51,8 +51,8 @@ def unpermute_rows(w, n_head: int):
     """
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
-LAYOUTS = {"U4M": 0, "S8": 1, "S6": 2, "S8H": 3, "S8M": 4, "IQ4": 5, "E2M1": 6}
-HALF_SCALES = ("S8", "S6", "IQ4", "E2M1")  # tile layouts whose d may be float16 ("S8/f16": quant_common.h Q_HALF)  # pl_qgemm's tile layout codes (U4 tiles as U4M)
+LAYOUTS = {"U4M": 0, "S8": 1, "S6": 2, "S8H": 3, "S8M": 4, "IQ4": 5, "E2M1": 6}  # pl_qgemm's tile layout codes (U4 tiles as U4M)
+HALF_SCALES = ("S8", "S6", "IQ4", "E2M1")  # tile layouts whose d may be float16 ("S8/f16": quant_common.h Q_HALF)
 TILE = 16  # output rows per tile
 GGUF_LAYOUT = {"Q4_0": "U4", "Q4_1": "U4M", "Q8_0": "S8", "Q5_0": "S8", "Q5_1": "S8M",
                "Q4_K": "U4M", "Q5_K": "S8M", "Q6_K": "S8H", "Q3_K": "S8H",
