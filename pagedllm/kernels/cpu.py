@@ -386,7 +386,7 @@ def stack_table(rows: list[dict]) -> torch.Tensor:
     ``decode_stack``'s ``cos``/``sin``), ``window`` (sliding window in tokens, 0: none), optionally
     ``moe``: ``None`` (a dense MLP) or ``(router [E, H] float32, experts [E, 2, 5] int64 descriptors
     (``moe_experts``'), top_k, renormalize the top-k weights, chosen [E] int64 counts to add to,
-    expert width[, router bias [E] float32 or None])`` for a mixture-of-experts MLP (softmax router),
+    expert width, router bias [E] float32 or None)`` for a mixture-of-experts MLP (softmax router),
     optionally ``sinks`` (``[num_heads]`` float32 attention-sink logits: gpt-oss), and ``matmuls``:
     for each of ``STACK_MATMULS`` ``None`` (absent: ``q`` then holds the fused q|k|v rows, ``gate`` the
     fused gate|up rows) or ``(fmt, weight, d, m, bias)``: ``fmt`` a ``QUANT_LAYOUTS`` code with the
@@ -406,10 +406,10 @@ def stack_table(rows: list[dict]) -> torch.Tensor:
         if moe is None:
             cols += [0] * 8
         else:
-            router, experts, top_k, norm_topk, chosen, inter, *bias = moe
+            router, experts, top_k, norm_topk, chosen, inter, bias = moe
             cols += [_address(router, torch.float32, "router"), _address(experts, torch.int64, "experts"),
                      router.shape[0], int(top_k), int(bool(norm_topk)), _address(chosen, torch.int64, "chosen"),
-                     int(inter), _address(bias[0] if bias else None, torch.float32, "router bias")]
+                     int(inter), _address(bias, torch.float32, "router bias")]
         cols.append(_address(row.get("sinks"), torch.float32, "sinks"))
         for name in STACK_MATMULS:
             mm = row["matmuls"].get(name)
