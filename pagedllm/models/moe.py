@@ -21,11 +21,16 @@ experts (``shard_experts``); ``experts_forward`` then runs the pairs routed into
 shifted to local ones, the others given the module's "no expert" id, ``num_experts``, that its eager
 forward skips) and sums the ranks' outputs with one all-reduce.
 
+Off the CPU (a CUDA model) the experts run ``moe_triton``'s kernels over the module's own tensors
+(``DeviceExperts``, read through strides in either layout).
+
 Source: transformers 5's ``integrations/moe.py`` (the hook and the experts' tensor layout); expert
 parallelism as GShard (Lepikhin et al. 2020) places experts, without its token capacity limit.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -129,8 +134,9 @@ def float_experts(module: nn.Module) -> ExpertWeights | None:
     biases; gpt-oss's rearranged into our layout once, its own tensors then dropped), or ``None``
     when it does not qualify."""
     gu, dn = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
-    if not (isinstance(gu, torch.Tensor) and isinstance(dn, torch.Tensor) and gu.dtype == torch.float32):
-        return None
+    if not (isinstance(gu, torch.Tensor) and isinstance(dn, torch.Tensor) and gu.dtype == torch.float32
+            and gu.device.type == "cpu"):
+        return None  # off the CPU the Triton kernels read the module's tensors (_device_forward)
     if interleaved_layout(module):
         gb, db = module.gate_up_proj_bias.detach(), module.down_proj_bias.detach()
         gate_up = [(torch.cat([gu[e, :, 0::2], gu[e, :, 1::2]], 1).t().contiguous().detach(),
@@ -148,6 +154,63 @@ def float_experts(module: nn.Module) -> ExpertWeights | None:
     return ExpertWeights([(gu[e].detach(), None if gb is None else gb[e].detach()) for e in range(n)],
                          [(dn[e].detach(), None if db is None else db[e].detach()) for e in range(n)],
                          gu.shape[1] // 2, expert_activation(module), "float32")
+
+
+@dataclass(frozen=True)
+class DeviceExperts:
+    """An experts module's own tensors as the GPU kernels (``moe_triton.experts``) read them, in place.
+
+    Attributes:
+        gate_up, down: ``[E, 2I, H]`` / ``[E, H, I]`` weights, or ``[E, H, 2I]`` / ``[E, I, H]`` when
+            ``transposed`` (gpt-oss); any float dtype.
+        gate_up_bias, down_bias: ``[E, 2I]`` / ``[E, H]`` or ``None``.
+        transposed: the weights are stored ``[E, in, out]``.
+        interleaved: gate and up columns alternate (gpt-oss) instead of all gate then all up.
+        activation: ``"silu"``, ``"gelu_tanh"`` or ``"swiglu_oai"`` (gpt-oss's clamped SwiGLU).
+    """
+
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    gate_up_bias: torch.Tensor | None
+    down_bias: torch.Tensor | None
+    transposed: bool
+    interleaved: bool
+    activation: str
+
+    @property
+    def intermediate(self) -> int:
+        """``I``, the expert width."""
+        return self.down.shape[1 if self.transposed else 2]
+
+
+def device_experts(module: nn.Module) -> DeviceExperts | None:
+    """``DeviceExperts`` over an experts module's tensors when its layout and gating are one the
+    GPU kernels compute (``default_layout`` or ``interleaved_layout``), else ``None``."""
+    gu, dn = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    if not (isinstance(gu, torch.Tensor) and isinstance(dn, torch.Tensor) and gu.dtype.is_floating_point):
+        return None
+    biases = getattr(module, "gate_up_proj_bias", None), getattr(module, "down_proj_bias", None)
+    if interleaved_layout(module):
+        return DeviceExperts(gu, dn, *biases, transposed=True, interleaved=True, activation="swiglu_oai")
+    if default_layout(module):
+        return DeviceExperts(gu, dn, *biases, transposed=False, interleaved=False,
+                             activation=expert_activation(module))
+    return None
+
+
+def _device_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                    top_k_weights: torch.Tensor) -> torch.Tensor:
+    """``experts_forward`` for tensors off the CPU: the Triton kernels over the module's tensors, or
+    the module's own forward when its layout does not qualify."""
+    spec = getattr(module, "pagedllm_device_experts", None)
+    if spec is None:
+        spec = module.pagedllm_device_experts = device_experts(module) or False
+    if spec is False:
+        return type(module).forward.__wrapped__(module, hidden_states, top_k_index, top_k_weights)
+    from pagedllm.models import moe_triton
+    x = hidden_states.reshape(-1, hidden_states.shape[-1])
+    out = moe_triton.experts(spec, x, top_k_index.reshape(x.shape[0], -1), top_k_weights.reshape(x.shape[0], -1))
+    return out.view(hidden_states.shape)
 
 
 def shard_experts(module: nn.Module, ranks: int, rank: int) -> tuple[int, int]:
@@ -193,9 +256,11 @@ def experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index:
     """transformers' experts function ``"pagedllm"``: ``[T, H]`` hidden states, ``[T, k]`` expert ids
     and routing weights -> ``[T, H]`` (the module's ``pagedllm_experts``, else its float32 tensors;
     a module that does not qualify runs its original forward; an expert-parallel rank's module its
-    share and an all-reduce)."""
+    share and an all-reduce; tensors on a GPU the Triton kernels, ``_device_forward``)."""
     if getattr(module, "pagedllm_ep", None) is not None:
         return _expert_parallel_forward(module, hidden_states, top_k_index, top_k_weights)
+    if hidden_states.device.type != "cpu":
+        return _device_forward(module, hidden_states, top_k_index, top_k_weights)
     weights = getattr(module, "pagedllm_experts", None)
     if weights is None:
         weights = module.pagedllm_experts = float_experts(module) or False

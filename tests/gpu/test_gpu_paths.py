@@ -150,3 +150,31 @@ def test_compiled_pieces_on_cuda_give_the_eager_tokens(tmp_path):
         got[level] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy, use_tqdm=False)]
         del llm
     assert got[None] == got[0]
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_experts_on_cuda_run_the_triton_kernels(kind, dtype):
+    """``moe.experts_forward`` on CUDA tensors takes the Triton kernels (``_device_forward``) and
+    equals the module's own per-expert forward in float32."""
+    from transformers import GptOssConfig, Qwen3MoeConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    from pagedllm.models import moe
+    torch.manual_seed(0)
+    m = (Qwen3MoeExperts(Qwen3MoeConfig(hidden_size=512, moe_intermediate_size=384, num_experts=16))
+         if kind == "qwen3_moe" else GptOssExperts(GptOssConfig(hidden_size=512, intermediate_size=384,
+                                                                num_local_experts=16)))
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(0.05 * torch.randn_like(p))
+    x, w = torch.randn(70, 512), torch.rand(70, 4)
+    ids = torch.stack([torch.randperm(16)[:4] for _ in range(70)])
+    with torch.no_grad():
+        want = type(m).forward.__wrapped__(m, x, ids, w)
+        mc = m.to("cuda", dtype)
+        got = moe.experts_forward(mc, x.to("cuda", dtype), ids.cuda(), w.to("cuda", dtype))
+    assert mc.pagedllm_device_experts
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got.float().cpu(), want, rtol=tol, atol=tol)
