@@ -31,7 +31,6 @@ import triton
 import triton.language as tl
 
 import pagedllm.envs as envs
-from pagedllm.models.moe import DeviceExperts
 
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "swiglu_oai": 2}  # DeviceExperts.activation -> ACT
 BLOCK_M = 16
@@ -164,11 +163,13 @@ def _w_strides(w: torch.Tensor, transposed: bool) -> tuple[int, int, int]:
     return (w.stride(0), w.stride(2), w.stride(1)) if transposed else (w.stride(0), w.stride(1), w.stride(2))
 
 
-def experts(spec: DeviceExperts, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+def experts(spec, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
             top_k_weights: torch.Tensor) -> torch.Tensor:
     """The weighted sum of each token's top-k experts' gated MLPs.
 
     Args:
+        spec: a ``models.moe.DeviceExperts`` (its weights, biases, layout and gating; not imported
+            here: ``moe`` imports this module).
         hidden_states: ``[T, H]`` (any float dtype; the output has it).
         top_k_index: ``[T, k]`` expert ids (ids outside ``0..E-1`` contribute nothing).
         top_k_weights: ``[T, k]`` routing weights.
