@@ -18,6 +18,7 @@ from pagedllm.engine.engine_core import EngineCore
 from pagedllm.engine.messages import EngineCoreRequest, EngineDeadError
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.processor import Processor, PromptTooLongError  # noqa: F401  (re-exported)
+from pagedllm.inputs import parse_prompt
 from pagedllm.outputs import RequestOutput
 from pagedllm.plan import plan_engine
 from pagedllm.request import RequestStatus
@@ -183,18 +184,23 @@ class LLMEngine:
         """Token ids of a text prompt (special tokens as the tokenizer adds them), or the ids as given."""
         return self.processor.tokenize(prompt)
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+    def add_request(self, request_id: str, prompt, params: SamplingParams,
                     arrival_time: float | None = None, prompt_text: str | None = None,
                     cache_salt: str | None = None) -> None:
         """Validate and queue a request.
 
+        Args:
+            prompt: a string, token ids, or vLLM's ``TextPrompt`` / ``TokensPrompt`` dict (its
+                ``cache_salt`` used when the argument is not given), as ``inputs.parse_prompt``.
         Raises:
             PromptTooLongError: prompt + max_tokens exceed ``max_model_len`` or the KV pool.
             SamplingParamError: empty prompt or token ids outside the vocabulary.
-            ValueError: the request id is already live.
+            TypeError, ValueError: a prompt of no accepted shape (``inputs.parse_prompt``), or the
+                request id is already live.
         """
-        if prompt_text is None and isinstance(prompt, str):
-            prompt_text = prompt
+        prompt, text, salt = parse_prompt(prompt, "prompt")
+        prompt_text = prompt_text if prompt_text is not None else text
+        cache_salt = cache_salt if cache_salt is not None else salt
         self.add_prepared(self.make_request(request_id, prompt, params, arrival_time, cache_salt), prompt_text)
 
     def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,

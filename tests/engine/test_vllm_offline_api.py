@@ -43,6 +43,14 @@ def test_every_prompt_shape_gives_the_same_tokens(tiny_llm):
     assert outs[2].prompt == text and outs[3].prompt is None
     one = tiny_llm.generate(TokensPrompt(prompt_token_ids=ids), GREEDY, use_tqdm=False)
     assert one[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
+    engine = tiny_llm.llm_engine  # vLLM's LLMEngine.add_request takes the same prompt shapes
+    for i, shape in enumerate(shapes[2:]):
+        engine.add_request(f"shape-{i}", shape, GREEDY)
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+    assert sorted(done) == [f"shape-{i}" for i in range(4)]
+    assert all(t == outs[0].outputs[0].token_ids for t in done.values())
 
 
 @pytest.mark.parametrize("bad,exc,where", [
