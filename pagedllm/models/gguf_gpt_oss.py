@@ -21,7 +21,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-import torch
+
+from pagedllm.models.gguf_moe import save_checked, tensor_array
 
 ARCH = "gpt-oss"
 # GGUF tensor (after "blk.N.") -> parameter of model.layers.N; the experts are placed by _experts
@@ -79,13 +80,6 @@ def config_from_gguf(reader):
                         architectures=["GptOssForCausalLM"], dtype="float32")
 
 
-def _array(t) -> np.ndarray:
-    """A GGUF tensor dequantized to float32, numpy shape (outermost first)."""
-    from gguf.quants import dequantize
-    shape = tuple(int(d) for d in reversed(t.shape))
-    return np.array(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
-
-
 def _interleave(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     """``[..., I]`` gate and up -> ``[..., 2I]`` with gate ``j`` at ``2j`` and up ``j`` at ``2j + 1``."""
     out = np.empty((*gate.shape[:-1], 2 * gate.shape[-1]), dtype=np.float32)
@@ -96,13 +90,13 @@ def _interleave(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
 def _experts(layer: int, by_name: dict) -> dict[str, np.ndarray]:
     """Layer ``layer``'s four fused expert parameters from its ``ffn_*_exps`` tensors."""
     b, p = f"blk.{layer}.", f"model.layers.{layer}.mlp.experts."
-    gate, up = _array(by_name[b + "ffn_gate_exps.weight"]), _array(by_name[b + "ffn_up_exps.weight"])
+    gate, up = tensor_array(by_name[b + "ffn_gate_exps.weight"]), tensor_array(by_name[b + "ffn_up_exps.weight"])
     out = {p + "gate_up_proj": _interleave(gate.transpose(0, 2, 1), up.transpose(0, 2, 1)),
-           p + "down_proj": np.ascontiguousarray(_array(by_name[b + "ffn_down_exps.weight"]).transpose(0, 2, 1))}
+           p + "down_proj": np.ascontiguousarray(tensor_array(by_name[b + "ffn_down_exps.weight"]).transpose(0, 2, 1))}
     if b + "ffn_gate_exps.bias" in by_name:
-        out[p + "gate_up_proj_bias"] = _interleave(_array(by_name[b + "ffn_gate_exps.bias"]),
-                                                   _array(by_name[b + "ffn_up_exps.bias"]))
-        out[p + "down_proj_bias"] = _array(by_name[b + "ffn_down_exps.bias"])
+        out[p + "gate_up_proj_bias"] = _interleave(tensor_array(by_name[b + "ffn_gate_exps.bias"]),
+                                                   tensor_array(by_name[b + "ffn_up_exps.bias"]))
+        out[p + "down_proj_bias"] = tensor_array(by_name[b + "ffn_down_exps.bias"])
     return out
 
 
@@ -113,30 +107,19 @@ def write_model(reader, gguf_path: Path, out: Path) -> object:
     Raises:
         ValueError: a tensor the table does not place, or a parameter no tensor fills (named).
     """
-    from safetensors.torch import save_file
     config = config_from_gguf(reader)
     by_name = {t.name: t for t in reader.tensors}
     tensors: dict[str, np.ndarray] = {}
     for name, t in by_name.items():
         if name in TOP:
-            tensors[TOP[name]] = _array(t)
+            tensors[TOP[name]] = tensor_array(t)
             continue
         layer, _, rest = name.removeprefix("blk.").partition(".")
         if rest in TENSORS:
-            tensors[f"model.layers.{layer}.{TENSORS[rest]}"] = _array(t)
+            tensors[f"model.layers.{layer}.{TENSORS[rest]}"] = tensor_array(t)
         elif not (name.startswith("blk.") and rest.startswith(("ffn_gate_exps.", "ffn_up_exps.", "ffn_down_exps."))):
             raise ValueError(f"gpt-oss GGUF {gguf_path}: tensor {name!r} is not one pagedllm places")
     for layer in range(config.num_hidden_layers):
         tensors.update(_experts(layer, by_name))
-    from transformers import AutoModelForCausalLM
-    with torch.device("meta"):
-        want = set(AutoModelForCausalLM.from_config(config).state_dict())
-    if config.tie_word_embeddings:
-        want.discard("lm_head.weight")
-    if set(tensors) != want:
-        raise ValueError(f"gpt-oss GGUF {gguf_path} does not fill GptOssForCausalLM: missing "
-                         f"{sorted(want - set(tensors))[:8]}, unexpected {sorted(set(tensors) - want)[:8]}")
-    save_file({k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in tensors.items()},
-              str(out / "model.safetensors"), metadata={"format": "pt"})
-    config.save_pretrained(out)
+    save_checked(config, tensors, gguf_path, out)
     return config

@@ -304,9 +304,12 @@ def _write_model_from(reader, gguf_path: Path, out: Path) -> None:
     arch = arch_field.contents() if arch_field is not None else None
     template_field = reader.fields.get("tokenizer.chat_template")
     template = template_field.contents() if template_field is not None else None
-    if arch == "gpt-oss":  # a family table of ours: transformers' GGUF reader misnames its experts
-        from pagedllm.models.gguf_gpt_oss import write_model
-        config = write_model(reader, gguf_path, out)
+    from pagedllm.models.gguf_moe import is_moe_file
+    if arch == "gpt-oss" or is_moe_file(reader, arch):  # family tables of ours (transformers' reader
+        # misnames gpt-oss's experts and reads no Mixtral, OLMoE or Granite MoE file)
+        from pagedllm.models import gguf_gpt_oss, gguf_moe
+        config = (gguf_gpt_oss.write_model(reader, gguf_path, out) if arch == "gpt-oss"
+                  else gguf_moe.write_model(reader, arch, gguf_path, out))
         del reader, arch_field
         _write_tokenizer_files(gguf_path, out, config, template, by_config=False)
         return
