@@ -100,6 +100,12 @@ ARCHS = {
     "olmoe": ("OlmoeConfig", dict(_COMMON, num_experts=8, num_experts_per_tok=2)),
     "granitemoe": ("GraniteMoeConfig", dict(_COMMON, num_local_experts=4, num_experts_per_tok=2,
                                             embedding_multiplier=3.0, residual_multiplier=0.5)),
+    # DeepSeek-V3-style routing (GLM-4.5): sigmoid scores, a bias-corrected choice (the bias randomized by
+    # build_model), grouped top-k (4 groups, best 2), a scaling factor, a shared expert, a dense first
+    # layer, partial rotary
+    "glm4_moe": ("Glm4MoeConfig", dict(_COMMON, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
+                                       n_shared_experts=1, moe_intermediate_size=32, first_k_dense_replace=1,
+                                       routed_scaling_factor=2.5, head_dim=16, partial_rotary_factor=0.5)),
     # attention sinks, sliding / full alternation, YaRN rotary, biased router and clamped SwiGLU experts
     "gpt_oss": ("GptOssConfig", dict(_COMMON, num_local_experts=4, num_experts_per_tok=2, head_dim=16,
                                      sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention",
@@ -107,7 +113,7 @@ ARCHS = {
 }
 
 
-MOE_KINDS = {"mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe", "gpt_oss"}
+MOE_KINDS = {"mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe", "glm4_moe", "gpt_oss"}
 
 
 def build_model(spec: tuple[str, dict], out: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
@@ -118,6 +124,10 @@ def build_model(spec: tuple[str, dict], out: Path, tokenizer_dir: Path, seed: in
     config = getattr(transformers, cls_name)(**kwargs)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():  # a router's score correction starts at zero: make it choose
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(0.5 * torch.randn_like(buf))
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=2).save_pretrained(out)
