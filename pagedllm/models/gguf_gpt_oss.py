@@ -87,17 +87,19 @@ def _interleave(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     return out
 
 
-def _experts(layer: int, by_name: dict) -> dict[str, np.ndarray]:
-    """Layer ``layer``'s four fused expert parameters from its ``ffn_*_exps`` tensors."""
+def _experts(layer: int, by_name: dict) -> tuple[dict[str, np.ndarray], dict[str, dict]]:
+    """Layer ``layer``'s fused expert parameters: the biases (float32, small) and the weights as
+    ``gguf_experts`` manifest entries (left in the file)."""
     b, p = f"blk.{layer}.", f"model.layers.{layer}.mlp.experts."
-    gate, up = tensor_array(by_name[b + "ffn_gate_exps.weight"]), tensor_array(by_name[b + "ffn_up_exps.weight"])
-    out = {p + "gate_up_proj": _interleave(gate.transpose(0, 2, 1), up.transpose(0, 2, 1)),
-           p + "down_proj": np.ascontiguousarray(tensor_array(by_name[b + "ffn_down_exps.weight"]).transpose(0, 2, 1))}
+    manifest = {p + "gate_up_proj": {"tensors": [b + "ffn_gate_exps.weight", b + "ffn_up_exps.weight"],
+                                     "layout": "cat_interleaved_t"},
+                p + "down_proj": {"tensors": [b + "ffn_down_exps.weight"], "layout": "t"}}
+    biases = {}
     if b + "ffn_gate_exps.bias" in by_name:
-        out[p + "gate_up_proj_bias"] = _interleave(tensor_array(by_name[b + "ffn_gate_exps.bias"]),
-                                                   tensor_array(by_name[b + "ffn_up_exps.bias"]))
-        out[p + "down_proj_bias"] = tensor_array(by_name[b + "ffn_down_exps.bias"])
-    return out
+        biases[p + "gate_up_proj_bias"] = _interleave(tensor_array(by_name[b + "ffn_gate_exps.bias"]),
+                                                      tensor_array(by_name[b + "ffn_up_exps.bias"]))
+        biases[p + "down_proj_bias"] = tensor_array(by_name[b + "ffn_down_exps.bias"])
+    return biases, manifest
 
 
 def write_model(reader, gguf_path: Path, out: Path) -> object:
@@ -119,7 +121,10 @@ def write_model(reader, gguf_path: Path, out: Path) -> object:
             tensors[f"model.layers.{layer}.{TENSORS[rest]}"] = tensor_array(t)
         elif not (name.startswith("blk.") and rest.startswith(("ffn_gate_exps.", "ffn_up_exps.", "ffn_down_exps."))):
             raise ValueError(f"gpt-oss GGUF {gguf_path}: tensor {name!r} is not one pagedllm places")
+    experts = {}
     for layer in range(config.num_hidden_layers):
-        tensors.update(_experts(layer, by_name))
-    save_checked(config, tensors, gguf_path, out)
+        biases, manifest = _experts(layer, by_name)
+        tensors.update(biases)
+        experts.update(manifest)
+    save_checked(config, tensors, experts, gguf_path, out)
     return config

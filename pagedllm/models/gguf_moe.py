@@ -35,7 +35,11 @@ class MoEFamily:
         moe: the layer's MoE submodule (``mlp``, ``block_sparse_moe``); router: its router's name.
         permuted: llama.cpp permuted the q/k rows (Llama-derived converters).
         layer: extra ``blk.N.`` tensors -> parameter under ``model.layers.N.``.
-        scales: GGUF key (after ``<arch>.``) -> config field (Granite's multipliers).
+        keys: GGUF key (after ``<arch>.``) -> config field, beyond the common ones (Granite's
+            multipliers, the Qwen families' expert widths).
+        fixed: config fields the file does not carry but llama.cpp's graph of the family assumes
+            (Qwen3-MoE renormalizes its top-k weights).
+        experts_field: the config's name for the expert count.
     """
 
     config: str
@@ -44,16 +48,27 @@ class MoEFamily:
     router: str
     permuted: bool
     layer: dict = field(default_factory=dict)
-    scales: dict = field(default_factory=dict)
+    keys: dict = field(default_factory=dict)
+    fixed: dict = field(default_factory=dict)
+    experts_field: str = "num_local_experts"
 
 
+_QK_NORM = {"attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight"}
+_QWEN_WIDTHS = {"feed_forward_length": "intermediate_size", "expert_feed_forward_length": "moe_intermediate_size"}
 FAMILIES = {
     "llama": MoEFamily("MixtralConfig", "MixtralForCausalLM", "mlp", "gate", True),
-    "olmoe": MoEFamily("OlmoeConfig", "OlmoeForCausalLM", "mlp", "gate", False,
-                       {"attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight"}),
+    "olmoe": MoEFamily("OlmoeConfig", "OlmoeForCausalLM", "mlp", "gate", False, _QK_NORM, experts_field="num_experts"),
     "granitemoe": MoEFamily("GraniteMoeConfig", "GraniteMoeForCausalLM", "block_sparse_moe", "router", True,
-                            scales={"embedding_scale": "embedding_multiplier", "residual_scale": "residual_multiplier",
-                                    "attention.scale": "attention_multiplier", "logit_scale": "logits_scaling"}),
+                            keys={"embedding_scale": "embedding_multiplier", "residual_scale": "residual_multiplier",
+                                  "attention.scale": "attention_multiplier", "logit_scale": "logits_scaling"}),
+    "qwen3moe": MoEFamily("Qwen3MoeConfig", "Qwen3MoeForCausalLM", "mlp", "gate", False, _QK_NORM, _QWEN_WIDTHS,
+                          {"norm_topk_prob": True}, "num_experts"),
+    "qwen2moe": MoEFamily("Qwen2MoeConfig", "Qwen2MoeForCausalLM", "mlp", "gate", False, {
+        "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
+        **{f"ffn_{p}_shexp.weight": f"mlp.shared_expert.{p}_proj.weight" for p in ("gate", "up", "down")},
+        **{f"attn_{p}.bias": f"self_attn.{p}_proj.bias" for p in "qkv"}},
+        {**_QWEN_WIDTHS, "expert_shared_feed_forward_length": "shared_expert_intermediate_size"},
+        {"norm_topk_prob": False}, "num_experts"),
 }
 TOP = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
        "output.weight": "lm_head.weight"}
@@ -100,18 +115,21 @@ def config_from_gguf(reader, arch: str):
         if (value := meta(reader, f"{arch}.{key}")) is None:
             raise ValueError(f"{arch} mixture-of-experts GGUF without {arch}.{key}")
         kw[name] = int(value)
-    if arch == "olmoe":
-        kw["num_experts"] = kw.pop("num_local_experts")
-    width = meta(reader, f"{arch}.expert_feed_forward_length", meta(reader, f"{arch}.feed_forward_length"))
+    kw[fam.experts_field] = kw.pop("num_local_experts")
+    kw["intermediate_size"] = int(meta(reader, f"{arch}.expert_feed_forward_length",
+                                       meta(reader, f"{arch}.feed_forward_length")))
     kw["num_key_value_heads"] = int(meta(reader, f"{arch}.attention.head_count_kv", kw["num_attention_heads"]))
-    kw.update({name: float(np.float32(meta(reader, f"{arch}.{key}")))
-               for key, name in fam.scales.items() if meta(reader, f"{arch}.{key}") is not None})
+    if (head_dim := meta(reader, f"{arch}.attention.key_length")) is not None:
+        kw["head_dim"] = int(head_dim)
+    for key, name in fam.keys.items():  # widths are ints; multipliers float32, shortest repr (0.2, not 0.2000000029)
+        if (value := meta(reader, f"{arch}.{key}")) is not None:
+            kw[name] = int(value) if name.endswith("_size") else float(str(np.float32(value)))
     eps = np.float32(meta(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5))
     tokens = {k: int(meta(reader, f"tokenizer.ggml.{k}_token_id"))
               for k in ("bos", "eos", "padding") if f"tokenizer.ggml.{k}_token_id" in reader.fields}
     names = {t.name for t in reader.tensors}
     return getattr(transformers, fam.config)(
-        **kw, intermediate_size=int(width), vocab_size=len(reader.fields["tokenizer.ggml.tokens"].data),
+        **kw, **fam.fixed, vocab_size=len(reader.fields["tokenizer.ggml.tokens"].data),
         max_position_embeddings=int(meta(reader, f"{arch}.context_length", 4096)),
         rms_norm_eps=float(str(eps)), tie_word_embeddings="output.weight" not in names,
         rope_parameters={"rope_type": "default", "rope_theta": float(meta(reader, f"{arch}.rope.freq_base", 10000.0))},
@@ -119,34 +137,41 @@ def config_from_gguf(reader, arch: str):
         pad_token_id=tokens.get("padding", tokens.get("eos")), architectures=[fam.architecture], dtype="float32")
 
 
-def _experts(layer: int, by_name: dict, prefix: str) -> dict[str, np.ndarray]:
+def _experts(layer: int, by_name: dict, prefix: str) -> dict[str, dict]:
+    """Layer ``layer``'s fused expert parameters as ``gguf_experts`` manifest entries."""
     b = f"blk.{layer}."
-    if b + "ffn_gate_up_exps.weight" in by_name:
-        gate_up = tensor_array(by_name[b + "ffn_gate_up_exps.weight"])
-    else:
-        gate_up = np.concatenate([tensor_array(by_name[b + "ffn_gate_exps.weight"]),
-                                  tensor_array(by_name[b + "ffn_up_exps.weight"])], axis=1)
-    return {prefix + "gate_up_proj": gate_up, prefix + "down_proj": tensor_array(by_name[b + "ffn_down_exps.weight"])}
+    fused = b + "ffn_gate_up_exps.weight"
+    gate_up = ({"tensors": [fused], "layout": "as_is"} if fused in by_name else
+               {"tensors": [b + "ffn_gate_exps.weight", b + "ffn_up_exps.weight"], "layout": "cat"})
+    return {prefix + "gate_up_proj": gate_up,
+            prefix + "down_proj": {"tensors": [b + "ffn_down_exps.weight"], "layout": "as_is"}}
 
 
-def save_checked(config, tensors: dict[str, np.ndarray], gguf_path: Path, out: Path) -> None:
-    """Write ``tensors`` as ``out/model.safetensors`` and ``config`` as ``out/config.json`` when they
-    fill the config's causal LM exactly.
+def save_checked(config, tensors: dict[str, np.ndarray], experts: dict[str, dict], gguf_path: Path,
+                 out: Path) -> None:
+    """Write ``tensors`` as ``out/model.safetensors``, ``experts`` as the ``gguf_experts`` manifest
+    (those stay in the file) and ``config`` as ``out/config.json`` when together they fill the
+    config's causal LM exactly (a tensor of the parameter's size in another shape, as Qwen2-MoE's
+    ``[H]`` shared-expert gate for ``[1, H]``, is reshaped).
 
     Raises:
-        ValueError: a parameter no tensor fills, or a tensor the model has no place for (named).
+        ValueError: a parameter nothing fills, or a tensor the model has no place for (named).
     """
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
+
+    from pagedllm.models.gguf_experts import write_manifest
     with torch.device("meta"):
-        want = set(AutoModelForCausalLM.from_config(config).state_dict())
+        want = dict(AutoModelForCausalLM.from_config(config).state_dict())
     if config.tie_word_embeddings:
-        want.discard("lm_head.weight")
-    if set(tensors) != want:
+        want.pop("lm_head.weight", None)
+    have = set(tensors) | set(experts)
+    if have != set(want):
         raise ValueError(f"GGUF {gguf_path} does not fill {config.architectures[0]}: missing "
-                         f"{sorted(want - set(tensors))[:8]}, unexpected {sorted(set(tensors) - want)[:8]}")
-    save_file({k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in tensors.items()},
+                         f"{sorted(set(want) - have)[:8]}, unexpected {sorted(have - set(want))[:8]}")
+    save_file({k: torch.from_numpy(np.ascontiguousarray(v).reshape(want[k].shape)) for k, v in tensors.items()},
               str(out / "model.safetensors"), metadata={"format": "pt"})
+    write_manifest(out, experts)
     config.save_pretrained(out)
 
 
@@ -176,7 +201,9 @@ def write_model(reader, arch: str, gguf_path: Path, out: Path):
             tensors[f"model.layers.{layer}.{layer_names[rest]}"] = w
         elif not (name.startswith("blk.") and rest in _EXPERTS):
             raise ValueError(f"{arch} GGUF {gguf_path}: tensor {name!r} is not one pagedllm places")
+    experts = {}
     for layer in range(config.num_hidden_layers):
-        tensors.update(_experts(layer, by_name, f"model.layers.{layer}.{fam.moe}.experts."))
-    save_checked(config, tensors, gguf_path, out)
+        if f"blk.{layer}.ffn_down_exps.weight" in by_name:  # a dense layer (mlp_only_layers) has none
+            experts.update(_experts(layer, by_name, f"model.layers.{layer}.{fam.moe}.experts."))
+    save_checked(config, tensors, experts, gguf_path, out)
     return config

@@ -305,8 +305,9 @@ def _write_model_from(reader, gguf_path: Path, out: Path) -> None:
     template_field = reader.fields.get("tokenizer.chat_template")
     template = template_field.contents() if template_field is not None else None
     from pagedllm.models.gguf_moe import is_moe_file
-    if arch == "gpt-oss" or is_moe_file(reader, arch):  # family tables of ours (transformers' reader
-        # misnames gpt-oss's experts and reads no Mixtral, OLMoE or Granite MoE file)
+    if arch == "gpt-oss" or is_moe_file(reader, arch):  # family tables of ours: transformers' reader
+        # misnames gpt-oss's experts, reads no Mixtral, OLMoE or Granite MoE file, and dequantizes
+        # every expert into memory; ours leave the experts in the file (gguf_experts)
         from pagedllm.models import gguf_gpt_oss, gguf_moe
         config = (gguf_gpt_oss.write_model(reader, gguf_path, out) if arch == "gpt-oss"
                   else gguf_moe.write_model(reader, arch, gguf_path, out))
@@ -338,6 +339,22 @@ def _write_model_from(reader, gguf_path: Path, out: Path) -> None:
     del tensors
     config.save_pretrained(out)
     _write_tokenizer_files(gguf_path, out, config, template)
+
+
+def _stale_experts(target: Path) -> bool:
+    """Whether ``target`` is an earlier pagedllm's conversion of a mixture-of-experts GGUF that a family
+    table now converts (``gguf_moe``, ``gguf_gpt_oss``): it wrote the experts in float32 (four to eight
+    times the file) and, for Qwen3-MoE, no renormalized routing; such a directory is converted again."""
+    import json
+
+    from pagedllm.models.gguf_experts import MANIFEST
+    from pagedllm.models.gguf_moe import FAMILIES
+    try:
+        archs = json.loads((target / "config.json").read_text()).get("architectures") or []
+    except (OSError, ValueError, AttributeError):
+        return False
+    tables = {f.architecture for f in FAMILIES.values()} | {"GptOssForCausalLM"}
+    return bool(set(archs) & tables) and not (target / MANIFEST).is_file()
 
 
 def record_gguf_source(target: Path, gguf_path: Path) -> None:
@@ -387,6 +404,9 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike | None
             raise ValueError(f"Checksum mismatch for {gguf_path}: expected sha256 "
                              f"{expected_sha256}, got {digest}")
     target = Path(out_dir).expanduser() if out_dir is not None else cache_root() / "gguf" / digest
+    if is_converted(target) and _stale_experts(target):
+        logger.info("%s holds a mixture of experts' experts in float32 (an earlier conversion): converting again", target)
+        shutil.rmtree(target)
     if is_converted(target):
         record_gguf_source(target, gguf_path)
         return target

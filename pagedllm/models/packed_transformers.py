@@ -59,7 +59,8 @@ class ScaledPackedEmbedding(PackedEmbedding):
 
 
 class Checkpoint:
-    """Lazy, by-name reads of a directory's ``*.safetensors`` tensors (a context manager).
+    """Lazy, by-name reads of a directory's ``*.safetensors`` tensors, and of the expert weights its
+    conversion left in the GGUF file (``gguf_experts``) (a context manager).
 
     Args:
         model_dir: the converted (or Hugging Face) directory.
@@ -67,11 +68,15 @@ class Checkpoint:
 
     def __init__(self, model_dir: str | Path) -> None:
         from safetensors import safe_open
+
+        from pagedllm.models.gguf_experts import GGUFExperts
         self._stack = ExitStack()
         self._where = {}
         for f in sorted(Path(model_dir).glob("*.safetensors")):
             fh = self._stack.enter_context(safe_open(str(f), framework="pt", device="cpu"))
             self._where.update((k, fh) for k in fh.keys())
+        experts = GGUFExperts(model_dir)  # expert weights a conversion left in the GGUF file
+        self._where.update((k, experts) for k in experts.entries)
 
     def __enter__(self) -> "Checkpoint":
         return self

@@ -277,12 +277,16 @@ def load_transformers_model(model_dir, config, dtype: torch.dtype, device: torch
     if tp > 1:
         return _load_tensor_parallel(model_dir, config, dtype, device, attention_backend, expert_parallel)
     formats = None
-    if quantization in ("gguf", "int8"):  # packed layers built from the files, never in float32
+    from pagedllm.models.gguf_experts import read_manifest
+    if quantization in ("gguf", "int8") or read_manifest(model_dir):
+        # packed layers built from the files, never in float32; experts left in a GGUF file are read
+        # from it (from_pretrained would not find them)
         from pagedllm.models.transformers_tp_load import load_sharded, parameters_on_meta
         with parameters_on_meta():
             hf = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=ATTN_NAME)
         _check_modules(hf, attention_backend)
-        formats = _serve_packed(hf, model_dir, quantization)
+        if quantization in ("gguf", "int8"):
+            formats = _serve_packed(hf, model_dir, quantization)
         load_sharded(hf, model_dir, device)  # the parameters left (norms, float layers), whole
     else:
         hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation=ATTN_NAME)

@@ -64,7 +64,7 @@ class CheckpointTensors:
     Source: transformers 5's ``conversion_mapping.py`` (the rules are read from it, not copied).
     """
 
-    def __init__(self, handles: dict[str, object], model_type: str | None) -> None:
+    def __init__(self, handles: dict[str, object], model_type: str | None, experts=None) -> None:
         from transformers.conversion_mapping import get_checkpoint_conversion_mapping
         rules = list(get_checkpoint_conversion_mapping(model_type) or []) if model_type else []
         renames = [(a, b) for r in rules if type(r).__name__ == "WeightRenaming"
@@ -81,12 +81,15 @@ class CheckpointTensors:
             for a, b in renames:
                 name = re.sub(a, b, name)
             self._where[name] = (fh, key)
+        for name in (experts.entries if experts else ()):  # gguf_experts: left in the GGUF file
+            self._where.setdefault(name, (experts, name))
 
     def __contains__(self, name: str) -> bool:
         return name in self._where
 
     def get_slice(self, name: str):
-        """A lazy slice (safetensors') of the tensor the parameter ``name`` reads."""
+        """A lazy slice (safetensors', or ``gguf_experts.ExpertSlice``) of the tensor the parameter
+        ``name`` reads."""
         fh, key = self._where[name]
         return fh.get_slice(key)
 
@@ -122,6 +125,8 @@ def load_sharded(hf: nn.Module, model_dir: str | Path, device: torch.device) -> 
     A parameter shared by two modules (tied embeddings left whole) is materialized once. A tied head
     absent from the checkpoint reads the input embedding's tensor.
 
+    Expert parameters a GGUF conversion left in its file (``gguf_experts``) are read from there.
+
     Raises:
         ValueError: a parameter has no tensor in the checkpoint (the message names it).
     """
@@ -134,7 +139,8 @@ def load_sharded(hf: nn.Module, model_dir: str | Path, device: torch.device) -> 
         for f in files:
             fh = stack.enter_context(safe_open(str(f), framework="pt", device="cpu"))
             handles.update((k, fh) for k in fh.keys())
-        where = CheckpointTensors(handles, getattr(hf.config, "model_type", None))
+        from pagedllm.models.gguf_experts import GGUFExperts
+        where = CheckpointTensors(handles, getattr(hf.config, "model_type", None), GGUFExperts(model_dir))
         done: dict[int, nn.Parameter] = {}
         for module_name, module in hf.named_modules():
             for param_name, p in list(module.named_parameters(recurse=False)):

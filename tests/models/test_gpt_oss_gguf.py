@@ -84,6 +84,9 @@ def test_gpt_oss_gguf_serves_its_experts_packed(tmp_path, greedy_ref, assert_no_
     want, want_lp = _run(ref, prompts)
     del ref
     cfg = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    from pagedllm.models.gguf_experts import load_into  # the experts stay in the GGUF file
+    assert load_into(cfg, model_dir) == 2 * LAYERS
+    assert not list(model_dir.glob("*.safetensors"))[0].stat().st_size > 4 * 2**20  # no float32 experts
     assert (cfg.config.head_dim, cfg.config.sliding_window, cfg.config.rope_parameters["rope_type"],
             cfg.config.rope_parameters["factor"]) == (HD, WINDOW, "yarn", 4.0)
     assert cfg.config.layer_types == ["sliding_attention", "full_attention", "sliding_attention"]

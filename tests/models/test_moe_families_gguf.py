@@ -1,11 +1,11 @@
-"""Mixtral, OLMoE and Granite MoE from a GGUF (issue 40: each family from a GGUF with its experts kept
+"""Mixtral, OLMoE, Granite MoE, Qwen3-MoE and Qwen2-MoE from a GGUF (issue 40: each family from a GGUF with its experts kept
 packed). A tiny random ``transformers`` model of each family is written in llama.cpp's layout with
 ``gguf``'s writer (the Llama-derived families' q/k rows permuted as ``convert_hf_to_gguf.py`` does,
 experts stacked as ``ffn_{gate,up,down}_exps``, Granite's multipliers as ``*_scale`` keys; a rotary
 base of 50 so that a q/k row order gone wrong changes the tokens), experts and
 attention quantized (Q8_0, MXFP4) and the model's own weights set to the dequantized values; served
-from the file (converted by ``models/gguf_moe.py``, experts packed on the experts kernel) it gives
-``transformers``' greedy tokens on those weights.
+from the file (converted by ``models/gguf_moe.py``, which leaves the experts in the file; experts
+packed on the experts kernel) it gives ``transformers``' greedy tokens on those weights.
 """
 
 from __future__ import annotations
@@ -29,6 +29,12 @@ FAMILIES = {  # kind: (gguf arch, config class, MoE module, router, q/k permuted
     "granitemoe": ("granitemoe", "GraniteMoeConfig", "block_sparse_moe", "router", True,
                    dict(num_local_experts=E, embedding_multiplier=2.0, residual_multiplier=0.5,
                         attention_multiplier=0.2, logits_scaling=3.0)),
+    # head_dim 32 != hidden / heads, per-head q/k norms, renormalized top-k (llama.cpp's qwen3moe graph)
+    "qwen3_moe": ("qwen3moe", "Qwen3MoeConfig", "mlp", "gate", False,
+                  dict(num_experts=E, moe_intermediate_size=I_EXP, head_dim=32, norm_topk_prob=True)),
+    # q/k/v biases, a gated shared expert of its own width
+    "qwen2_moe": ("qwen2moe", "Qwen2MoeConfig", "mlp", "gate", False,
+                  dict(num_experts=E, moe_intermediate_size=I_EXP, shared_expert_intermediate_size=96)),
 }
 
 
@@ -64,6 +70,11 @@ def _write(kind: str, model, path) -> None:
     w.add_block_count(2), w.add_context_length(128), w.add_embedding_length(HID), w.add_feed_forward_length(I_EXP)
     w.add_head_count(N_HEAD), w.add_head_count_kv(N_KV), w.add_expert_count(E), w.add_expert_used_count(TOP_K)
     w.add_rope_freq_base(cfg.rope_parameters["rope_theta"]), w.add_layer_norm_rms_eps(1e-5)
+    if kind.startswith("qwen"):
+        head_dim = getattr(cfg, "head_dim", None) or HID // N_HEAD
+        w.add_expert_feed_forward_length(I_EXP), w.add_key_length(head_dim), w.add_value_length(head_dim)
+    if kind == "qwen2_moe":
+        w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
     if kind == "granitemoe":
         w.add_embedding_scale(cfg.embedding_multiplier), w.add_residual_scale(cfg.residual_multiplier)
         w.add_attention_scale(cfg.attention_multiplier), w.add_logit_scale(cfg.logits_scaling)
@@ -94,9 +105,16 @@ def _write(kind: str, model, path) -> None:
         put(b + "attn_k.weight", L + "self_attn.k_proj.weight", "Q8_0", heads=N_KV)
         put(b + "attn_v.weight", L + "self_attn.v_proj.weight", "Q8_0")
         put(b + "attn_output.weight", L + "self_attn.o_proj.weight", "Q8_0")
-        if kind == "olmoe":
+        if kind in ("olmoe", "qwen3_moe"):
             put(b + "attn_q_norm.weight", L + "self_attn.q_norm.weight")
             put(b + "attn_k_norm.weight", L + "self_attn.k_norm.weight")
+        if kind == "qwen2_moe":
+            for g in "qkv":
+                put(b + f"attn_{g}.bias", L + f"self_attn.{g}_proj.bias")
+            shared = L + "mlp.shared_expert."
+            for g in ("gate", "up", "down"):
+                put(b + f"ffn_{g}_shexp.weight", shared + f"{g}_proj.weight", "Q8_0")
+            w.add_tensor(b + "ffn_gate_inp_shexp.weight", sd[L + "mlp.shared_expert_gate.weight"].numpy()[0])  # [H]
         put(b + "attn_norm.weight", L + "input_layernorm.weight")
         put(b + "ffn_norm.weight", L + "post_attention_layernorm.weight")
         put(b + "ffn_gate_inp.weight", f"{L}{moe}.{router}.weight")
@@ -121,10 +139,18 @@ def test_moe_family_gguf_serves_packed_experts_with_transformers_tokens(kind, tm
     llm = LLM(str(path), num_kv_blocks=32, block_size=4)
     formats = llm.llm_engine.get_stats().weight_formats
     assert formats.get("experts Q8_0") == 1 and formats.get("experts MXFP4") == 1, formats
-    assert formats.get("Q8_0") == 4 * 2 + 2 and "float32 (differs)" not in formats, formats
+    shared = 3 * 2 if kind == "qwen2_moe" else 0
+    assert formats.get("Q8_0") == 4 * 2 + 2 + shared and "float32 (differs)" not in formats, formats
+    model_dir = llm.llm_engine.model_dir  # the experts stay in the file: no float32 copy was written
+    assert sum(f.stat().st_size for f in model_dir.glob("*.safetensors")) < 0.5 * path.stat().st_size * 4
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True), use_tqdm=False)
     for p, o in zip(prompts, outs):
         ids, logits = greedy_ref.hf_greedy(model, p, MAX_NEW)
         greedy_ref.assert_greedy_match(list(o.outputs[0].token_ids), ids, logits, f"{kind} GGUF")
     assert_no_leaks(llm.engine)
+    if kind == "mixtral":  # an earlier pagedllm's conversion (float32 experts, no manifest) is redone
+        from pagedllm.models.gguf_experts import MANIFEST
+        from pagedllm.models.loader import convert_gguf
+        (model_dir / MANIFEST).unlink()
+        assert convert_gguf(path) == model_dir and (model_dir / MANIFEST).is_file()

@@ -4,8 +4,8 @@ loads through the Transformers backend with every expert layer on the experts ke
 file's blocks (no float32 copy of an expert), and answers as the same backend on the dequantized
 weights.
 
-``transformers`` 5.23 reads ``expert_feed_forward_length`` from no GGUF key and keeps Qwen3-MoE's
-default expert width, 768: the file uses it.
+The file is converted by our family table (``models/gguf_moe.py``: the experts stay in the file);
+it writes no ``expert_feed_forward_length``, so the expert width is ``feed_forward_length``, 768.
 """
 
 from __future__ import annotations
