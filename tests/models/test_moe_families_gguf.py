@@ -154,3 +154,33 @@ def test_moe_family_gguf_serves_packed_experts_with_transformers_tokens(kind, tm
         from pagedllm.models.loader import convert_gguf
         (model_dir / MANIFEST).unlink()
         assert convert_gguf(path) == model_dir and (model_dir / MANIFEST).is_file()
+
+
+def test_an_expert_parallel_rank_reads_only_its_experts_from_the_gguf(tmp_path, monkeypatch):
+    """Rank 1 of 2 with --enable-expert-parallel on a converted Mixtral GGUF: its experts 2..3 of 4 are
+    dequantized from the file's blocks (those experts only), equal to the same experts read whole."""
+    from pagedllm.distributed import parallel_state
+    from pagedllm.models import gguf_experts
+    from pagedllm.models.hf_config import read_hf_config
+    from pagedllm.models.load import load_model
+    from pagedllm.models.load_plan import plan_load
+    from pagedllm.models.loader import convert_gguf
+    path = tmp_path / "tiny-mixtral.gguf"
+    _write("mixtral", _model("mixtral", np.random.default_rng(3)), path)
+    model_dir = convert_gguf(path)
+    read = []
+    real_rows = gguf_experts._rows
+    monkeypatch.setattr(gguf_experts, "_rows", lambda t, e0, e1: read.append((e0, e1)) or real_rows(t, e0, e1))
+    for key, value in dict(rank=1, world_size=2, tp_rank=1, tp_size=2).items():
+        monkeypatch.setitem(parallel_state._STATE, key, value)
+    plan = plan_load(model_dir, read_hf_config(model_dir), torch.float32, "cpu", "transformers",
+                     tensor_parallel_size=2, expert_parallel=True)
+    model, _ = load_model(model_dir, plan)
+    assert set(read) == {(2, 4)}  # gate, up and down of both layers: this rank's experts only
+    whole = gguf_experts.GGUFExperts(model_dir)
+    for i in range(2):
+        experts = model.hf.model.layers[i].mlp.experts
+        assert experts.pagedllm_ep == (2, 2, E)
+        for name in ("gate_up_proj", "down_proj"):
+            want = whole.get_tensor(f"model.layers.{i}.mlp.experts.{name}")[2:]
+            assert torch.equal(getattr(experts, name), want)
