@@ -12,6 +12,9 @@ the tensors are placed by ``TENSORS`` and ``_experts``:
   their biases ``[E, I]`` -> ``gate_up_proj_bias`` ``[E, 2I]`` the same way;
 - ``ffn_down_exps`` ``[E, H, I]`` -> ``experts.down_proj`` ``[E, I, H]`` (transposed), bias as it is.
 
+The expert weights stay in the file: the two layouts above are ``gguf_experts``' ``cat_interleaved_t``
+and ``t``, listed in the converted directory's manifest; the biases are written in float32.
+
 Source: llama.cpp's ``conversion/gpt_oss.py`` and ``gguf-py`` tensor names (read, not copied);
 transformers' ``GptOssConfig`` and modeling file for the parameter names.
 """
