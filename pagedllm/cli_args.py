@@ -59,6 +59,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-expert-parallel", action="store_true",
                    help="with --tensor-parallel-size, a mixture of experts' ranks hold whole experts (the "
                         "Transformers backend; without it such a model is refused at several ranks)")
+    p.add_argument("--limit-mm-per-prompt", type=_mm_limits, default=None,
+                   help='most images in one prompt, as JSON: \'{"image": 4}\' (default 999; image-text models)')
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
                    help="stages that split the layers (each a --tensor-parallel-size group: tp x pp ranks in all)")
     p.add_argument("--pipeline-micro-batches", type=int, default=0,
@@ -115,6 +117,7 @@ def engine_args_from_cli(a: argparse.Namespace) -> EngineArgs:
                       compilation_config=getattr(a, "compilation_config", None),
                       tensor_parallel_size=a.tensor_parallel_size, pipeline_parallel_size=a.pipeline_parallel_size,
                       enable_expert_parallel=getattr(a, "enable_expert_parallel", False),
+                      limit_mm_per_prompt=getattr(a, "limit_mm_per_prompt", None),
                       pipeline_micro_batches=getattr(a, "pipeline_micro_batches", 0),
                       distributed_executor_backend=a.distributed_executor_backend,
                       data_parallel_size=a.data_parallel_size, runner=_runner(a))
@@ -126,3 +129,20 @@ def _runner(a: argparse.Namespace) -> str:
         return a.runner
     task = getattr(a, "task", None)
     return "auto" if task is None else ("generate" if task == "generate" else "pooling")
+
+
+def _mm_limits(text: str) -> dict[str, int]:
+    """``--limit-mm-per-prompt``'s JSON: ``{"image": N}`` with a count of at least 0.
+
+    Raises:
+        argparse.ArgumentTypeError: not such an object (argparse names the flag).
+    """
+    import json
+    try:
+        value = json.loads(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not JSON: {text!r}") from None
+    if (not isinstance(value, dict) or set(value) - {"image"}
+            or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value.values())):
+        raise argparse.ArgumentTypeError(f'expected {{"image": N}} with N >= 0, got {text!r}')
+    return value

@@ -139,6 +139,8 @@ class EngineArgs:
         enable_expert_parallel: with ``tensor_parallel_size`` above 1, a mixture of experts' ranks hold
             whole experts instead of slices of each (vLLM's ``--enable-expert-parallel``; the
             Transformers backend, ``models/moe.py``); a dense model or one rank is unaffected.
+        limit_mm_per_prompt: most items of each modality in one prompt (vLLM's
+            ``--limit-mm-per-prompt``, ``{"image": N}``; default 999); an image-text model only.
         pipeline_parallel_size: ranks that split the layers into stages (``--pipeline-parallel-size``,
             ``models/layers/pipeline.py``); with ``tensor_parallel_size`` too, each stage is a TP group
             (``tp * pp`` ranks in all).
@@ -200,6 +202,7 @@ class EngineArgs:
     speculative_config: Any = None
     tensor_parallel_size: int = 1
     enable_expert_parallel: bool = False
+    limit_mm_per_prompt: dict | None = None
     pipeline_parallel_size: int = 1
     pipeline_micro_batches: int = 0
     distributed_executor_backend: str | None = None

@@ -2,7 +2,8 @@
 function that reads any accepted prompt shape.
 
 A prompt is a string, a list of token ids, ``{"prompt": str}`` or ``{"prompt_token_ids": [int]}``
-(either dict may carry ``cache_salt``). Multimodal keys are refused: pagedllm serves text models.
+(either dict may carry ``cache_salt``); a ``TextPrompt`` may carry ``multi_modal_data`` (images, for
+an image-text model: ``multimodal.MultiModalPrompt``).
 """
 
 from __future__ import annotations
@@ -11,14 +12,16 @@ from typing import Any, TypedDict, Union
 
 from typing_extensions import NotRequired  # typing has it from 3.11 only; pydantic requires this package
 
-_REFUSED_KEYS = ("multi_modal_data", "mm_processor_kwargs", "multi_modal_uuids", "prompt_embeds")
+_REFUSED_KEYS = ("mm_processor_kwargs", "multi_modal_uuids", "prompt_embeds")
 
 
 class TextPrompt(TypedDict):
-    """A text prompt (vLLM's ``TextPrompt``): ``prompt``, and optionally ``cache_salt``."""
+    """A text prompt (vLLM's ``TextPrompt``): ``prompt``, and optionally ``cache_salt`` and
+    ``multi_modal_data`` (``{"image": PIL.Image | [PIL.Image, ...]}``)."""
 
     prompt: str
     cache_salt: NotRequired[str]
+    multi_modal_data: NotRequired[dict]
 
 
 class TokensPrompt(TypedDict):
@@ -51,8 +54,11 @@ def parse_prompt(prompt: Any, where: str = "prompts") -> tuple[str | list[int], 
         ValueError: a dict with multimodal keys, or with neither or both of ``prompt`` and
             ``prompt_token_ids`` in a way vLLM does not accept.
     """
+    from pagedllm.multimodal import MultiModalPrompt, read_images
     if isinstance(prompt, str):
         return prompt, prompt, None
+    if isinstance(prompt, MultiModalPrompt):  # already read (LLM.generate, then LLMEngine.add_request)
+        return prompt, prompt.text, None
     if _is_token_ids(prompt):
         return list(prompt), None, None
     if not isinstance(prompt, dict):
@@ -65,6 +71,9 @@ def parse_prompt(prompt: Any, where: str = "prompts") -> tuple[str | list[int], 
     if salt is not None and not isinstance(salt, str):
         raise TypeError(f"{where}.cache_salt: expected a str, got {type(salt).__name__}")
     if "prompt_token_ids" in prompt:
+        if prompt.get("multi_modal_data") is not None:
+            raise ValueError(f"{where}.multi_modal_data: give images with a text prompt (its image tokens are "
+                             "expanded by the model's processor), not with prompt_token_ids")
         ids = prompt["prompt_token_ids"]
         if not _is_token_ids(ids):
             raise TypeError(f"{where}.prompt_token_ids: expected a list of ints")
@@ -73,6 +82,9 @@ def parse_prompt(prompt: Any, where: str = "prompts") -> tuple[str | list[int], 
     if "prompt" in prompt:
         if not isinstance(prompt["prompt"], str):
             raise TypeError(f"{where}.prompt: expected a str, got {type(prompt['prompt']).__name__}")
+        if prompt.get("multi_modal_data") is not None:
+            images = read_images(prompt["multi_modal_data"], where)
+            return MultiModalPrompt(prompt["prompt"], images), prompt["prompt"], salt
         return prompt["prompt"], prompt["prompt"], salt
     raise ValueError(f"{where}: a prompt dict needs 'prompt' (TextPrompt) or 'prompt_token_ids' (TokensPrompt), "
                      f"got keys {sorted(prompt)}")

@@ -40,6 +40,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 
+from pagedllm.core.encoder_cache import EncoderScheduler
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.scheduler_output import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput,
                                             NewRequestData, SchedulerOutput)
@@ -69,12 +70,14 @@ class Scheduler:
             of the next steps and a step takes at most ``ceil(requests / steps_in_flight)`` requests
             (``_requests_per_step``), so that consecutive steps hold different requests and a pipeline runs them at once (``ModelRunner(pipeline_overlap=True)``;
             vLLM keeps ``pipeline_parallel_size`` batches in flight the same way).
+        encoder: a multimodal model's ``EncoderScheduler`` (which images each step encodes).
     """
 
     def __init__(self, kv_cache_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, enable_chunked_prefill: bool = True, spec: SpecDecoding | None = None,
-                 encoder_only: bool = False, steps_in_flight: int = 1) -> None:
+                 encoder_only: bool = False, steps_in_flight: int = 1, encoder: EncoderScheduler | None = None) -> None:
         self.encoder_only = encoder_only
+        self.encoder = encoder  # images: encoder budget and cache (core/encoder_cache.py), else None
         self.steps_in_flight = steps_in_flight
         self.pipeline_overlap = steps_in_flight > 1
         self.kv = kv_cache_manager
@@ -117,6 +120,8 @@ class Scheduler:
 
     def _free(self, req: Request) -> None:
         self.kv.free(req)
+        if self.encoder is not None:
+            self.encoder.release(req)
         if self.spec is not None:
             self.spec.finish(req)
         self.requests.pop(req.request_id, None)
@@ -138,6 +143,8 @@ class Scheduler:
         """Plan one step within the token budget; see the module docstring."""
         out = SchedulerOutput(finished_req_ids=self._finished_ids)
         self._finished_ids = set()
+        if self.encoder is not None:
+            out.free_encoder_hashes = self.encoder.begin_step()
         budget = self.max_num_batched_tokens
         self.kv.begin_step()
         if self.spec is not None:
@@ -151,6 +158,8 @@ class Scheduler:
             n = out.num_scheduled_tokens.get(req.request_id)
             if n:
                 req.num_computed_tokens += n
+                if self.encoder is not None:
+                    self.encoder.computed(req)
                 if req.num_computed_tokens == req.num_tokens + req.num_output_placeholders + len(req.spec_token_ids):
                     req.num_output_placeholders += 1  # this step samples the next token
         return out
@@ -180,8 +189,8 @@ class Scheduler:
         if pending and (req.num_output_tokens + pending >= req.max_tokens
                         or req.num_tokens + pending >= self.max_model_len):
             return 0  # finishes for length when the tokens in flight arrive
-        n = min(req.num_tokens + pending - req.num_computed_tokens, budget)
-        return min(n, self.max_model_len - req.num_computed_tokens)
+        n = min(req.num_tokens + pending - req.num_computed_tokens, budget, self.max_model_len - req.num_computed_tokens)
+        return n if self.encoder is None else self.encoder.fit(req, n)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> bool:
         """Schedule running requests in admission order; preempt from the back when blocks run out."""
@@ -293,10 +302,12 @@ class Scheduler:
             out.new_reqs.append(NewRequestData(rid, list(req.all_token_ids), req.num_prompt_tokens,
                                                req.sampling_params, self.kv.get_block_ids(rid),
                                                req.num_computed_tokens, req.pooling_params,
-                                               self.kv.get_state_slot(rid)))
+                                               self.kv.get_state_slot(rid), req.mm_inputs))
             self._runner_knows.add(rid)
         out.num_scheduled_tokens[rid] = n
         out.total_num_scheduled_tokens += n
+        if self.encoder is not None and (encode := self.encoder.schedule(req, n)):
+            out.scheduled_encoder_inputs[rid] = encode
         restore, checkpoints = self.kv.take_state_plan(rid)  # a hybrid model's prefix caching
         if restore >= 0:
             out.state_restores[rid] = restore
@@ -306,6 +317,8 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         """Free a running request's blocks and send it back to the front of the queue."""
         self.kv.free(req)
+        if self.encoder is not None:
+            self.encoder.release(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1

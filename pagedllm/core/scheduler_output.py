@@ -29,6 +29,7 @@ class NewRequestData:
         pooling_params: set for a pooling request (it samples nothing: its final hidden states are
             pooled once its prompt is computed).
         state_slot: the request's recurrent-state slot (hybrid models, ``core/state_pool.py``), or -1.
+        mm_inputs: its images (``multimodal.MultiModalInput``; empty for text).
     """
 
     req_id: str
@@ -39,6 +40,7 @@ class NewRequestData:
     num_computed_tokens: int
     pooling_params: PoolingParams | None = None
     state_slot: int = -1
+    mm_inputs: tuple = ()
 
 
 @dataclass
@@ -75,6 +77,10 @@ class SchedulerOutput:
             model's prefix-cache hit; ``core/state_checkpoints.py``).
         state_checkpoints: request id -> ``[(boundary, slot), ...]``: after ``boundary`` tokens
             (absolute, inside this step's tokens) the state of every state layer goes to ``slot``.
+        scheduled_encoder_inputs: request id -> indices of its images (``mm_inputs``) whose encoder
+            step runs in this step (``core/encoder_cache.py``).
+        free_encoder_hashes: image hashes whose encoder outputs the runner may drop (no request
+            reads them any more), sent before this step's own.
     """
 
     new_reqs: list[NewRequestData] = field(default_factory=list)
@@ -86,6 +92,8 @@ class SchedulerOutput:
     spec_draft_probs: dict[str, Any] = field(default_factory=dict)
     state_restores: dict[str, int] = field(default_factory=dict)
     state_checkpoints: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
+    scheduled_encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
+    free_encoder_hashes: list[str] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedllm.config import EngineArgs, parse_size
+from pagedllm.core.encoder_cache import EncoderScheduler
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.scheduler_output import EngineCoreOutput
@@ -159,9 +160,11 @@ class EngineCore:
                         args.speculative_config.num_speculative_tokens,
                         "dynamic" if args.speculative_config.dynamic else "fixed")
         overlap = plan.scheduler.pipeline_overlap  # several steps in flight (step_issuers.OverlappedIssuer)
+        # an image-text model: each step's encoder budget is its token budget (vLLM's default)
+        encoder = EncoderScheduler(args.max_num_batched_tokens) if getattr(model, "is_multimodal", False) else None
         self.scheduler = Scheduler(self.kv_cache_manager, args.max_num_seqs, args.max_num_batched_tokens,
                                    max_model_len, args.enable_chunked_prefill, spec, encoder_only=encoder_only,
-                                   steps_in_flight=plan.scheduler.steps_in_flight)
+                                   steps_in_flight=plan.scheduler.steps_in_flight, encoder=encoder)
         # decode CUDA graphs with one rank only (every rank gets these sizes: none captures with several)
         sizes = dict(num_blocks=num_blocks, block_size=args.block_size, dtype=dtype, device=device, seed=args.seed,
                      eos_token_ids=eos_token_ids, max_num_reqs=args.max_num_seqs, max_model_len=max_model_len,
@@ -249,7 +252,8 @@ class EngineCore:
         if request.request_id in self.scheduler.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         req = Request(request.request_id, request.prompt_token_ids, request.sampling_params, self.eos_token_ids,
-                      request.max_tokens, request.arrival_time, request.cache_salt, request.pooling_params)
+                      request.max_tokens, request.arrival_time, request.cache_salt, request.pooling_params,
+                      request.mm_inputs)
         so = request.sampling_params.structured_outputs
         if so is not None:
             req.structured = self.structured_output_manager.submit(so)  # compiles off the step loop

@@ -91,9 +91,20 @@ class LLMEngine:
         # its core, worker and replica processes: a data-parallel script that never called
         # ``shutdown`` hung at exit, and a second tensor-parallel LLM found the first's group alive
         self._finalizer = weakref.finalize(self, self.client.shutdown)
-        self.processor = Processor(self.tokenizer, self.hf_config.vocab_size, self.context_limit, self.pooler_config)
+        text_config = self.hf_config.get_text_config()
+        self.processor = Processor(self.tokenizer, text_config.vocab_size, self.context_limit, self.pooler_config,
+                                   self._multimodal_processor(args))
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids)
         self._held: list[RequestOutput] = []  # outputs of a step that raised for a dead DP replica
+
+    def _multimodal_processor(self, args: EngineArgs):
+        """An image-text model's processor (``multimodal.MultiModalProcessor``), else ``None``."""
+        from pagedllm.models.transformers_backend import is_vision_model
+        if not is_vision_model(self.hf_config):
+            return None
+        from pagedllm.multimodal import MultiModalProcessor
+        return MultiModalProcessor(self.model_dir, self.hf_config.image_token_id,
+                                   (args.limit_mm_per_prompt or {}).get("image", 999))
 
     def _pooler_config(self):
         """The model's pooling defaults when the plan's runner pools (``EngineArgs.runner``), else ``None``."""
@@ -148,7 +159,7 @@ class LLMEngine:
         return self.get_stats()
 
     def _eos_ids(self) -> set[int]:
-        ids = self.generation_config.get("eos_token_id", self.hf_config.eos_token_id)
+        ids = self.generation_config.get("eos_token_id", self.hf_config.get_text_config().eos_token_id)
         ids = set(ids if isinstance(ids, list) else [ids] if ids is not None else [])
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import msgspec
 
 from pagedllm.core.scheduler_output import EngineCoreOutput
+from pagedllm.multimodal import MultiModalInput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.stats import SchedulerStats
@@ -31,6 +32,7 @@ class EngineCoreRequest(msgspec.Struct, frozen=True, tag="add"):
         cache_salt: prefix-cache namespace (requests share cached blocks only with equal salts).
         pooling_params: set (resolved) for a pooling request: it samples nothing (``max_tokens`` 1)
             and finishes with its pooled vector once the prompt is computed.
+        mm_inputs: the prompt's images, their placeholders already in ``prompt_token_ids``.
     """
 
     request_id: str
@@ -40,6 +42,7 @@ class EngineCoreRequest(msgspec.Struct, frozen=True, tag="add"):
     arrival_time: float
     cache_salt: str | None = None
     pooling_params: PoolingParams | None = None
+    mm_inputs: list[MultiModalInput] = []
 
     @property
     def num_prompt_tokens(self) -> int:

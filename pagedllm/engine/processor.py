@@ -14,6 +14,7 @@ from collections import OrderedDict
 from dataclasses import replace
 
 from pagedllm.engine.messages import EngineCoreRequest
+from pagedllm.multimodal import MultiModalPrompt
 from pagedllm.pooling_params import PoolerConfig, PoolingParams
 from pagedllm.sampling_params import SamplingParamError, SamplingParams
 from pagedllm.structured_output.params import StructuredOutputError
@@ -45,12 +46,14 @@ class Processor:
         context_limit: most tokens (prompt + output) one request may reach.
         pooler_config: the model's pooling defaults when it is served for pooling (``--runner
             pooling``, or an encoder model); ``None``: a generation model.
+        multimodal: an image-text model's processor (``multimodal.MultiModalProcessor``), else ``None``.
     """
 
     def __init__(self, tokenizer, vocab_size: int, context_limit: int,
-                 pooler_config: PoolerConfig | None = None) -> None:
+                 pooler_config: PoolerConfig | None = None, multimodal=None) -> None:
         self.tokenizer, self.vocab_size, self.context_limit = tokenizer, vocab_size, context_limit
         self.pooler_config = pooler_config
+        self.multimodal = multimodal
         self._validator = None  # the grammar validator (a child process), built with the first constrained request
         self._fallback = None  # an in-process backend, only where the child cannot start
         self._validator_lock = threading.Lock()
@@ -148,7 +151,7 @@ class Processor:
                        else "/v1/embeddings, /pooling, /score and /rerank")
             raise WrongRunnerError("model", f"This model is served for pooling (--runner pooling): it answers "
                                    f"{answers}, not text generation")
-        ids = self.tokenize(prompt)
+        ids, mm_inputs = self._prompt_ids(prompt, params)
         vocab = self.vocab_size
         if params.truncate_prompt_tokens is not None:  # keep the end: the question, not the preamble
             keep = self.context_limit - (params.max_tokens or 1) if params.truncate_prompt_tokens == -1 \
@@ -188,7 +191,28 @@ class Processor:
                                      f"context limit less the prompt when max_tokens is not set), got "
                                      f"{params.min_tokens}")
         arrival = arrival_time if arrival_time is not None else time.time()
-        return EngineCoreRequest(request_id, ids, params, max_tokens, arrival, cache_salt)
+        return EngineCoreRequest(request_id, ids, params, max_tokens, arrival, cache_salt, mm_inputs=mm_inputs)
+
+    def _prompt_ids(self, prompt, params: SamplingParams) -> tuple[list[int], list]:
+        """``(ids, images)``: a text or ids as ``tokenize``; a ``MultiModalPrompt`` through the model's
+        processor (placeholders expanded, one ``MultiModalInput`` per image).
+
+        Raises:
+            SamplingParamError: images for a text-only model (``multi_modal_data``), with
+                ``truncate_prompt_tokens`` (it would cut placeholders), or images the processor
+                refuses (too many, not matching the text's image tokens).
+        """
+        if not isinstance(prompt, MultiModalPrompt):
+            return self.tokenize(prompt), []
+        if self.multimodal is None:
+            raise SamplingParamError("multi_modal_data", "multi_modal_data: this model reads text only")
+        if params.truncate_prompt_tokens is not None:
+            raise SamplingParamError("truncate_prompt_tokens", "truncate_prompt_tokens: not with images (it would "
+                                     "cut an image's placeholder tokens)")
+        try:
+            return self.multimodal(prompt, "multi_modal_data")
+        except ValueError as exc:
+            raise SamplingParamError("multi_modal_data", str(exc)) from None
 
     def process_pooling(self, request_id: str, prompt: str | list[int], params: PoolingParams,
                         arrival_time: float | None = None, cache_salt: str | None = None) -> EngineCoreRequest:

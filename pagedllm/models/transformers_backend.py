@@ -111,6 +111,29 @@ def _text_config(config):
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
+# image-text models served through the backend (issue 41, first part): the language model on our
+# paged attention, the vision tower and projector as transformers builds them (its own attention)
+VISION_MODEL_TYPES = ("llava",)
+
+
+def is_vision_model(config) -> bool:
+    """Whether ``config`` is an image-text model the backend serves with its images."""
+    return getattr(config, "model_type", None) in VISION_MODEL_TYPES
+
+
+def _auto_class(config):
+    """``transformers``' auto class for ``config``: image-text-to-text for ``VISION_MODEL_TYPES``."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    return AutoModelForImageTextToText if is_vision_model(config) else AutoModelForCausalLM
+
+
+def _attn_implementation(config):
+    """Our attention for the language model; a vision tower keeps ``sdpa`` (bidirectional, no KV cache)."""
+    if not is_vision_model(config):
+        return ATTN_NAME
+    return {"text_config": ATTN_NAME, "vision_config": "sdpa", "": ATTN_NAME}
+
+
 def check_supported(config) -> type:
     """The ``transformers`` class that would serve ``config``.
 
@@ -122,9 +145,8 @@ def check_supported(config) -> type:
             sliding-window attention (``layer_types``), except the state layers of a hybrid
             family pagedllm serves (``models/hybrid.py``).
     """
-    from transformers import AutoModelForCausalLM
     try:
-        cls = AutoModelForCausalLM._model_mapping[type(config)]
+        cls = _auto_class(config)._model_mapping[type(config)]
     except KeyError:
         raise ValueError(f"transformers {__import__('transformers').__version__} has no causal LM for "
                          f"model_type {config.model_type!r}") from None
@@ -190,6 +212,7 @@ class TransformersCausalLM(nn.Module):
         self.num_kv_layers = len(attn)
         self._state_spec = state_cache_spec(cfg)
         self.decode_stack = None  # set by ``load_transformers_model`` where the C stack applies
+        self.is_multimodal = is_vision_model(hf_model.config)  # images: encode_image, forward(mm=...)
         if self._state_spec:
             install_mixers(hf_model, cfg, self._step_state)
 
@@ -207,9 +230,24 @@ class TransformersCausalLM(nn.Module):
         """Model layer -> per-slot shapes of its recurrent-state tensors (``{}``: attention only)."""
         return self._state_spec
 
+    def encode_image(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """One image's embeddings in the language model's space: the model's own vision tower and
+        projector (``get_image_features``) on its processor's ``pixel_values`` ``[1, C, H, W]``;
+        returns ``[placeholder tokens, hidden]``."""
+        p = next(self.hf.parameters())
+        feats = self.hf.get_image_features(pixel_values=pixel_values.to(p.device, p.dtype))
+        feats = getattr(feats, "pooler_output", feats)
+        if isinstance(feats, (list, tuple)):
+            feats = torch.cat(list(feats))
+        return feats.reshape(-1, feats.shape[-1])
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``[T]`` ids -> ``[T, hidden]`` input embeddings (a tensor of its own: image rows go over it)."""
+        return self.hf.get_input_embeddings()(input_ids).clone()
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 meta: AttentionMetadata, logits_indices: torch.Tensor, hidden_indices: torch.Tensor | None = None,
-                state: StateBatch | None = None):
+                state: StateBatch | None = None, mm=None):
         """Run one step (same contract as the native models).
 
         Args:
@@ -221,19 +259,23 @@ class TransformersCausalLM(nn.Module):
             hidden_indices: ``[N]`` int64 rows whose final hidden states (the last entry of
                 ``hidden_states``: after the final norm) are needed too (pooling), or ``None``.
             state: the step's state slots (hybrid models; ``attention/state.py``), else ``None``.
+            mm: the step's images (``worker.multimodal_step.MultiModalStep``): the model then runs
+                on input embeddings with the image rows written over their placeholders.
         Returns:
             ``[R, vocab]`` float32 logits (after the model's own final soft-capping, if any); with
             ``hidden_indices``, ``(logits, [N, hidden] float32)``.
         """
         global _current
-        if self.decode_stack is not None and hidden_indices is None and state is None:
+        if self.decode_stack is not None and hidden_indices is None and state is None and mm is None:
             one = one_sequence(input_ids.shape[0], meta, kv_caches[0][0].shape[2])
             if one is not None:  # batch-1 decode: the whole stack in one C call (transformers_stack)
                 return self.decode_stack.logits(input_ids, positions, kv_caches, logits_indices, *one)
         _current = _StepContext(self.attention_backend, kv_caches, meta, self.kv_index, state)
         want_hidden = hidden_indices is not None
         try:
-            out = self.hf(input_ids=input_ids.unsqueeze(0), position_ids=positions.unsqueeze(0), use_cache=False,
+            tokens = ({"input_ids": input_ids.unsqueeze(0)} if mm is None
+                      else {"inputs_embeds": mm.embeds(self, input_ids).unsqueeze(0)})
+            out = self.hf(**tokens, position_ids=positions.unsqueeze(0), use_cache=False,
                           logits_to_keep=logits_indices, return_dict=True, output_hidden_states=want_hidden)
         finally:
             _current = None
@@ -283,13 +325,13 @@ def load_transformers_model(model_dir, config, dtype: torch.dtype, device: torch
         # from it (from_pretrained would not find them)
         from pagedllm.models.transformers_tp_load import load_sharded, parameters_on_meta
         with parameters_on_meta():
-            hf = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=ATTN_NAME)
+            hf = _auto_class(config).from_config(config, dtype=dtype, attn_implementation=_attn_implementation(config))
         _check_modules(hf, attention_backend)
         if quantization in ("gguf", "int8"):
             formats = _serve_packed(hf, model_dir, quantization)
         load_sharded(hf, model_dir, device)  # the parameters left (norms, float layers), whole
     else:
-        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation=ATTN_NAME)
+        hf = _auto_class(config).from_pretrained(model_dir, dtype=dtype, attn_implementation=_attn_implementation(config))
         _check_modules(hf, attention_backend)
     hf = hf.to(device).eval()
     from pagedllm.models.cpu_linear import prepack_available, prepack_linears

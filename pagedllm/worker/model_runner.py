@@ -30,6 +30,7 @@ from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.models.layers.compiled import compile_model
 from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.logits_rows import constrain, grammar_rows, logits_rows_of, prompt_logprobs
+from pagedllm.worker.multimodal_step import EncoderCache
 from pagedllm.worker.pooler import PoolingSpan, hidden_rows, pool, token_type_rows
 from pagedllm.worker.prepared_step import Launched, PreparedStep, StepHandle
 from pagedllm.worker.sampler import Sampler
@@ -103,6 +104,8 @@ class ModelRunner:
         self.state_cache = StateCache.for_model(model, max_num_reqs + num_state_checkpoints, dtype, device,
                                                 draft_slots=(max_num_reqs, draft_state_slots))
         self.sampler = Sampler(seed, eos_token_ids)
+        # a multimodal model's encoder outputs and each step's image rows (multimodal_step.py)
+        self.encoder_cache = EncoderCache() if getattr(model, "is_multimodal", False) else None
         # the strategies, chosen once: where inputs are built, how tokens are drawn, how steps are
         # issued (step_inputs.py, token_drawers.py, step_issuers.py)
         self.step_inputs = make_step_inputs(self.input_batch, self.attention_backend, device, block_size)
@@ -156,6 +159,8 @@ class ModelRunner:
             b.add(nr)
         for cr in so.cached_reqs:
             b.update(cr)
+        if self.encoder_cache is not None:
+            self.encoder_cache.update(so)
 
     def _prepare(self, so: SchedulerOutput) -> PreparedStep:
         """Build the step's inputs in one vectorized pass over the scheduled slots."""
@@ -177,9 +182,11 @@ class ModelRunner:
         if self.encoder_only and (types := token_type_rows([self.input_batch.pooling[i] for i in slots.tolist()],
                                                            qsl)) is not None:
             kwargs["token_type_ids"] = types.to(self.device)  # a cross-encoder's pairs
+        if self.encoder_cache is not None and (mm := self.encoder_cache.plan(so, rids, start, end, qsl)) is not None:
+            kwargs["mm"] = mm  # image rows: encoded and written over their placeholders when the step runs
         return PreparedStep(
             pool_rows=pool_rows, pool_spans=pool_spans, model_kwargs=kwargs,
-            graph=self._graph_step(n, spec, sample, rows, pool_rows), has_pending=bool(pend.size),
+            graph=self._graph_step(n, spec, sample, rows, pool_rows) and "mm" not in kwargs, has_pending=bool(pend.size),
             **inputs, sample_ids=[rids[i] for i in sample.tolist()], sampling=sampling, prompt_lp=prompt_lp,
             slot_row=slot_row, grammar=grammar_rows(rids, sample, sampling, so.spec_token_ids),
             drafts=None if not so.spec_token_ids else [so.spec_token_ids.get(rids[i], []) for i in sample.tolist()],

@@ -1,0 +1,169 @@
+"""Images in prompts (issue 41, first part): the types a prompt's images travel in, their content
+hash, and the model's own ``transformers`` processor that turns a text and its images into token ids
+with the image placeholders expanded and one ``MultiModalInput`` per image.
+
+The front end runs the processor (``engine/processor.py``); the core schedules each image's encoder
+step and keys its encoder cache and the KV blocks holding its placeholders by ``MultiModalInput.hash``
+(``core/encoder_cache.py``, ``core/hashing.py``); the runner runs the model's vision tower on
+``pixel_values`` and writes the image's embeddings over its placeholder rows
+(``worker/multimodal_step.py``).
+
+vLLM's offline shape is followed: ``{"prompt": text, "multi_modal_data": {"image": PIL.Image | [..]}}``
+with the model's image token (LLaVA's ``<image>``) in the text once per image.
+
+Source: vLLM's multimodal inputs (``multi_modal_data``, placeholder ranges, the content hash as the
+cache key) as documented; the processors are ``transformers``'.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+import numpy as np
+
+MODALITIES = ("image",)
+
+
+@dataclass(frozen=True)
+class MultiModalPrompt:
+    """A text prompt with images (what ``inputs.parse_prompt`` makes of ``multi_modal_data``).
+
+    Attributes:
+        text: the prompt, with the model's image token where each image goes.
+        images: the images (``PIL.Image.Image``), in prompt order.
+    """
+
+    text: str
+    images: tuple
+
+
+class MultiModalInput(msgspec.Struct, frozen=True):
+    """One image of a request, as the core and the runner see it.
+
+    Attributes:
+        hash: hex SHA-256 of the image's content (mode, size, pixels): the encoder cache's key and
+            part of the hash of every KV block that holds its placeholders.
+        offset: position of its first placeholder token in the prompt.
+        length: placeholder tokens (= rows of its embeddings).
+        data: its processor output ``pixel_values`` as raw bytes; shape, dtype: theirs
+            (``[C, H, W]``, ``float32``).
+    """
+
+    hash: str
+    offset: int
+    length: int
+    data: bytes
+    shape: list[int]
+    dtype: str = "float32"
+
+    @property
+    def end(self) -> int:
+        """One past its last placeholder position."""
+        return self.offset + self.length
+
+    def pixel_values(self):
+        """``[1, *shape]`` torch tensor of its pixels (a copy)."""
+        import torch
+        return torch.from_numpy(np.frombuffer(self.data, dtype=self.dtype).reshape(self.shape).copy()).unsqueeze(0)
+
+
+def image_hash(image) -> str:
+    """Hex SHA-256 of a PIL image's mode, size and pixel bytes (equal images, equal hashes; the file
+    format and metadata do not count)."""
+    h = hashlib.sha256(f"{image.mode}:{image.size[0]}x{image.size[1]}:".encode())
+    h.update(image.tobytes())
+    return h.hexdigest()
+
+
+def read_images(data, where: str) -> tuple:
+    """The images of a prompt's ``multi_modal_data``.
+
+    Args:
+        data: ``{"image": PIL.Image | list[PIL.Image]}``.
+        where: the argument's name, for errors.
+    Raises:
+        TypeError: not a dict, or an image that is not a ``PIL.Image.Image``.
+        ValueError: a modality other than ``image``, or no image.
+    """
+    from PIL import Image
+    if not isinstance(data, dict):
+        raise TypeError(f"{where}.multi_modal_data: expected a dict such as {{'image': PIL.Image}}")
+    other = sorted(set(data) - set(MODALITIES))
+    if other:
+        raise ValueError(f"{where}.multi_modal_data.{other[0]}: not supported (images only)")
+    images = data.get("image")
+    images = list(images) if isinstance(images, (list, tuple)) else [images]
+    for i, img in enumerate(images):
+        if not isinstance(img, Image.Image):
+            raise TypeError(f"{where}.multi_modal_data.image[{i}]: expected a PIL.Image.Image, got {type(img).__name__}")
+    if not images:
+        raise ValueError(f"{where}.multi_modal_data.image: no image")
+    return tuple(images)
+
+
+def placeholder_runs(ids: list[int], token_id: int) -> list[tuple[int, int]]:
+    """``(offset, length)`` of every maximal run of ``token_id`` in ``ids``."""
+    runs: list[tuple[int, int]] = []
+    for i, t in enumerate(ids):
+        if t != token_id:
+            continue
+        if runs and runs[-1][0] + runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((i, 1))
+    return runs
+
+
+class MultiModalProcessor:
+    """A model's own ``transformers`` processor (``AutoProcessor``) over text with images.
+
+    Args:
+        model_dir: the model directory (its processor and preprocessor configs).
+        image_token_id: the placeholder token the processor expands (``config.image_token_id``).
+        limit_per_prompt: most images in one prompt (``--limit-mm-per-prompt``'s ``image``).
+    Raises:
+        ValueError: the directory has no processor ``transformers`` can load.
+    """
+
+    def __init__(self, model_dir: str | Path, image_token_id: int, limit_per_prompt: int) -> None:
+        from transformers import AutoProcessor
+        try:
+            self.processor = AutoProcessor.from_pretrained(str(model_dir))
+        except Exception as exc:  # transformers raises OSError, ValueError, KeyError on a bad directory
+            raise ValueError(f"{model_dir}: no image processor transformers can load ({exc})") from None
+        self.image_token_id = image_token_id
+        self.limit_per_prompt = limit_per_prompt
+
+    def __call__(self, prompt: MultiModalPrompt, where: str = "prompt") -> tuple[list[int], list[MultiModalInput]]:
+        """Token ids (placeholders expanded) and one ``MultiModalInput`` per image, in prompt order.
+
+        Raises:
+            ValueError: more images than ``limit_per_prompt``, or a text whose image tokens do not
+                match the images (``where`` and the counts named), or an image the processor
+                cannot read.
+        """
+        images = list(prompt.images)
+        if len(images) > self.limit_per_prompt:
+            raise ValueError(f"{where}: {len(images)} images, more than --limit-mm-per-prompt allows "
+                             f"({self.limit_per_prompt})")
+        try:
+            out = self.processor(text=prompt.text, images=images, return_tensors="np")
+        except ValueError as exc:  # the processor's own count check, or a bad image
+            raise ValueError(f"{where}: {exc}") from None
+        ids = [int(t) for t in np.asarray(out["input_ids"])[0]]
+        pixels = np.ascontiguousarray(np.asarray(out["pixel_values"], dtype=np.float32))
+        runs = placeholder_runs(ids, self.image_token_id)
+        if len(runs) != len(images) or pixels.shape[0] != len(images):
+            raise ValueError(f"{where}: the text places {len(runs)} images but {len(images)} were given "
+                             f"(put the model's image token once per image)")
+        return ids, [MultiModalInput(image_hash(img), off, n, pixels[i].tobytes(), list(pixels[i].shape))
+                     for i, (img, (off, n)) in enumerate(zip(images, runs))]
+
+
+def block_keys(mm_inputs, start: int, end: int) -> tuple[str, ...]:
+    """The hashes of the images whose placeholders overlap token positions ``[start, end)`` (the extra
+    keys of that KV block's hash), in prompt order."""
+    return tuple(m.hash for m in mm_inputs if m.offset < end and m.end > start)

@@ -1,0 +1,103 @@
+"""The runner's side of images (issue 41): its encoder cache and each step's image rows.
+
+``EncoderCache`` keeps every request's images (from ``NewRequestData.mm_inputs``) and the encoder
+outputs the scheduler has not freed, by image hash. ``plan`` turns a step into a ``MultiModalStep``:
+the images to encode in this step (the scheduler's ``scheduled_encoder_inputs``) and, for every
+scheduled row that is an image placeholder, where its embedding comes from. The step runs on the
+execution thread (``model.forward(..., mm=step)``): it encodes its images, embeds the step's tokens
+and writes the image rows over their placeholders (``MultiModalStep.embeds``).
+
+An entry is a holder filled when its encoder step runs: a step planned while the step that encodes
+its image is still in flight refers to the holder, and a free from the scheduler only drops the
+cache's reference, never a step's.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+class EncoderOutput:
+    """One image's embeddings, ``[length, hidden]`` (``value``; ``None`` until its encoder step runs)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value: torch.Tensor | None = None
+
+
+class MultiModalStep:
+    """The images of one step.
+
+    Attributes:
+        encode: ``(holder, MultiModalInput)`` pairs this step encodes first.
+        fills: ``(row, holder, first, count)``: flattened rows ``row .. row + count - 1`` take rows
+            ``first ..`` of the holder's embeddings.
+    """
+
+    def __init__(self, encode: list, fills: list) -> None:
+        self.encode, self.fills = encode, fills
+
+    def embeds(self, model, input_ids: torch.Tensor) -> torch.Tensor:
+        """``[T, hidden]`` input embeddings of the step: the token embeddings with the image rows
+        written over their placeholders (``model.encode_image``, ``model.embed_tokens``).
+
+        Raises:
+            RuntimeError: an image's embeddings have another row count than its placeholders.
+        """
+        for holder, m in self.encode:
+            out = model.encode_image(m.pixel_values())
+            if out.shape[0] != m.length:
+                raise RuntimeError(f"the vision tower gave {out.shape[0]} rows for {m.length} image placeholders")
+            holder.value = out
+        x = model.embed_tokens(input_ids)
+        for row, holder, first, count in self.fills:
+            x[row:row + count] = holder.value[first:first + count].to(x.dtype)
+        return x
+
+
+class EncoderCache:
+    """Encoder outputs by image hash, and the images of the requests the runner holds.
+
+    Attributes:
+        entries: image hash -> ``EncoderOutput``.
+        images: request id -> its ``mm_inputs``.
+    """
+
+    def __init__(self) -> None:
+        self.entries: dict[str, EncoderOutput] = {}
+        self.images: dict[str, tuple] = {}
+
+    def update(self, so) -> None:
+        """Apply a ``SchedulerOutput``'s frees, finished and new requests."""
+        for h in so.free_encoder_hashes:
+            self.entries.pop(h, None)
+        for rid in so.finished_req_ids:
+            self.images.pop(rid, None)
+        for nr in so.new_reqs:
+            if nr.mm_inputs:
+                self.images[nr.req_id] = tuple(nr.mm_inputs)
+
+    def plan(self, so, rids: list[str], start: np.ndarray, end: np.ndarray, qsl: np.ndarray) -> MultiModalStep | None:
+        """The step's ``MultiModalStep`` (``None`` when no scheduled row is an image placeholder).
+
+        Args:
+            so: the ``SchedulerOutput``; rids: its requests in batch order; start, end: ``[R]`` int64
+                tokens computed before / after the step; qsl: ``[R + 1]`` int64 first rows.
+        Raises:
+            KeyError: a placeholder row whose image is neither encoded by this step nor cached.
+        """
+        encode = []
+        for rid, idx in so.scheduled_encoder_inputs.items():
+            for i in idx:
+                m = self.images[rid][i]
+                holder = self.entries[m.hash] = EncoderOutput()
+                encode.append((holder, m))
+        fills = []
+        for i, rid in enumerate(rids):
+            for m in self.images.get(rid, ()):
+                lo, hi = max(m.offset, int(start[i])), min(m.end, int(end[i]))
+                if lo < hi:
+                    fills.append((int(qsl[i]) + lo - int(start[i]), self.entries[m.hash], lo - m.offset, hi - lo))
+        return MultiModalStep(encode, fills) if encode or fills else None
