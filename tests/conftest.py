@@ -259,18 +259,19 @@ def _reference_file(model, prompt: list[int], max_new: int) -> Path | None:
     return cache_root() / "test-references" / (hashlib.sha256(key.encode()).hexdigest() + ".pt")
 
 
-def hf_greedy(model, prompt: list[int], max_new: int) -> tuple[list[int], torch.Tensor]:
+def hf_greedy(model, prompt: list[int], max_new: int, **extra) -> tuple[list[int], torch.Tensor]:
     """transformers float32 greedy ``generate`` of exactly ``max_new`` tokens, EOS disabled
     (neither stops nor is suppressed: the engine's ``ignore_eos``). Kept on disk per model and
     prompt (``_reference_file``): the oracle is deterministic, generating it is the slow part.
+    ``extra``: more ``generate`` inputs (an image-text model's ``pixel_values``; not cached).
 
     Returns:
         ``(token_ids, logits)`` with ``logits`` ``[max_new, vocab]`` float32: the scores each token was picked from.
     """
-    cached = _reference_file(model, prompt, max_new)
+    cached = None if extra else _reference_file(model, prompt, max_new)
     if cached is not None and cached.is_file():
         return tuple(torch.load(cached))
-    ids, logits = _hf_generate(model, prompt, max_new)
+    ids, logits = _hf_generate(model, prompt, max_new, **extra)
     if cached is not None:
         cached.parent.mkdir(parents=True, exist_ok=True)
         tmp = cached.with_suffix(f".tmp{os.getpid()}")
@@ -279,7 +280,7 @@ def hf_greedy(model, prompt: list[int], max_new: int) -> tuple[list[int], torch.
     return ids, logits
 
 
-def _hf_generate(model, prompt: list[int], max_new: int) -> tuple[list[int], torch.Tensor]:
+def _hf_generate(model, prompt: list[int], max_new: int, **extra) -> tuple[list[int], torch.Tensor]:
     """The uncached ``hf_greedy``."""
     saved = model.generation_config
     model.generation_config = copy.deepcopy(saved)
@@ -289,7 +290,7 @@ def _hf_generate(model, prompt: list[int], max_new: int) -> tuple[list[int], tor
             out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                                  do_sample=False, max_new_tokens=max_new, min_new_tokens=max_new,
                                  pad_token_id=saved.pad_token_id if saved.pad_token_id is not None else 0,
-                                 output_scores=True, return_dict_in_generate=True)
+                                 output_scores=True, return_dict_in_generate=True, **extra)
     finally:
         model.generation_config = saved
     return out.sequences[0, len(prompt):].tolist(), torch.stack([x[0] for x in out.scores]).float()

@@ -7,9 +7,10 @@ holds them, the image is encoded in that step: at most ``budget`` placeholder to
 encoded per step (vLLM's encoder budget; at least one image always fits), so a step that would need
 more stops its chunk before the first image that does not fit (``fit``). An entry is held by the
 requests that will still read it and freed when the last of them has computed past its
-placeholders, finishes or is preempted (preemption recomputes it); the freed hashes go to the
-runner with the next step (``SchedulerOutput.free_encoder_hashes``). A prefix-cache hit that covers
-an image's placeholders needs no encoder step.
+placeholders (the runner drops it once the step that computes past them has run:
+``SchedulerOutput.free_encoder_after``), finishes or is preempted (preemption recomputes it; dropped
+before the next step: ``free_encoder_hashes``). A prefix-cache hit that covers an image's
+placeholders needs no encoder step.
 
 Source: vLLM's ``EncoderCacheManager`` and encoder budget (their documented behaviour), written here
 for our scheduler.
@@ -79,22 +80,23 @@ class EncoderScheduler:
             self.holders.setdefault(m.hash, set()).add(req.request_id)
         return encode
 
-    def computed(self, req: Request) -> None:
-        """Drop ``req``'s hold on the images it has computed past (after its step is planned)."""
-        for m in req.mm_inputs:
-            if m.end <= req.num_computed_tokens:
-                self._drop(m.hash, req.request_id)
+    def computed(self, req: Request) -> list[str]:
+        """Drop ``req``'s hold on the images it has computed past (after its step is planned); returns
+        the hashes nobody holds any more (the runner drops them after that step)."""
+        return [m.hash for m in req.mm_inputs if m.end <= req.num_computed_tokens and self._drop(m.hash, req.request_id)]
 
     def release(self, req: Request) -> None:
-        """Drop every hold of ``req`` (finished or preempted)."""
-        for m in req.mm_inputs:
-            self._drop(m.hash, req.request_id)
+        """Drop every hold of ``req`` (finished or preempted); what nobody holds any more is freed
+        before the next step (``begin_step``)."""
+        self._freed += [m.hash for m in req.mm_inputs if self._drop(m.hash, req.request_id)]
 
-    def _drop(self, h: str, rid: str) -> None:
+    def _drop(self, h: str, rid: str) -> bool:
+        """Drop ``rid``'s hold on ``h``; whether that was the last one."""
         holders = self.holders.get(h)
         if holders is None or rid not in holders:
-            return
+            return False
         holders.discard(rid)
-        if not holders:
-            del self.holders[h]
-            self._freed.append(h)
+        if holders:
+            return False
+        del self.holders[h]
+        return True

@@ -159,7 +159,7 @@ class Scheduler:
             if n:
                 req.num_computed_tokens += n
                 if self.encoder is not None:
-                    self.encoder.computed(req)
+                    out.free_encoder_after += self.encoder.computed(req)
                 if req.num_computed_tokens == req.num_tokens + req.num_output_placeholders + len(req.spec_token_ids):
                     req.num_output_placeholders += 1  # this step samples the next token
         return out

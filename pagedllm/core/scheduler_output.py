@@ -79,8 +79,10 @@ class SchedulerOutput:
             (absolute, inside this step's tokens) the state of every state layer goes to ``slot``.
         scheduled_encoder_inputs: request id -> indices of its images (``mm_inputs``) whose encoder
             step runs in this step (``core/encoder_cache.py``).
-        free_encoder_hashes: image hashes whose encoder outputs the runner may drop (no request
-            reads them any more), sent before this step's own.
+        free_encoder_hashes: image hashes whose encoder outputs the runner drops before this step
+            (their requests finished or were preempted).
+        free_encoder_after: image hashes whose encoder outputs the runner drops once this step has
+            run (its requests compute past their placeholders in it).
     """
 
     new_reqs: list[NewRequestData] = field(default_factory=list)
@@ -94,6 +96,7 @@ class SchedulerOutput:
     state_checkpoints: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
     scheduled_encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
     free_encoder_hashes: list[str] = field(default_factory=list)
+    free_encoder_after: list[str] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

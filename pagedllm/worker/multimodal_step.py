@@ -9,7 +9,9 @@ and writes the image rows over their placeholders (``MultiModalStep.embeds``).
 
 An entry is a holder filled when its encoder step runs: a step planned while the step that encodes
 its image is still in flight refers to the holder, and a free from the scheduler only drops the
-cache's reference, never a step's.
+cache's reference, never a step's. The step after which no request reads an image drops its entry
+once it has written its rows (``SchedulerOutput.free_encoder_after``); a finished or preempted
+request's images are dropped before the next step (``free_encoder_hashes``).
 """
 
 from __future__ import annotations
@@ -34,10 +36,12 @@ class MultiModalStep:
         encode: ``(holder, MultiModalInput)`` pairs this step encodes first.
         fills: ``(row, holder, first, count)``: flattened rows ``row .. row + count - 1`` take rows
             ``first ..`` of the holder's embeddings.
+        drop: ``(cache entries, hash, holder)``: entries to remove once the rows are written (no
+            later step reads them), each only while it is still that holder.
     """
 
-    def __init__(self, encode: list, fills: list) -> None:
-        self.encode, self.fills = encode, fills
+    def __init__(self, encode: list, fills: list, drop: list) -> None:
+        self.encode, self.fills, self.drop = encode, fills, drop
 
     def embeds(self, model, input_ids: torch.Tensor) -> torch.Tensor:
         """``[T, hidden]`` input embeddings of the step: the token embeddings with the image rows
@@ -54,6 +58,9 @@ class MultiModalStep:
         x = model.embed_tokens(input_ids)
         for row, holder, first, count in self.fills:
             x[row:row + count] = holder.value[first:first + count].to(x.dtype)
+        for entries, h, holder in self.drop:
+            if entries.get(h) is holder:  # not re-encoded by a step planned since
+                del entries[h]
         return x
 
 
@@ -100,4 +107,5 @@ class EncoderCache:
                 lo, hi = max(m.offset, int(start[i])), min(m.end, int(end[i]))
                 if lo < hi:
                     fills.append((int(qsl[i]) + lo - int(start[i]), self.entries[m.hash], lo - m.offset, hi - lo))
-        return MultiModalStep(encode, fills) if encode or fills else None
+        drop = [(self.entries, h, self.entries[h]) for h in so.free_encoder_after if h in self.entries]
+        return MultiModalStep(encode, fills, drop) if encode or fills else None

@@ -1,0 +1,135 @@
+"""Images in prompts (issue 41, first part): a tiny random LLaVA (a CLIP vision tower at 32 px, 16
+placeholder tokens per image, in front of a 2-layer Llama with SmolLM2's vocabulary and its own
+processor) served through the Transformers backend gives ``transformers``' greedy tokens (float32)
+for one and two images per prompt beside a text-only prompt, whole and chunked through an image,
+and under preemption; a second request with the same image hits the prefix cache and runs no
+encoder step, one with another image misses; the encoder cache is empty once requests end; bad
+image input is refused naming the field and costs nothing.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+
+MAX_NEW = 8
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+
+
+def _image(seed: int, size=(40, 50)):
+    from PIL import Image
+    return Image.fromarray((np.random.default_rng(seed).random((*size, 3)) * 255).astype("uint8"))
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory, smollm2_dir):
+    """``(model directory, transformers model, processor)`` of the tiny LLaVA."""
+    from transformers import (AutoTokenizer, CLIPImageProcessor, CLIPVisionConfig, LlamaConfig, LlavaConfig,
+                              LlavaForConditionalGeneration, LlavaProcessor)
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                              image_size=32, patch_size=8, projection_dim=32)
+    text = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    cfg = LlavaConfig(vision_config=vision, text_config=text, image_token_id=tok.convert_tokens_to_ids("<image>"),
+                      vision_feature_layer=-1, vision_feature_select_strategy="default")
+    torch.manual_seed(0)
+    model = LlavaForConditionalGeneration(cfg).eval()
+    out = tmp_path_factory.mktemp("llava") / "tiny-llava"
+    model.save_pretrained(out)
+    proc = LlavaProcessor(image_processor=CLIPImageProcessor(size={"shortest_edge": 32},
+                                                              crop_size={"height": 32, "width": 32}),
+                          tokenizer=tok, patch_size=8, vision_feature_select_strategy="default",
+                          image_token="<image>", num_additional_image_tokens=1)
+    proc.save_pretrained(out)
+    return out, model, proc
+
+
+PROMPTS = [("Describe <image> please.", [_image(0)]),
+           ("Compare <image> with <image>: which is brighter?", [_image(1), _image(2, (30, 30))]),
+           ("Tell me about the printing press.", [])]
+
+
+def _request(text, images):
+    return {"prompt": text, "multi_modal_data": {"image": images}} if images else text
+
+
+def _reference(llava, greedy_ref, text, images):
+    _, model, proc = llava
+    inp = proc(text=text, images=images or None, return_tensors="pt")
+    extra = {"pixel_values": inp["pixel_values"]} if images else {}
+    return greedy_ref.hf_greedy(model, inp["input_ids"][0].tolist(), MAX_NEW, **extra)
+
+
+def _encoder_empty(llm) -> bool:
+    core = llm.engine.core
+    return not core.scheduler.encoder.holders and not core.runner.encoder_cache.entries
+
+
+@pytest.mark.parametrize("budget,blocks", [(2048, 64), (8, 64), (2048, 14)])
+def test_llava_gives_transformers_tokens(llava, greedy_ref, assert_no_leaks, budget, blocks):
+    """Whole prompts; a budget of 8 tokens (chunks end inside the 16 placeholders of an image, and
+    one image per step fits the encoder budget); 14 blocks of 4 for three prompts of 25-40 tokens
+    (preemption: the preempted request's images are encoded again)."""
+    path = llava[0]
+    llm = LLM(str(path), num_kv_blocks=blocks, block_size=4, max_num_batched_tokens=budget)
+    outs = llm.generate([_request(t, i) for t, i in PROMPTS], GREEDY, use_tqdm=False)
+    for (text, images), out in zip(PROMPTS, outs):
+        ids, logits = _reference(llava, greedy_ref, text, images)
+        greedy_ref.assert_greedy_match(list(out.outputs[0].token_ids), ids, logits, f"{len(images)} images")
+    core = llm.engine.core
+    assert core.scheduler.encoder.num_encoded >= 3
+    if blocks == 14:
+        assert llm.llm_engine.get_stats().num_preemptions > 0
+    assert _encoder_empty(llm)
+    assert_no_leaks(llm.engine)
+
+
+def test_same_image_hits_the_prefix_cache_and_runs_no_encoder(llava, assert_no_leaks):
+    llm = LLM(str(llava[0]), num_kv_blocks=64, block_size=4)
+    enc = llm.engine.core.scheduler.encoder
+    text = "Describe <image> please, in detail and at length."
+    first = llm.generate([_request(text, [_image(0)])], GREEDY, use_tqdm=False)[0]
+    assert enc.num_encoded == 1
+    hits = llm.llm_engine.get_stats().prefix_cache_hits
+    again = llm.generate([_request(text, [_image(0)])], GREEDY, use_tqdm=False)[0]
+    assert enc.num_encoded == 1 and again.outputs[0].token_ids == first.outputs[0].token_ids
+    hits_same = llm.llm_engine.get_stats().prefix_cache_hits - hits
+    assert hits_same >= 16  # the image's placeholders came from the cache
+    other = llm.generate([_request(text, [_image(7)])], GREEDY, use_tqdm=False)[0]
+    assert enc.num_encoded == 2  # another image: its blocks miss, its encoder step runs
+    hits_other = llm.llm_engine.get_stats().prefix_cache_hits - hits - hits_same
+    assert hits_other < 4  # at most the block before the image (same text up to it)
+    assert other.outputs[0].token_ids != first.outputs[0].token_ids or hits_other < hits_same
+    salted = llm.generate([{**_request(text, [_image(0)]), "cache_salt": "tenant-b"}], GREEDY, use_tqdm=False)[0]
+    assert enc.num_encoded == 3 and salted.outputs[0].token_ids == first.outputs[0].token_ids
+    assert _encoder_empty(llm)
+    assert_no_leaks(llm.engine)
+
+
+@pytest.mark.parametrize("request_,match", [
+    ({"prompt": "No placeholder here.", "multi_modal_data": {"image": [_image(0)]}}, "multi_modal_data"),
+    ({"prompt": "<image> <image>", "multi_modal_data": {"image": [_image(0)] * 3}}, "multi_modal_data"),
+    ({"prompt": "<image>", "multi_modal_data": {"image": "not an image"}}, r"multi_modal_data\.image"),
+    ({"prompt": "<image>", "multi_modal_data": {"audio": [1.0]}}, r"multi_modal_data\.audio"),
+    ({"prompt_token_ids": [1, 2], "multi_modal_data": {"image": [_image(0)]}}, "multi_modal_data"),
+])
+def test_bad_image_input_is_refused_and_costs_nothing(llava, assert_no_leaks, request_, match):
+    llm = LLM(str(llava[0]), num_kv_blocks=64, block_size=4, limit_mm_per_prompt={"image": 2})
+    with pytest.raises((ValueError, TypeError), match=match):
+        llm.generate([request_], GREEDY, use_tqdm=False)
+    assert llm.generate([_request(*PROMPTS[0])], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    assert _encoder_empty(llm)
+    assert_no_leaks(llm.engine)
+
+
+def test_an_image_for_a_text_only_model_is_refused(tiny_model_dir, assert_no_leaks):
+    llm = LLM(str(tiny_model_dir("llama")), num_kv_blocks=16)
+    with pytest.raises(ValueError, match="multi_modal_data: this model reads text only"):
+        llm.generate([_request("Look: <image>", [_image(0)])], GREEDY, use_tqdm=False)
+    assert llm.generate(["ok"], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    assert_no_leaks(llm.engine)
