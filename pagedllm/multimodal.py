@@ -34,10 +34,13 @@ class MultiModalPrompt:
     Attributes:
         text: the prompt, with the model's image token where each image goes.
         images: the images (``PIL.Image.Image``), in prompt order.
+        add_special_tokens: the processor adds the tokenizer's special tokens (BOS); a rendered chat
+            template has them already (False).
     """
 
     text: str
     images: tuple
+    add_special_tokens: bool = True
 
 
 class MultiModalInput(msgspec.Struct, frozen=True):
@@ -150,7 +153,8 @@ class MultiModalProcessor:
             raise ValueError(f"{where}: {len(images)} images, more than --limit-mm-per-prompt allows "
                              f"({self.limit_per_prompt})")
         try:
-            out = self.processor(text=prompt.text, images=images, return_tensors="np")
+            out = self.processor(text=prompt.text, images=images, return_tensors="np",
+                                 add_special_tokens=prompt.add_special_tokens)
         except ValueError as exc:  # the processor's own count check, or a bad image
             raise ValueError(f"{where}: {exc}") from None
         ids = [int(t) for t in np.asarray(out["input_ids"])[0]]
@@ -161,6 +165,49 @@ class MultiModalProcessor:
                              f"(put the model's image token once per image)")
         return ids, [MultiModalInput(image_hash(img), off, n, pixels[i].tobytes(), list(pixels[i].shape))
                      for i, (img, (off, n)) in enumerate(zip(images, runs))]
+
+
+MAX_IMAGE_PIXELS = 64 * 2**20  # an image of more pixels is refused (a decompression bomb)
+MAX_IMAGE_BYTES = 32 * 2**20  # a data URL's decoded bytes at most
+
+
+def image_from_url(url: str, where: str):
+    """A ``data:image/...;base64,...`` URL's image, decoded and loaded (RGB).
+
+    Raises:
+        ValueError: another URL scheme (http(s) and file URLs are not fetched yet), undecodable
+            base64, bytes that are no image Pillow reads, more than ``MAX_IMAGE_BYTES`` or
+            ``MAX_IMAGE_PIXELS`` (``where`` named in each message).
+    """
+    import base64
+    import binascii
+    import io
+    import warnings
+
+    from PIL import Image
+    if not isinstance(url, str) or not url.startswith("data:"):
+        scheme = url.split(":", 1)[0] if isinstance(url, str) and ":" in url else "no"
+        raise ValueError(f"{where}: only data URLs (data:image/png;base64,...) are read; {scheme} URLs are not "
+                         "fetched by this server")
+    head, _, payload = url.partition(",")
+    if not head.endswith(";base64"):
+        raise ValueError(f"{where}: a data URL of an image must be base64 (data:image/png;base64,...)")
+    if len(payload) > MAX_IMAGE_BYTES * 4 // 3 + 4:
+        raise ValueError(f"{where}: the image is larger than {MAX_IMAGE_BYTES // 2**20} MiB")
+    try:
+        raw = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise ValueError(f"{where}: the data URL is not valid base64") from None
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            image = Image.open(io.BytesIO(raw))
+            if image.size[0] * image.size[1] > MAX_IMAGE_PIXELS:
+                raise ValueError(f"{where}: the image has {image.size[0]} x {image.size[1]} pixels, more than "
+                                 f"{MAX_IMAGE_PIXELS} allowed")
+            return image.convert("RGB")
+    except (OSError, Image.DecompressionBombWarning, Image.DecompressionBombError, SyntaxError):
+        raise ValueError(f"{where}: not an image this server can read") from None
 
 
 def block_keys(mm_inputs, start: int, end: int) -> tuple[str, ...]:

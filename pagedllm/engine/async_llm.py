@@ -81,6 +81,11 @@ class AsyncLLM:
         return self.engine.args.max_num_seqs
 
     @property
+    def image_placeholder(self) -> str | None:
+        """The text standing for one image in a prompt (``Processor.image_placeholder``); ``None``: text only."""
+        return self.engine.processor.image_placeholder
+
+    @property
     def is_pooling_model(self) -> bool:
         """True when the model serves pooling requests (embeddings, score, rerank), not generation."""
         return self.engine.is_pooling_model

@@ -193,6 +193,11 @@ class Processor:
         arrival = arrival_time if arrival_time is not None else time.time()
         return EngineCoreRequest(request_id, ids, params, max_tokens, arrival, cache_salt, mm_inputs=mm_inputs)
 
+    @property
+    def image_placeholder(self) -> str | None:
+        """The text that stands for one image in a prompt (LLaVA's ``<image>``); ``None``: a text model."""
+        return None if self.multimodal is None else self.multimodal.processor.image_token
+
     def _prompt_ids(self, prompt, params: SamplingParams) -> tuple[list[int], list]:
         """``(ids, images)``: a text or ids as ``tokenize``; a ``MultiModalPrompt`` through the model's
         processor (placeholders expanded, one ``MultiModalInput`` per image).

@@ -28,7 +28,7 @@ from pydantic import ValidationError
 
 from pagedllm.server.errors import APIError, validation_error
 from pagedllm.server.protocol import ChatCompletionRequest
-from pagedllm.server.protocol_anthropic import (CountTokensRequest, MessagesRequest, OutputFormat, TextBlock,
+from pagedllm.server.protocol_anthropic import (CountTokensRequest, ImageBlock, MessagesRequest, OutputFormat, TextBlock,
                                                 ToolResultBlock, ToolUseBlock)
 from pagedllm.server.structured import name_fields
 
@@ -64,6 +64,34 @@ def _text(content: str | list[TextBlock]) -> str:
     return content if isinstance(content, str) else "".join(b.text for b in content)
 
 
+def _join(a: str | list, b: str | list) -> str | list:
+    """Two turns' chat contents as one (text, or parts where either has images)."""
+    if isinstance(a, str) and isinstance(b, str):
+        return a + b
+    return [*_parts(a), *_parts(b)]
+
+
+def _parts(content: str | list) -> list:
+    return content if isinstance(content, list) else [{"type": "text", "text": content}]
+
+
+def _check_images(req: MessagesRequest) -> None:
+    """Decode every ``image`` block once here, so a bad one is a 400 naming its own field.
+
+    Raises:
+        APIError: 400 naming ``messages[i].content[j].source``.
+    """
+    from pagedllm.multimodal import image_from_url
+    for i, m in enumerate(req.messages):
+        for j, b in enumerate(m.content if isinstance(m.content, list) else ()):
+            if isinstance(b, ImageBlock):
+                where = f"messages[{i}].content[{j}].source"
+                try:
+                    image_from_url(b.data_url(), where)
+                except ValueError as e:
+                    raise APIError(400, str(e), where) from None
+
+
 def _chat_messages(req: MessagesRequest) -> list[dict]:
     """The conversation in chat messages: a ``tool_result`` is a ``tool`` message, ``tool_use``
     blocks are ``tool_calls``, and consecutive turns of one role are one turn (Anthropic combines
@@ -72,6 +100,9 @@ def _chat_messages(req: MessagesRequest) -> list[dict]:
     for m in req.messages:
         blocks = [TextBlock(type="text", text=m.content)] if isinstance(m.content, str) else m.content
         text = "".join(b.text for b in blocks if isinstance(b, TextBlock))
+        images = [{"type": "image_url", "image_url": {"url": b.data_url()}} for b in blocks if isinstance(b, ImageBlock)]
+        if images:  # chat image parts (their placeholders go before the text, as the chat API renders them)
+            text = images + [{"type": "text", "text": text}]
         calls = [{"id": b.id, "type": "function", "function": {"name": b.name, "arguments": json.dumps(b.input)}}
                  for b in blocks if isinstance(b, ToolUseBlock)]
         for b in blocks:
@@ -83,7 +114,7 @@ def _chat_messages(req: MessagesRequest) -> list[dict]:
             continue
         last = msgs[-1] if msgs else None
         if last is not None and last["role"] == m.role and not last.get("tool_calls"):
-            last["content"] += text
+            last["content"] = _join(last["content"], text)
             if calls:
                 last["tool_calls"] = calls
             continue
@@ -167,6 +198,7 @@ def to_chat(req: MessagesRequest) -> ChatCompletionRequest:
         APIError: 400 for the ``tool_choice``, ``strict`` and format conflicts above, and a final
             assistant message holding ``tool_use`` blocks (there is nothing to continue).
     """
+    _check_images(req)
     msgs = _chat_messages(req)
     prefill = req.messages[-1].role == "assistant"
     if prefill and msgs[-1].get("tool_calls"):

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import AsyncIterator
 
 from pagedllm.entrypoints.chat_utils import prepare_messages
+from pagedllm.multimodal import MultiModalPrompt, image_from_url
 from pagedllm.parsers import DeltaMessage, StreamingParser, make_parser
 from pagedllm.parsers.reasoning import REASONING_PARSERS
 from pagedllm.parsers.tools import TOOL_PARSERS
@@ -111,9 +112,14 @@ class OpenAIServingChat(OpenAIServingBase):
             APIError: 400 for messages the template or ``prepare_messages`` rejects.
         """
         raw = []
-        for m in body.messages:
+        placeholder = getattr(self.llm, "image_placeholder", None)
+        for i, m in enumerate(body.messages):
             d = m.model_dump(exclude_none=True)
-            d["content"] = m.text()
+            try:
+                d["content"] = m.text(placeholder)
+            except ValueError as e:
+                raise APIError(400, f"messages[{i}].content: {e}", f"messages[{i}].content",
+                               code="invalid_value") from None
             raw.append(d)
         try:
             msgs = prepare_messages(raw)
@@ -134,6 +140,23 @@ class OpenAIServingChat(OpenAIServingBase):
                                                       **kwargs)
         except Exception as e:  # jinja raise_exception(...) or a template bug: the request's fault
             raise APIError(400, f"chat template failed: {e}", "messages", code="invalid_value") from None
+
+    @staticmethod
+    def images(body: ChatCompletionRequest) -> tuple:
+        """The images of the conversation's ``image_url`` parts, decoded, in order.
+
+        Raises:
+            APIError: 400 naming the part for a URL that is not a readable image data URL.
+        """
+        out = []
+        for i, m in enumerate(body.messages):
+            for j, url in m.image_urls():
+                where = f"messages[{i}].content[{j}].image_url"
+                try:
+                    out.append(image_from_url(url, where))
+                except ValueError as e:
+                    raise APIError(400, str(e), where, code="invalid_value") from None
+        return tuple(out)
 
     def _tool_mode(self, body: ChatCompletionRequest) -> bool:
         """Whether to parse tool calls, following ``tool_choice`` (vLLM's rules): ``required`` and
@@ -200,8 +223,10 @@ class OpenAIServingChat(OpenAIServingBase):
 
         def prepare() -> Prepared:  # on the tokenizer thread
             text = self.render_text(body)
-            ids = self.ctx.encode(text, "messages", add_special_tokens=body.add_special_tokens)
-            reqs = self.fan_out(rid, [ids], params, "messages", body.cache_salt, rename)
+            images = self.images(body)
+            prompt = (MultiModalPrompt(text, images, body.add_special_tokens) if images
+                      else self.ctx.encode(text, "messages", add_special_tokens=body.add_special_tokens))
+            reqs = self.fan_out(rid, [prompt], params, "messages", body.cache_salt, rename)
             return Prepared(reqs, self._parser_args(body, text, use_tools, structured))
 
         def stream_of(prep: Prepared, merged) -> AsyncIterator[str]:

@@ -11,7 +11,7 @@ import time
 import uuid
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, model_serializer, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Strict, Tag, model_serializer, model_validator
 from pydantic_core import PydanticCustomError
 
 from pagedllm.sampling_params import SamplingParamError, SamplingParams
@@ -58,10 +58,36 @@ class StreamOptions(BaseModel):
 
 
 class ContentPart(BaseModel):
-    """One part of a multi-part message content; only text parts are served."""
+    """A text part of a multi-part message content."""
 
     type: Literal["text"]
     text: str
+
+
+class ImageUrl(BaseModel):
+    """``image_url`` of an image part: a ``data:`` URL (``detail`` other than ``auto`` is refused: the
+    model's own processor sets the resolution)."""
+
+    url: str
+    detail: Literal["auto"] | None = None
+
+
+class ImageUrlPart(BaseModel):
+    """An image part (OpenAI's ``image_url``), for an image-text model."""
+
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
+def _part_kind(value: Any) -> str:
+    # capitalized tags: the error path (``errors._param_path``) leaves them out, as class names; any
+    # other type is checked as a text part, so its 400 names ``type``
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return "ImageUrlPart" if kind == "image_url" else "ContentPart"
+
+
+MessagePart = Annotated[Annotated[ContentPart, Tag("ContentPart")] | Annotated[ImageUrlPart, Tag("ImageUrlPart")],
+                        Discriminator(_part_kind)]
 
 
 class FunctionCall(BaseModel):
@@ -84,17 +110,31 @@ class ChatMessage(BaseModel):
 
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
+    content: str | list[MessagePart] | None = None
     name: str | None = None
     tool_calls: list[ToolCallMessage] | None = None
     tool_call_id: str | None = None
     reasoning_content: str | None = None
 
-    def text(self) -> str:
-        """The content as plain text (parts joined)."""
-        if isinstance(self.content, list):
-            return "".join(p.text for p in self.content)
-        return self.content or ""
+    def text(self, image: str | None = None) -> str:
+        """The content as plain text: text parts joined, each image part as ``image`` (the model's
+        image placeholder, on a line of its own before the text, as vLLM renders a string template).
+
+        Raises:
+            ValueError: an image part and ``image`` is ``None`` (a text-only model).
+        """
+        if not isinstance(self.content, list):
+            return self.content or ""
+        images = [p for p in self.content if isinstance(p, ImageUrlPart)]
+        if images and image is None:
+            raise ValueError("image_url: this model reads text only")
+        text = "".join(p.text for p in self.content if isinstance(p, ContentPart))
+        return "".join(f"{image}\n" for _ in images) + text
+
+    def image_urls(self) -> list[tuple[int, str]]:
+        """``(index in content, URL)`` of its image parts, in order."""
+        return [(j, p.image_url.url) for j, p in enumerate(self.content) if isinstance(p, ImageUrlPart)] \
+            if isinstance(self.content, list) else []
 
 
 class FunctionDefinition(BaseModel):

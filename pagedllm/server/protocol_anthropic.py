@@ -89,8 +89,36 @@ class ToolResultBlock(_Body):
     toolset_name: Refused = None
 
 
+class Base64Source(_Body):
+    """An image block's ``base64`` source."""
+
+    type: Literal["base64"]
+    media_type: Literal["image/jpeg", "image/png", "image/gif", "image/webp"]
+    data: str
+
+
+class UrlSource(_Body):
+    """An image block's ``url`` source (not fetched by this server: a 400 naming it)."""
+
+    type: Literal["url"]
+    url: str
+
+
+class ImageBlock(_Body):
+    """A user's ``image`` block, for an image-text model (``anthropic.to_chat``: a chat image part)."""
+
+    type: Literal["image"]
+    source: Annotated[Base64Source | UrlSource, Field(discriminator="type")]
+    cache_control: CacheControl | None = None
+
+    def data_url(self) -> str:
+        """The image as a ``data:`` URL (a URL source as it is)."""
+        src = self.source
+        return src.url if isinstance(src, UrlSource) else f"data:{src.media_type};base64,{src.data}"
+
+
 class OtherBlock(BaseModel):
-    """Any other content block (``image``, ``document``, ``thinking``, server tool results, ...): refused."""
+    """Any other content block (``document``, ``thinking``, server tool results, ...): refused."""
 
     @model_validator(mode="before")
     @classmethod
@@ -99,7 +127,7 @@ class OtherBlock(BaseModel):
                                   "tool_use and tool_result are)", {"kind": str(data.get("type"))})
 
 
-_BLOCKS = {"text": "TextBlock", "tool_use": "ToolUseBlock", "tool_result": "ToolResultBlock"}
+_BLOCKS = {"text": "TextBlock", "tool_use": "ToolUseBlock", "tool_result": "ToolResultBlock", "image": "ImageBlock"}
 
 
 def _block_kind(value: Any) -> str | None:
@@ -111,7 +139,8 @@ def _block_kind(value: Any) -> str | None:
 
 # picked by ``type``, so the errors of a block are its own, and another type is one 400 naming it
 Block = Annotated[Annotated[TextBlock, Tag("TextBlock")] | Annotated[ToolUseBlock, Tag("ToolUseBlock")]
-                  | Annotated[ToolResultBlock, Tag("ToolResultBlock")] | Annotated[OtherBlock, Tag("OtherBlock")],
+                  | Annotated[ToolResultBlock, Tag("ToolResultBlock")] | Annotated[ImageBlock, Tag("ImageBlock")]
+                  | Annotated[OtherBlock, Tag("OtherBlock")],
                   Discriminator(_block_kind)]
 
 

@@ -25,28 +25,8 @@ def _image(seed: int, size=(40, 50)):
 
 
 @pytest.fixture(scope="module")
-def llava(tmp_path_factory, smollm2_dir):
-    """``(model directory, transformers model, processor)`` of the tiny LLaVA."""
-    from transformers import (AutoTokenizer, CLIPImageProcessor, CLIPVisionConfig, LlamaConfig, LlavaConfig,
-                              LlavaForConditionalGeneration, LlavaProcessor)
-    tok = AutoTokenizer.from_pretrained(smollm2_dir)
-    tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
-    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                              image_size=32, patch_size=8, projection_dim=32)
-    text = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, bos_token_id=1, eos_token_id=2, pad_token_id=2)
-    cfg = LlavaConfig(vision_config=vision, text_config=text, image_token_id=tok.convert_tokens_to_ids("<image>"),
-                      vision_feature_layer=-1, vision_feature_select_strategy="default")
-    torch.manual_seed(0)
-    model = LlavaForConditionalGeneration(cfg).eval()
-    out = tmp_path_factory.mktemp("llava") / "tiny-llava"
-    model.save_pretrained(out)
-    proc = LlavaProcessor(image_processor=CLIPImageProcessor(size={"shortest_edge": 32},
-                                                              crop_size={"height": 32, "width": 32}),
-                          tokenizer=tok, patch_size=8, vision_feature_select_strategy="default",
-                          image_token="<image>", num_additional_image_tokens=1)
-    proc.save_pretrained(out)
-    return out, model, proc
+def llava(tiny_llava):
+    return tiny_llava
 
 
 PROMPTS = [("Describe <image> please.", [_image(0)]),

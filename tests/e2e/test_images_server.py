@@ -1,0 +1,104 @@
+"""Images through the OpenAI chat API (issue 41, first part): the openai SDK sends an ``image_url`` part
+(a base64 data URL) to a tiny random LLaVA served in process and gets ``transformers``' greedy answer;
+undecodable base64, a file that is no image, a URL the server does not fetch, a ``detail`` it does
+not implement and more images than ``--limit-mm-per-prompt`` allows are each a 400 naming the field,
+and the next request is served with nothing leaked."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import numpy as np
+import openai
+import pytest
+
+
+def _data_url(seed: int) -> tuple[str, object]:
+    from PIL import Image
+    img = Image.fromarray((np.random.default_rng(seed).random((40, 50, 3)) * 255).astype("uint8"))
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode(), img
+
+
+@pytest.fixture(scope="module")
+def llava_server(tiny_llava, thread_server):
+    from pagedllm.config import EngineArgs
+    from pagedllm.engine.async_llm import AsyncLLM
+    from pagedllm.engine.llm_engine import LLMEngine
+    from pagedllm.server.app import build_app
+    llm = AsyncLLM(LLMEngine(EngineArgs(model=str(tiny_llava[0]), num_kv_blocks=64, block_size=4,
+                                        limit_mm_per_prompt={"image": 1})))
+    server = None
+    try:
+        server = thread_server(build_app(llm, "tiny-llava"))
+        yield server.url, llm
+    finally:
+        if server is not None:
+            server.stop()
+        llm.shutdown()
+
+
+def _client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+
+
+def _content(url: str, text: str = "What is in this picture?") -> list[dict]:
+    return [{"type": "text", "text": text}, {"type": "image_url", "image_url": {"url": url}}]
+
+
+def test_openai_sdk_sends_an_image_and_gets_transformers_answer(llava_server, tiny_llava, greedy_ref):
+    url, _ = llava_server
+    data_url, img = _data_url(0)
+    reply = _client(url).chat.completions.create(
+        model="tiny-llava", messages=[{"role": "user", "content": _content(data_url)}], temperature=0, max_tokens=8,
+        extra_body={"ignore_eos": True})
+    _, model, proc = tiny_llava
+    text = proc.tokenizer.apply_chat_template([{"role": "user", "content": "<image>\nWhat is in this picture?"}],
+                                              tokenize=False, add_generation_prompt=True)
+    inp = proc(text=text, images=[img], return_tensors="pt", add_special_tokens=False)
+    ids, _ = greedy_ref.hf_greedy(model, inp["input_ids"][0].tolist(), 8, pixel_values=inp["pixel_values"])
+    assert reply.choices[0].message.content == proc.tokenizer.decode(ids, skip_special_tokens=True)
+    assert reply.usage.prompt_tokens == inp["input_ids"].shape[1]  # 16 placeholders counted
+
+
+@pytest.mark.parametrize("content,param", [
+    (_content("data:image/png;base64,@@not-base64@@"), "messages[0].content[1].image_url"),
+    (_content("data:image/png;base64," + base64.b64encode(b"plain text, no image").decode()),
+     "messages[0].content[1].image_url"),
+    (_content("https://example.com/cat.png"), "messages[0].content[1].image_url"),
+    ([{"type": "image_url", "image_url": {"url": "data:,", "detail": "high"}}], "messages[0].content[0].image_url.detail"),
+    (_content(_data_url(1)[0]) + [{"type": "image_url", "image_url": {"url": _data_url(2)[0]}}], "messages"),
+])
+def test_bad_images_are_a_400_naming_the_field(llava_server, assert_no_leaks, content, param):
+    url, llm = llava_server
+    client = _client(url)
+    with pytest.raises(openai.BadRequestError) as ei:
+        client.chat.completions.create(model="tiny-llava", messages=[{"role": "user", "content": content}],
+                                       max_tokens=2)
+    assert ei.value.body["param"] == param, ei.value.body
+    ok = client.chat.completions.create(model="tiny-llava", messages=[{"role": "user", "content": _content(
+        _data_url(3)[0])}], max_tokens=2)
+    assert ok.choices[0].finish_reason == "length"
+
+
+def test_anthropic_sdk_sends_an_image_block(llava_server):
+    """Anthropic's ``image`` block (base64 source) reaches the model as the chat image part does: the
+    same greedy answer as the OpenAI request with the same image and text."""
+    import anthropic
+    url, _ = llava_server
+    data_url, _ = _data_url(0)
+    data = data_url.split(",", 1)[1]
+    client = anthropic.Anthropic(base_url=url, api_key="none", max_retries=0)
+    msg = client.messages.create(model="tiny-llava", max_tokens=8, extra_body={"temperature": 0}, messages=[{
+        "role": "user", "content": [
+        {"type": "text", "text": "What is in this picture?"},
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": data}}]}])
+    chat = _client(url).chat.completions.create(
+        model="tiny-llava", messages=[{"role": "user", "content": _content(data_url)}], temperature=0, max_tokens=8)
+    assert msg.content[0].text == chat.choices[0].message.content
+    with pytest.raises(anthropic.BadRequestError) as ei:
+        client.messages.create(model="tiny-llava", max_tokens=2, messages=[{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "@@@"}}]}])
+    assert ei.value.body["type"] == "error" and "messages[0].content[0].source" in ei.value.body["error"]["message"]
