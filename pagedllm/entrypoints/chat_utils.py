@@ -15,12 +15,16 @@ def prepare_messages(messages: list[dict]) -> list[dict]:
     and would otherwise encode the JSON twice (vLLM converts them the same way).
 
     Raises:
-        ValueError: tool call arguments that are not JSON text, or nested past the recursion limit.
+        ValueError: tool call arguments that are not JSON text, or nested past the recursion limit;
+            a content part other than text (``take_images`` reads image parts first).
     """
     out = []
-    for m in messages:
+    for i, m in enumerate(messages):
         d = copy.deepcopy(dict(m))
         if isinstance(d.get("content"), list):
+            other = [p.get("type") for p in d["content"] if isinstance(p, dict) and p.get("type", "text") != "text"]
+            if other:  # never dropped silently: images go through take_images first
+                raise ValueError(f"messages[{i}].content: {other[0]!r} parts are not read here (text only)")
             d["content"] = "".join(p.get("text", "") for p in d["content"] if isinstance(p, dict))
         for tc in d.get("tool_calls") or []:
             fn = tc.get("function", {})
@@ -33,3 +37,37 @@ def prepare_messages(messages: list[dict]) -> list[dict]:
                     raise ValueError("tool call arguments are nested too deeply") from None
         out.append(d)
     return out
+
+
+def take_images(messages: list[dict], placeholder: str | None) -> tuple[list[dict], tuple]:
+    """The messages with their image parts replaced by the model's image placeholder (on a line of
+    its own before the text, as the chat API renders them), and the images in order.
+
+    Image parts: OpenAI's ``{"type": "image_url", "image_url": {"url": "data:..."}}`` and vLLM's
+    ``{"type": "image_pil", "image_pil": PIL.Image}``.
+
+    Raises:
+        ValueError: an image part for a text-only model (``placeholder`` is ``None``), or an image URL
+            that is not a readable data URL (the part named).
+    """
+    from pagedllm.multimodal import image_from_url
+    out, images = [], []
+    for i, m in enumerate(messages):
+        content = m.get("content") if isinstance(m, dict) else None
+        if not isinstance(content, list):
+            out.append(m)
+            continue
+        texts, n = [], 0
+        for j, p in enumerate(content):
+            kind = p.get("type") if isinstance(p, dict) else None
+            if kind not in ("image_url", "image_pil"):
+                texts.append(p)
+                continue
+            if placeholder is None:
+                raise ValueError(f"messages[{i}].content[{j}]: this model reads text only")
+            url = (p.get("image_url") or {}).get("url") if kind == "image_url" else None
+            images.append(image_from_url(url, f"messages[{i}].content[{j}].image_url") if kind == "image_url"
+                          else p.get("image_pil"))
+            n += 1
+        out.append({**m, "content": ([{"type": "text", "text": placeholder + "\n"}] * n) + texts} if n else m)
+    return out, tuple(images)

@@ -10,8 +10,9 @@ from tqdm import tqdm
 
 from pagedllm.config import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
-from pagedllm.entrypoints.chat_utils import prepare_messages
+from pagedllm.entrypoints.chat_utils import prepare_messages, take_images
 from pagedllm.inputs import PromptType, parse_prompt
+from pagedllm.multimodal import MultiModalPrompt
 from pagedllm.outputs import (ClassificationOutput, ClassificationRequestOutput, PoolingRequestOutput, RequestOutput,
                               ScoringOutput, ScoringRequestOutput)
 from pagedllm.pooling_params import PoolingParams, cosine, pair_texts
@@ -113,15 +114,18 @@ class LLM:
         ``pagedllm.parsers.parse_whole``.
 
         ``sampling_params``: one for all conversations or one per conversation;
-        ``chat_template_content_format``: accepted for vLLM's signature (content parts are
-        joined as text); ``lora_request``: reserved, must be ``None``.
+        ``chat_template_content_format``: accepted for vLLM's signature (text parts are joined;
+        image parts, ``image_url`` with a data URL or ``image_pil``, become the model's image
+        placeholder before the text, for an image-text model); ``lora_request``: reserved, must be
+        ``None``.
 
         Returns:
             One ``RequestOutput`` per conversation, in input order.
         Raises:
             ValueError: a ``sampling_params`` list of the wrong length, both
                 ``continue_final_message`` and ``add_generation_prompt``, a ``lora_request``, or
-                an engine built with ``skip_tokenizer_init`` (no chat template to render).
+                an engine built with ``skip_tokenizer_init`` (no chat template to render), an image
+                part for a text-only model or one that is not a readable image.
         """
         _no_lora(lora_request)
         tok = self.engine.tokenizer
@@ -134,11 +138,15 @@ class LLM:
         if documents is not None:
             kwargs["documents"] = documents
         items = []
+        placeholder = self.engine.processor.image_placeholder
         for conv, sp in zip(convs, self._params_per_item(sampling_params, len(convs))):
+            conv, images = take_images(conv, placeholder)
             text = tok.apply_chat_template(prepare_messages(conv), tools=tools, tokenize=False,
                                            chat_template=chat_template, add_generation_prompt=add_generation_prompt,
                                            continue_final_message=continue_final_message, **kwargs)
-            items.append((tok.encode(text, add_special_tokens=False), sp, text, None))
+            prompt = (MultiModalPrompt(text, images, add_special_tokens=False) if images
+                      else tok.encode(text, add_special_tokens=False))
+            items.append((prompt, sp, text, None))
         return self._run(items, use_tqdm)
 
     def embed(self, prompts: PromptType | Sequence[PromptType], pooling_params: PoolingParams | None = None,

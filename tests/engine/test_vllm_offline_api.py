@@ -57,7 +57,7 @@ def test_every_prompt_shape_gives_the_same_tokens(tiny_llm):
     (3.5, TypeError, "prompts[0]"), ({"text": "x"}, ValueError, "prompts[0]"),
     ({"prompt_token_ids": ["a"]}, TypeError, "prompts[0].prompt_token_ids"),
     ({"prompt": 5}, TypeError, "prompts[0].prompt"),
-    ({"prompt": "x", "multi_modal_data": {"image": 1}}, ValueError, "multi_modal_data"),
+    ({"prompt": "x", "multi_modal_data": {"image": 1}}, TypeError, "prompts[0].multi_modal_data.image[0]"),
 ])
 def test_bad_prompts_name_the_argument(tiny_llm, bad, exc, where):
     with pytest.raises(exc, match=where.replace("[", r"\[").replace("]", r"\]")):

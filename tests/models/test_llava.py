@@ -113,3 +113,27 @@ def test_an_image_for_a_text_only_model_is_refused(tiny_model_dir, assert_no_lea
         llm.generate([_request("Look: <image>", [_image(0)])], GREEDY, use_tqdm=False)
     assert llm.generate(["ok"], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
     assert_no_leaks(llm.engine)
+
+
+def test_llm_chat_with_image_parts(llava, greedy_ref):
+    """``LLM.chat`` takes vLLM's ``image_pil`` and OpenAI's ``image_url`` parts: the placeholder goes
+    before the text, as the server renders it; transformers' tokens on the same rendered prompt."""
+    import base64
+    import io
+    path, model, proc = llava
+    img = _image(4)
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    llm = LLM(str(path), num_kv_blocks=64, block_size=4)
+    outs = [llm.chat([{"role": "user", "content": [{"type": "text", "text": "What is it?"}, part]}], GREEDY,
+                     use_tqdm=False)[0] for part in ({"type": "image_pil", "image_pil": img},
+                                                     {"type": "image_url", "image_url": {"url": url}})]
+    text = proc.tokenizer.apply_chat_template([{"role": "user", "content": "<image>\nWhat is it?"}], tokenize=False,
+                                              add_generation_prompt=True)
+    inp = proc(text=text, images=[img], return_tensors="pt", add_special_tokens=False)
+    ids, logits = greedy_ref.hf_greedy(model, inp["input_ids"][0].tolist(), MAX_NEW, pixel_values=inp["pixel_values"])
+    for out in outs:
+        greedy_ref.assert_greedy_match(list(out.outputs[0].token_ids), ids, logits, "LLM.chat with an image")
+    with pytest.raises(ValueError, match=r"messages\[0\]\.content: 'input_audio' parts"):
+        llm.chat([{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}], GREEDY, use_tqdm=False)
