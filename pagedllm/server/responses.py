@@ -51,18 +51,43 @@ def parse(raw: Any) -> ResponsesRequest:
         raise validation_error(e) from None
 
 
-def _content_text(content: Any, where: str) -> str:
+def _content_text(content: Any, where: str) -> str | list[dict]:
+    """A message's content as chat content: its text, or chat parts when it has ``input_image`` parts
+    (``image_url`` a data URL; decoded here so that a bad one is a 400 naming it).
+
+    Raises:
+        APIError: 400 naming a part of another type, an image with a ``file_id`` or a ``detail``
+            other than ``auto``, or one that is not a readable data URL.
+    """
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise APIError(400, f"{where}: expected text or a list of content parts", where)
-    out = []
+    out, images = [], []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "input_image":
+            images.append(_image_part(part, f"{where}[{j}]"))
+            continue
         if kind not in ("input_text", "output_text", "text"):
-            raise APIError(400, f"{where}[{j}].type: only text parts are served, got {kind!r}", f"{where}[{j}].type")
+            raise APIError(400, f"{where}[{j}].type: only text and input_image parts are served, got {kind!r}",
+                           f"{where}[{j}].type")
         out.append(str(part.get("text", "")))
-    return "".join(out)
+    return images + [{"type": "text", "text": "".join(out)}] if images else "".join(out)
+
+
+def _image_part(part: dict, where: str) -> dict:
+    """An ``input_image`` part as a chat ``image_url`` part (checked: see ``_content_text``)."""
+    from pagedllm.multimodal import image_from_url
+    if part.get("file_id") is not None:
+        raise APIError(400, f"{where}.file_id: files are not served; send image_url as a data URL", f"{where}.file_id")
+    if part.get("detail") not in (None, "auto"):
+        raise APIError(400, f"{where}.detail: only 'auto' (the model's processor sets the resolution)", f"{where}.detail")
+    try:
+        image_from_url(part.get("image_url"), f"{where}.image_url")
+    except ValueError as e:
+        raise APIError(400, str(e), f"{where}.image_url") from None
+    return {"type": "image_url", "image_url": {"url": part["image_url"]}}
 
 
 def input_messages(req: ResponsesRequest) -> list[dict]:

@@ -102,3 +102,21 @@ def test_anthropic_sdk_sends_an_image_block(llava_server):
         client.messages.create(model="tiny-llava", max_tokens=2, messages=[{"role": "user", "content": [
             {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "@@@"}}]}])
     assert ei.value.body["type"] == "error" and "messages[0].content[0].source" in ei.value.body["error"]["message"]
+
+
+def test_responses_input_image(llava_server):
+    """The Responses API's ``input_image`` part gives the chat API's answer on the same image and text;
+    a ``file_id`` image is a 400 naming it."""
+    url, _ = llava_server
+    data_url, _ = _data_url(0)
+    client = _client(url)
+    resp = client.responses.create(model="tiny-llava", max_output_tokens=8, temperature=0, input=[{
+        "role": "user", "content": [{"type": "input_text", "text": "What is in this picture?"},
+                                    {"type": "input_image", "image_url": data_url}]}])
+    chat = client.chat.completions.create(
+        model="tiny-llava", messages=[{"role": "user", "content": _content(data_url)}], temperature=0, max_tokens=8)
+    assert resp.output_text == chat.choices[0].message.content
+    with pytest.raises(openai.BadRequestError) as ei:
+        client.responses.create(model="tiny-llava", max_output_tokens=2, input=[{
+            "role": "user", "content": [{"type": "input_image", "file_id": "file-1"}]}])
+    assert ei.value.body["param"] == "input[0].content[0].file_id"
