@@ -2,8 +2,8 @@
 ``chromium-driver`` packages, installed by ``make test``) driven by Selenium against the test server.
 
 It loads the page, sends a message and sees the streamed answer (equal to the non-streamed one),
-stops a long answer midway (the server aborts it), and sees the KV block map move while a request
-runs and settle when it ends.
+stops a long answer midway (the server aborts it), sees the KV block map move while a request
+runs and settle when it ends, and attaches an image for an image-text model (a tiny LLaVA).
 """
 
 from __future__ import annotations
@@ -117,3 +117,47 @@ def test_stop_ends_a_long_answer_and_the_block_map_moves(browser, server_url, se
     assert after["cached"] >= 1 and after["free"] + after["cached"] == sum(running.values())
     assert httpx.get(f"{server_url}/stats").json()["num_running"] == 0
     assert browser.find_element(By.ID, "send").is_enabled()
+
+
+@pytest.fixture(scope="module")
+def llava_url(tiny_llava, thread_server):
+    """The page's server over the tiny LLaVA (images, issue 41), in process."""
+    from pagedllm.config import EngineArgs
+    from pagedllm.engine.async_llm import AsyncLLM
+    from pagedllm.engine.llm_engine import LLMEngine
+    from pagedllm.server.app import build_app
+    llm = AsyncLLM(LLMEngine(EngineArgs(model=str(tiny_llava[0]), num_kv_blocks=64, block_size=4)))
+    server = None
+    try:
+        server = thread_server(build_app(llm, "tiny-llava"))
+        yield server.url
+    finally:
+        if server is not None:
+            server.stop()
+        llm.shutdown()
+
+
+def test_page_attaches_an_image(browser, llava_url, tmp_path):
+    """An image attached from a file shows as a thumbnail, goes with the message as an image_url part,
+    and the answer equals the API's for the same file and text."""
+    import base64
+
+    import numpy as np
+    from PIL import Image
+    path = tmp_path / "picture.png"
+    Image.fromarray((np.random.default_rng(5).random((40, 50, 3)) * 255).astype("uint8")).save(path)
+    _open(browser, llava_url, "tiny-llava", max_tokens=8)
+    field = browser.find_element(By.ID, "image")
+    browser.execute_script("arguments[0].hidden = false", field)
+    field.send_keys(str(path))
+    _wait(lambda: browser.find_elements(By.CSS_SELECTOR, "#attachments img.thumb"), 30, "the thumbnail")
+    _send(browser, "What is in this picture?")
+    answer = _wait(lambda: (a := _last_answer(browser)) is not None and a.get_attribute("data-finish") and a,
+                   what="the answer to finish")
+    assert browser.find_elements(By.CSS_SELECTOR, ".msg.user img.thumb")  # the image shown with the message
+    assert not browser.find_elements(By.CSS_SELECTOR, "#attachments img.thumb")  # and no longer attached
+    url = "data:image/png;base64," + base64.b64encode(path.read_bytes()).decode()
+    ref = httpx.post(f"{llava_url}/v1/chat/completions", timeout=120, json={
+        "model": "tiny-llava", "temperature": 0, "top_p": 1, "max_tokens": 8, "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "What is in this picture?"}]}]})
+    assert answer.find_element(By.CLASS_NAME, "content").text == ref.json()["choices"][0]["message"]["content"].strip()

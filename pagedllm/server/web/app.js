@@ -3,7 +3,7 @@
 "use strict";
 
 const $ = (id) => document.getElementById(id);
-const state = { model: null, messages: [], controller: null, rates: [], last: null };
+const state = { model: null, messages: [], controller: null, rates: [], last: null, images: [] };
 
 function headers() {
   const h = { "Content-Type": "application/json" };
@@ -181,11 +181,47 @@ async function complete() {
 function send(event) {
   event.preventDefault();
   const text = $("prompt").value.trim();
-  if (!text || state.controller) return;
+  if ((!text && !state.images.length) || state.controller) return;
   $("prompt").value = "";
-  state.messages.push({ role: "user", content: text });
-  addMessage("user", text);
+  const images = state.images.splice(0);
+  renderAttachments();
+  // images as OpenAI image_url parts (data URLs) before the text; a text-only model answers a 400
+  const content = images.length
+    ? images.map((url) => ({ type: "image_url", image_url: { url } })).concat([{ type: "text", text }])
+    : text;
+  state.messages.push({ role: "user", content });
+  const div = addMessage("user", text);
+  for (const url of images) {
+    const img = document.createElement("img");
+    img.className = "thumb";
+    img.src = url;
+    div.prepend(img);
+  }
   complete();
+}
+
+// ---- images: attached from a file or pasted, sent as data URLs ----------------------------------
+
+function renderAttachments() {
+  const box = $("attachments");
+  box.innerHTML = "";
+  state.images.forEach((url, i) => {
+    const img = document.createElement("img");
+    img.className = "thumb";
+    img.src = url;
+    img.title = "click to remove";
+    img.addEventListener("click", () => { state.images.splice(i, 1); renderAttachments(); });
+    box.appendChild(img);
+  });
+}
+
+function attach(files) {
+  for (const file of files) {
+    if (!file.type.startsWith("image/")) continue;
+    const reader = new FileReader();
+    reader.onload = () => { state.images.push(reader.result); renderAttachments(); };
+    reader.readAsDataURL(file);
+  }
 }
 
 function regenerate() {
@@ -291,11 +327,18 @@ $("composer").addEventListener("submit", send);
 $("prompt").addEventListener("keydown", (e) => {
   if (e.key === "Enter" && !e.shiftKey) send(e);
 });
+$("image").addEventListener("change", (e) => { attach(e.target.files); e.target.value = ""; });
+$("prompt").addEventListener("paste", (e) => {
+  const files = [...(e.clipboardData ? e.clipboardData.files : [])];
+  if (files.length) { e.preventDefault(); attach(files); }
+});
 $("stop").addEventListener("click", () => state.controller && state.controller.abort());
 $("regenerate").addEventListener("click", regenerate);
 $("clear").addEventListener("click", () => {
   if (state.controller) return;
   state.messages = [];
+  state.images = [];
+  renderAttachments();
   $("messages").innerHTML = "";
   setBusy(false);
 });
