@@ -207,3 +207,18 @@ def write_model(reader, arch: str, gguf_path: Path, out: Path):
             experts.update(_experts(layer, by_name, f"model.layers.{layer}.{fam.moe}.experts."))
     save_checked(config, tensors, experts, gguf_path, out)
     return config
+
+
+def stale_conversion(target: Path) -> bool:
+    """Whether ``target`` is an earlier pagedllm's conversion of a mixture-of-experts GGUF that a family
+    table now converts (``FAMILIES``, ``gguf_gpt_oss``): it wrote the experts in float32 (four to eight
+    times the file) and, for Qwen3-MoE, no renormalized routing; ``loader`` converts it again."""
+    import json
+
+    from pagedllm.models.gguf_experts import MANIFEST
+    try:
+        archs = json.loads((Path(target) / "config.json").read_text()).get("architectures") or []
+    except (OSError, ValueError, AttributeError):
+        return False
+    tables = {f.architecture for f in FAMILIES.values()} | {"GptOssForCausalLM"}
+    return bool(set(archs) & tables) and not (Path(target) / MANIFEST).is_file()

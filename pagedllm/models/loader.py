@@ -341,22 +341,6 @@ def _write_model_from(reader, gguf_path: Path, out: Path) -> None:
     _write_tokenizer_files(gguf_path, out, config, template)
 
 
-def _stale_experts(target: Path) -> bool:
-    """Whether ``target`` is an earlier pagedllm's conversion of a mixture-of-experts GGUF that a family
-    table now converts (``gguf_moe``, ``gguf_gpt_oss``): it wrote the experts in float32 (four to eight
-    times the file) and, for Qwen3-MoE, no renormalized routing; such a directory is converted again."""
-    import json
-
-    from pagedllm.models.gguf_experts import MANIFEST
-    from pagedllm.models.gguf_moe import FAMILIES
-    try:
-        archs = json.loads((target / "config.json").read_text()).get("architectures") or []
-    except (OSError, ValueError, AttributeError):
-        return False
-    tables = {f.architecture for f in FAMILIES.values()} | {"GptOssForCausalLM"}
-    return bool(set(archs) & tables) and not (target / MANIFEST).is_file()
-
-
 def record_gguf_source(target: Path, gguf_path: Path) -> None:
     """Note in a converted directory which GGUF it came from (``quantization`` serves its blocks)."""
     from pagedllm.models.quant_linear import SOURCE_FILE
@@ -404,7 +388,8 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike | None
             raise ValueError(f"Checksum mismatch for {gguf_path}: expected sha256 "
                              f"{expected_sha256}, got {digest}")
     target = Path(out_dir).expanduser() if out_dir is not None else cache_root() / "gguf" / digest
-    if is_converted(target) and _stale_experts(target):
+    from pagedllm.models.gguf_moe import stale_conversion
+    if is_converted(target) and stale_conversion(target):
         logger.info("%s holds a mixture of experts' experts in float32 (an earlier conversion): converting again", target)
         shutil.rmtree(target)
     if is_converted(target):

@@ -11,10 +11,11 @@ import time
 import uuid
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Strict, Tag, model_serializer, model_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, model_serializer, model_validator
 from pydantic_core import PydanticCustomError
 
 from pagedllm.sampling_params import SamplingParamError, SamplingParams
+from pagedllm.server.protocol_parts import ContentPart, ImageUrlPart, MessagePart  # noqa: F401  (re-exported)
 from pagedllm.server.refused import (REFUSED_CHAT_FIELDS, REFUSED_COMPLETION_FIELDS, REFUSED_FIELDS,
                                      refuse_unsupported)
 from pagedllm.server.guards import (MAX_MESSAGES, MAX_STOP_STRINGS, MAX_TOKEN_ID_ENTRIES, MAX_TOOLS,
@@ -55,39 +56,6 @@ class StreamOptions(BaseModel):
 
     include_usage: Bool | None = False
     continuous_usage_stats: Bool | None = False
-
-
-class ContentPart(BaseModel):
-    """A text part of a multi-part message content."""
-
-    type: Literal["text"]
-    text: str
-
-
-class ImageUrl(BaseModel):
-    """``image_url`` of an image part: a ``data:`` URL (``detail`` other than ``auto`` is refused: the
-    model's own processor sets the resolution)."""
-
-    url: str
-    detail: Literal["auto"] | None = None
-
-
-class ImageUrlPart(BaseModel):
-    """An image part (OpenAI's ``image_url``), for an image-text model."""
-
-    type: Literal["image_url"]
-    image_url: ImageUrl
-
-
-def _part_kind(value: Any) -> str:
-    # capitalized tags: the error path (``errors._param_path``) leaves them out, as class names; any
-    # other type is checked as a text part, so its 400 names ``type``
-    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
-    return "ImageUrlPart" if kind == "image_url" else "ContentPart"
-
-
-MessagePart = Annotated[Annotated[ContentPart, Tag("ContentPart")] | Annotated[ImageUrlPart, Tag("ImageUrlPart")],
-                        Discriminator(_part_kind)]
 
 
 class FunctionCall(BaseModel):
