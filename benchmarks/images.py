@@ -6,7 +6,7 @@ The model: a random LLaVA with a SigLIP-base-sized vision tower (hidden 768, 12 
 (hidden 576, 30 layers, 9 query / 3 KV heads, MLP 1536; SmolLM2's tokenizer plus ``<image>``), float32,
 built with ``transformers`` in a temporary directory (random weights: speed only).
 
-Workloads (the prompt ``USER: <image>\\nDescribe the picture. ASSISTANT:``, greedy, EOS ignored):
+Workloads (``PROMPT``: the image, then a question of about 30 tokens; greedy, EOS ignored):
 
 - throughput: ``--requests`` requests, each with its own image, ``--max-tokens`` new tokens each, all at
   once (pagedllm: one ``generate`` call, concurrency = requests; ``transformers``: one batched
@@ -33,7 +33,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-PROMPT = "USER: <image>\nDescribe the picture. ASSISTANT:"
+# text after the image: a prefix-cache hit then covers the image's placeholders in whole blocks (a hit
+# that ends inside them runs the encoder step again, as vLLM's does)
+PROMPT = ("USER: <image>\nDescribe the picture: the objects in it, their colours, where they are, and what "
+          "the scene as a whole is likely to show. ASSISTANT:")
 
 
 def build_model(out: Path):
