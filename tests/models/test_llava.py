@@ -137,3 +137,14 @@ def test_llm_chat_with_image_parts(llava, greedy_ref):
         greedy_ref.assert_greedy_match(list(out.outputs[0].token_ids), ids, logits, "LLM.chat with an image")
     with pytest.raises(ValueError, match=r"messages\[0\]\.content: 'input_audio' parts"):
         llm.chat([{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}], GREEDY, use_tqdm=False)
+
+
+def test_images_reach_a_core_process(llava):
+    """The images travel to the engine core process (msgpack over ZMQ) and give the in-process tokens."""
+    got = {}
+    for mp in (True, False):
+        llm = LLM(str(llava[0]), num_kv_blocks=64, block_size=4, enable_multiprocessing=mp)
+        assert llm.llm_engine.multiprocess == mp
+        got[mp] = llm.generate([_request(*PROMPTS[1])], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+        llm.llm_engine.shutdown()
+    assert got[True] == got[False]
