@@ -61,6 +61,10 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "Transformers backend; without it such a model is refused at several ranks)")
     p.add_argument("--limit-mm-per-prompt", type=_mm_limits, default=None,
                    help='most images in one prompt, as JSON: \'{"image": 4}\' (default 999; image-text models)')
+    p.add_argument("--allowed-local-media-path", default=None,
+                   help="image URLs may be file:// paths under this directory (trusted deployments only)")
+    p.add_argument("--allowed-media-domains", nargs="+", default=None,
+                   help="image URLs may be http(s) URLs of these hosts (none by default)")
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
                    help="stages that split the layers (each a --tensor-parallel-size group: tp x pp ranks in all)")
     p.add_argument("--pipeline-micro-batches", type=int, default=0,
@@ -118,6 +122,8 @@ def engine_args_from_cli(a: argparse.Namespace) -> EngineArgs:
                       tensor_parallel_size=a.tensor_parallel_size, pipeline_parallel_size=a.pipeline_parallel_size,
                       enable_expert_parallel=getattr(a, "enable_expert_parallel", False),
                       limit_mm_per_prompt=getattr(a, "limit_mm_per_prompt", None),
+                      allowed_local_media_path=getattr(a, "allowed_local_media_path", None),
+                      allowed_media_domains=getattr(a, "allowed_media_domains", None),
                       pipeline_micro_batches=getattr(a, "pipeline_micro_batches", 0),
                       distributed_executor_backend=a.distributed_executor_backend,
                       data_parallel_size=a.data_parallel_size, runner=_runner(a))

@@ -141,6 +141,8 @@ class EngineArgs:
             Transformers backend, ``models/moe.py``); a dense model or one rank is unaffected.
         limit_mm_per_prompt: most items of each modality in one prompt (vLLM's
             ``--limit-mm-per-prompt``, ``{"image": N}``; default 999); an image-text model only.
+        allowed_local_media_path: images may be ``file://`` URLs under this directory (vLLM's flag).
+        allowed_media_domains: images may be http(s) URLs of these hosts (vLLM's flag; unset: none).
         pipeline_parallel_size: ranks that split the layers into stages (``--pipeline-parallel-size``,
             ``models/layers/pipeline.py``); with ``tensor_parallel_size`` too, each stage is a TP group
             (``tp * pp`` ranks in all).
@@ -203,6 +205,8 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     enable_expert_parallel: bool = False
     limit_mm_per_prompt: dict | None = None
+    allowed_local_media_path: str | None = None
+    allowed_media_domains: list[str] | None = None
     pipeline_parallel_size: int = 1
     pipeline_micro_batches: int = 0
     distributed_executor_backend: str | None = None

@@ -81,6 +81,11 @@ class AsyncLLM:
         return self.engine.args.max_num_seqs
 
     @property
+    def media_policy(self):
+        """Where image URLs may point (``Processor.media_policy``)."""
+        return self.engine.processor.media_policy
+
+    @property
     def image_placeholder(self) -> str | None:
         """The text standing for one image in a prompt (``Processor.image_placeholder``); ``None``: text only."""
         return self.engine.processor.image_placeholder

@@ -102,9 +102,13 @@ class LLMEngine:
         from pagedllm.models.transformers_backend import is_vision_model
         if not is_vision_model(self.hf_config):
             return None
-        from pagedllm.multimodal import MultiModalProcessor
+        from pathlib import Path as _Path
+
+        from pagedllm.multimodal import MediaPolicy, MultiModalProcessor
+        policy = MediaPolicy(_Path(args.allowed_local_media_path) if args.allowed_local_media_path else None,
+                             tuple(args.allowed_media_domains or ()))
         return MultiModalProcessor(self.model_dir, self.hf_config.image_token_id,
-                                   (args.limit_mm_per_prompt or {}).get("image", 999))
+                                   (args.limit_mm_per_prompt or {}).get("image", 999), policy)
 
     def _pooler_config(self):
         """The model's pooling defaults when the plan's runner pools (``EngineArgs.runner``), else ``None``."""

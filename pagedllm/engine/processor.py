@@ -198,6 +198,11 @@ class Processor:
         """The text that stands for one image in a prompt (LLaVA's ``<image>``); ``None``: a text model."""
         return None if self.multimodal is None else self.multimodal.processor.image_token
 
+    @property
+    def media_policy(self):
+        """Where image URLs may point (``multimodal.MediaPolicy``); ``None``: a text model."""
+        return None if self.multimodal is None else self.multimodal.policy
+
     def _prompt_ids(self, prompt, params: SamplingParams) -> tuple[list[int], list]:
         """``(ids, images)``: a text or ids as ``tokenize``; a ``MultiModalPrompt`` through the model's
         processor (placeholders expanded, one ``MultiModalInput`` per image).

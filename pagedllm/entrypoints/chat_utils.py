@@ -39,7 +39,7 @@ def prepare_messages(messages: list[dict]) -> list[dict]:
     return out
 
 
-def take_images(messages: list[dict], placeholder: str | None) -> tuple[list[dict], tuple]:
+def take_images(messages: list[dict], placeholder: str | None, policy=None) -> tuple[list[dict], tuple]:
     """The messages with their image parts replaced by the model's image placeholder (on a line of
     its own before the text, as the chat API renders them), and the images in order.
 
@@ -66,7 +66,7 @@ def take_images(messages: list[dict], placeholder: str | None) -> tuple[list[dic
             if placeholder is None:
                 raise ValueError(f"messages[{i}].content[{j}]: this model reads text only")
             url = (p.get("image_url") or {}).get("url") if kind == "image_url" else None
-            images.append(image_from_url(url, f"messages[{i}].content[{j}].image_url") if kind == "image_url"
+            images.append(image_from_url(url, f"messages[{i}].content[{j}].image_url", policy) if kind == "image_url"
                           else p.get("image_pil"))
             n += 1
         out.append({**m, "content": ([{"type": "text", "text": placeholder + "\n"}] * n) + texts} if n else m)

@@ -140,7 +140,7 @@ class LLM:
         items = []
         placeholder = self.engine.processor.image_placeholder
         for conv, sp in zip(convs, self._params_per_item(sampling_params, len(convs))):
-            conv, images = take_images(conv, placeholder)
+            conv, images = take_images(conv, placeholder, self.engine.processor.media_policy)
             text = tok.apply_chat_template(prepare_messages(conv), tools=tools, tokenize=False,
                                            chat_template=chat_template, add_generation_prompt=add_generation_prompt,
                                            continue_final_message=continue_final_message, **kwargs)

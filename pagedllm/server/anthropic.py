@@ -76,7 +76,8 @@ def _parts(content: str | list) -> list:
 
 
 def _check_images(req: MessagesRequest) -> None:
-    """Decode every ``image`` block once here, so a bad one is a 400 naming its own field.
+    """Decode every base64 ``image`` block once here, so a bad one is a 400 naming its own field (a URL
+    source is read with the chat request, as ``--allowed-media-domains`` allows).
 
     Raises:
         APIError: 400 naming ``messages[i].content[j].source``.
@@ -84,7 +85,7 @@ def _check_images(req: MessagesRequest) -> None:
     from pagedllm.multimodal import image_from_url
     for i, m in enumerate(req.messages):
         for j, b in enumerate(m.content if isinstance(m.content, list) else ()):
-            if isinstance(b, ImageBlock):
+            if isinstance(b, ImageBlock) and b.data_url().startswith("data:"):  # URLs: fetched with the chat
                 where = f"messages[{i}].content[{j}].source"
                 try:
                     image_from_url(b.data_url(), where)

@@ -141,8 +141,7 @@ class OpenAIServingChat(OpenAIServingBase):
         except Exception as e:  # jinja raise_exception(...) or a template bug: the request's fault
             raise APIError(400, f"chat template failed: {e}", "messages", code="invalid_value") from None
 
-    @staticmethod
-    def images(body: ChatCompletionRequest) -> tuple:
+    def images(self, body: ChatCompletionRequest) -> tuple:
         """The images of the conversation's ``image_url`` parts, decoded, in order.
 
         Raises:
@@ -153,7 +152,7 @@ class OpenAIServingChat(OpenAIServingBase):
             for j, url in m.image_urls():
                 where = f"messages[{i}].content[{j}].image_url"
                 try:
-                    out.append(image_from_url(url, where))
+                    out.append(image_from_url(url, where, getattr(self.llm, "media_policy", None)))
                 except ValueError as e:
                     raise APIError(400, str(e), where, code="invalid_value") from None
         return tuple(out)

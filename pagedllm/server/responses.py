@@ -84,7 +84,9 @@ def _image_part(part: dict, where: str) -> dict:
     if part.get("detail") not in (None, "auto"):
         raise APIError(400, f"{where}.detail: only 'auto' (the model's processor sets the resolution)", f"{where}.detail")
     try:
-        image_from_url(part.get("image_url"), f"{where}.image_url")
+        url = part.get("image_url")
+        if not (isinstance(url, str) and not url.startswith("data:")):  # a URL is fetched with the chat request
+            image_from_url(url, f"{where}.image_url")
     except ValueError as e:
         raise APIError(400, str(e), f"{where}.image_url") from None
     return {"type": "image_url", "image_url": {"url": part["image_url"]}}

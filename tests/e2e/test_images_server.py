@@ -23,13 +23,29 @@ def _data_url(seed: int) -> tuple[str, object]:
 
 
 @pytest.fixture(scope="module")
-def llava_server(tiny_llava, thread_server):
+def media(tmp_path_factory):
+    """A directory with ``picture.png`` (image seed 0), served over HTTP on 127.0.0.1: ``(dir, base URL)``."""
+    import functools
+    import http.server
+    import threading
+    root = tmp_path_factory.mktemp("media")
+    (root / "picture.png").write_bytes(base64.b64decode(_data_url(0)[0].split(",", 1)[1]))
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(root))
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield root, f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+
+
+@pytest.fixture(scope="module")
+def llava_server(tiny_llava, thread_server, media):
     from pagedllm.config import EngineArgs
     from pagedllm.engine.async_llm import AsyncLLM
     from pagedllm.engine.llm_engine import LLMEngine
     from pagedllm.server.app import build_app
     llm = AsyncLLM(LLMEngine(EngineArgs(model=str(tiny_llava[0]), num_kv_blocks=64, block_size=4,
-                                        limit_mm_per_prompt={"image": 1})))
+                                        limit_mm_per_prompt={"image": 1}, allowed_local_media_path=str(media[0]),
+                                        allowed_media_domains=["127.0.0.1"])))
     server = None
     try:
         server = thread_server(build_app(llm, "tiny-llava"))
@@ -68,6 +84,7 @@ def test_openai_sdk_sends_an_image_and_gets_transformers_answer(llava_server, ti
     (_content("data:image/png;base64," + base64.b64encode(b"plain text, no image").decode()),
      "messages[0].content[1].image_url"),
     (_content("https://example.com/cat.png"), "messages[0].content[1].image_url"),
+    (_content("file:///etc/passwd"), "messages[0].content[1].image_url"),
     ([{"type": "image_url", "image_url": {"url": "data:,", "detail": "high"}}], "messages[0].content[0].image_url.detail"),
     (_content(_data_url(1)[0]) + [{"type": "image_url", "image_url": {"url": _data_url(2)[0]}}], "messages"),
 ])
@@ -120,3 +137,23 @@ def test_responses_input_image(llava_server):
         client.responses.create(model="tiny-llava", max_output_tokens=2, input=[{
             "role": "user", "content": [{"type": "input_image", "file_id": "file-1"}]}])
     assert ei.value.body["param"] == "input[0].content[0].file_id"
+
+
+def test_file_and_http_urls_as_the_flags_allow(llava_server, media):
+    """``file://`` under ``--allowed-local-media-path`` and http(s) of ``--allowed-media-domains`` give
+    the data URL's answer; another host, a missing file and a 404 are 400s naming the part."""
+    url, _ = llava_server
+    root, base = media
+    client = _client(url)
+
+    def ask(image_url):
+        return client.chat.completions.create(model="tiny-llava", messages=[{"role": "user", "content": _content(
+            image_url)}], temperature=0, max_tokens=6).choices[0].message.content
+    want = ask(_data_url(0)[0])
+    assert ask(f"file://{root}/picture.png") == want
+    assert ask(f"{base}/picture.png") == want
+    for bad in (base.replace("127.0.0.1", "localhost") + "/picture.png", f"{base}/missing.png",
+                f"file://{root}/missing.png", f"file://{root}/../picture.png"):
+        with pytest.raises(openai.BadRequestError) as ei:
+            ask(bad)
+        assert ei.value.body["param"] == "messages[0].content[1].image_url", bad
