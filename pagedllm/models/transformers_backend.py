@@ -231,9 +231,9 @@ class TransformersCausalLM(nn.Module):
         return self._state_spec
 
     def encode_image(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """One image's embeddings in the language model's space: the model's own vision tower and
-        projector (``get_image_features``) on its processor's ``pixel_values`` ``[1, C, H, W]``;
-        returns ``[placeholder tokens, hidden]``."""
+        """Images' embeddings in the language model's space: the model's own vision tower and
+        projector (``get_image_features``) on their processor's ``pixel_values`` ``[N, C, H, W]``;
+        returns ``[N * placeholder tokens, hidden]``, image after image."""
         p = next(self.hf.parameters())
         feats = self.hf.get_image_features(pixel_values=pixel_values.to(p.device, p.dtype))
         feats = getattr(feats, "pooler_output", feats)

@@ -45,16 +45,22 @@ class MultiModalStep:
 
     def embeds(self, model, input_ids: torch.Tensor) -> torch.Tensor:
         """``[T, hidden]`` input embeddings of the step: the token embeddings with the image rows
-        written over their placeholders (``model.encode_image``, ``model.embed_tokens``).
+        written over their placeholders (``model.encode_image``, one call per pixel shape for all the
+        step's new images; ``model.embed_tokens``).
 
         Raises:
             RuntimeError: an image's embeddings have another row count than its placeholders.
         """
+        groups: dict[tuple, list] = {}  # images of one pixel shape run the vision tower as one batch
         for holder, m in self.encode:
-            out = model.encode_image(m.pixel_values())
-            if out.shape[0] != m.length:
-                raise RuntimeError(f"the vision tower gave {out.shape[0]} rows for {m.length} image placeholders")
-            holder.value = out
+            groups.setdefault(tuple(m.shape), []).append((holder, m))
+        for items in groups.values():
+            out = model.encode_image(torch.cat([m.pixel_values() for _, m in items]))
+            lengths = [m.length for _, m in items]
+            if out.shape[0] != sum(lengths):
+                raise RuntimeError(f"the vision tower gave {out.shape[0]} rows for {sum(lengths)} image placeholders")
+            for (holder, _), rows in zip(items, out.split(lengths)):
+                holder.value = rows
         x = model.embed_tokens(input_ids)
         for row, holder, first, count in self.fills:
             x[row:row + count] = holder.value[first:first + count].to(x.dtype)
