@@ -1,4 +1,4 @@
-"""Images through the OpenAI chat API (issue 41, first part): the openai SDK sends an ``image_url`` part
+"""Images through the OpenAI chat API (issue 41, first part): the openai SDK (and LangChain) sends an ``image_url`` part
 (a base64 data URL) to a tiny random LLaVA served in process and gets ``transformers``' greedy answer;
 undecodable base64, a file that is no image, a URL the server does not fetch, a ``detail`` it does
 not implement and more images than ``--limit-mm-per-prompt`` allows are each a 400 naming the field,
@@ -157,3 +157,17 @@ def test_file_and_http_urls_as_the_flags_allow(llava_server, media):
         with pytest.raises(openai.BadRequestError) as ei:
             ask(bad)
         assert ei.value.body["param"] == "messages[0].content[1].image_url", bad
+
+
+def test_langchain_sends_an_image(llava_server):
+    """LangChain's ChatOpenAI with an image content block gets the chat API's answer."""
+    lc = pytest.importorskip("langchain_openai")
+    from langchain_core.messages import HumanMessage
+    url, _ = llava_server
+    data_url, _ = _data_url(0)
+    llm = lc.ChatOpenAI(model="tiny-llava", base_url=f"{url}/v1", api_key="unused", temperature=0, max_tokens=8,
+                        max_retries=0)
+    got = llm.invoke([HumanMessage(content=_content(data_url))]).content
+    chat = _client(url).chat.completions.create(
+        model="tiny-llava", messages=[{"role": "user", "content": _content(data_url)}], temperature=0, max_tokens=8)
+    assert got == chat.choices[0].message.content
