@@ -1,8 +1,10 @@
-"""Images through the OpenAI chat API (issue 41, first part): the openai SDK (and LangChain) sends an ``image_url`` part
-(a base64 data URL) to a tiny random LLaVA served in process and gets ``transformers``' greedy answer;
-undecodable base64, a file that is no image, a URL the server does not fetch, a ``detail`` it does
-not implement and more images than ``--limit-mm-per-prompt`` allows are each a 400 naming the field,
-and the next request is served with nothing leaked."""
+"""Images through the OpenAI chat API (issue 41, first part): the openai SDK and LangChain send an
+``image_url`` part (a base64 data URL) to a tiny random LLaVA served in process and get
+``transformers``' greedy answer; the Responses API's ``input_image`` and Anthropic's ``image`` block
+give the same; ``file://`` and http(s) URLs are read as the flags allow; undecodable base64, a file
+that is no image, a URL the server does not read, a ``detail`` it does not implement and more images
+than ``--limit-mm-per-prompt`` allows are each a 400 naming the field, and the next request is
+served with nothing leaked."""
 
 from __future__ import annotations
 
