@@ -214,6 +214,12 @@ def check_no_leaks(engine) -> None:
     proposer = getattr(engine.scheduler.spec, "proposer", None)
     if hasattr(proposer, "is_idle"):
         assert proposer.is_idle(), f"draft KV blocks leaked: {proposer.pool.num_used_blocks} in use"
+    # an image-text model: no encoder output held, and the runner keeps none but those freed before the next step
+    encoder = getattr(engine.scheduler, "encoder", None)
+    if encoder is not None:
+        assert encoder.holders == {}, f"encoder outputs still held: {encoder.holders}"
+        kept = set(engine.runner.encoder_cache.entries) - set(encoder._freed)
+        assert kept == set(), f"encoder cache entries leaked: {kept}"
 
 
 def check_state_checkpoints(kv) -> None:

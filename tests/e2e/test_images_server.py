@@ -100,6 +100,7 @@ def test_bad_images_are_a_400_naming_the_field(llava_server, assert_no_leaks, co
     ok = client.chat.completions.create(model="tiny-llava", messages=[{"role": "user", "content": _content(
         _data_url(3)[0])}], max_tokens=2)
     assert ok.choices[0].finish_reason == "length"
+    assert_no_leaks(llm.engine)
 
 
 def test_anthropic_sdk_sends_an_image_block(llava_server):
