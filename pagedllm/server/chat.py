@@ -105,6 +105,22 @@ class OpenAIServingChat(OpenAIServingBase):
         """
         return self.ctx.encode(self.render_text(body, with_tools), "messages", add_special_tokens=False)
 
+    def prompt_ids(self, body: ChatCompletionRequest) -> list[int]:
+        """The prompt's token ids as the engine will see them: ``render_chat``'s, or with images each
+        image's placeholder expanded by the model's processor (``count_tokens``); call through ``offload``.
+
+        Raises:
+            APIError: 400 as ``render_chat``, or for images the processor refuses.
+        """
+        images = self.images(body)
+        if not images:
+            return self.render_chat(body)
+        try:
+            return self.llm.engine.processor.multimodal(MultiModalPrompt(self.render_text(body), images, False),
+                                                        "messages")[0]
+        except ValueError as e:
+            raise APIError(400, str(e), "messages", code="invalid_value") from None
+
     def render_text(self, body: ChatCompletionRequest, with_tools: bool = True) -> str:
         """The conversation rendered by the chat template, as text.
 

@@ -42,20 +42,22 @@ def anthropic_router(ctx: ServingContext, chat_serving: OpenAIServingChat) -> AP
     """
     router = APIRouter()
     model_name = ctx.model_name
+    text_only = getattr(ctx.llm, "image_placeholder", None) is None
 
     @router.post("/v1/messages")
     async def messages(request: Request):
         """Anthropic's Messages API over the chat handler (``server/anthropic.py``); SSE with ``stream``."""
-        body = anthropic.to_chat(anthropic.parse(await read_json_body(request)))
+        body = anthropic.to_chat(anthropic.parse(await read_json_body(request)), text_only)
         return await reply(request, chat_serving.chat(body), lambda result: anthropic.message_of(result, model_name),
                            lambda chunks: anthropic.stream_of(chunks, model_name))
 
     @router.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request):
         """``{"input_tokens": n}``: the prompt a Messages request would have, rendered as chat renders it."""
-        body = anthropic.to_chat(anthropic.parse(await read_json_body(request), anthropic.CountTokensRequest))
+        body = anthropic.to_chat(anthropic.parse(await read_json_body(request), anthropic.CountTokensRequest),
+                                 text_only)
         ctx.check_model(body.model)
-        ids = await ctx.offload(lambda: chat_serving.render_chat(body))
+        ids = await ctx.offload(lambda: chat_serving.prompt_ids(body))
         return JSONResponse({"input_tokens": len(ids)})
 
     return router

@@ -118,6 +118,10 @@ def test_anthropic_sdk_sends_an_image_block(llava_server):
     chat = _client(url).chat.completions.create(
         model="tiny-llava", messages=[{"role": "user", "content": _content(data_url)}], temperature=0, max_tokens=8)
     assert msg.content[0].text == chat.choices[0].message.content
+    counted = client.messages.count_tokens(model="tiny-llava", messages=[{"role": "user", "content": [
+        {"type": "text", "text": "What is in this picture?"},
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": data}}]}])
+    assert counted.input_tokens == chat.usage.prompt_tokens == msg.usage.input_tokens  # the 16 placeholders counted
     with pytest.raises(anthropic.BadRequestError) as ei:
         client.messages.create(model="tiny-llava", max_tokens=2, messages=[{"role": "user", "content": [
             {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "@@@"}}]}])
