@@ -212,7 +212,7 @@ def write_model(reader, arch: str, gguf_path: Path, out: Path):
 def stale_conversion(target: Path) -> bool:
     """Whether ``target`` is an earlier pagedllm's conversion of a mixture-of-experts GGUF that a family
     table now converts (``FAMILIES``, ``gguf_gpt_oss``): it wrote the experts in float32 (four to eight
-    times the file) and, for Qwen3-MoE, no renormalized routing; ``loader`` converts it again."""
+    times the file); ``loader`` converts it again."""
     import json
 
     from pagedllm.models.gguf_experts import MANIFEST
