@@ -67,7 +67,7 @@ INT8_MAX_ROWS = {"avx2": 128, "avxvnni": 128, "avx512vnni": 1 << 62}
 # against 4.1 at 256 rows and 11.7 against 6.2 at 512 of a Q4_K 896 x 4864 product, SmolLM2's
 # 512-token prefill ran 1,305 against 1,833 tokens/s (results/cpu_isa-2026-12-05-spr.json)
 AMX_INT8_MAX_ROWS = 256
-QUANT_LAYOUTS = {"U4M": 0, "S8": 1, "S6": 2, "S8H": 3, "S8M": 4, "IQ4": 5, "E2M1": 6,
+QUANT_LAYOUTS = {"U4M": 0, "S8": 1, "S6": 2, "S8H": 3, "S8M": 4, "IQ4": 5, "E2M1": 6, "U6H": 7,
                  "S8/f16": 9, "S6/f16": 10, "IQ4/f16": 13, "E2M1/f16": 14}  # pl_qgemm's tile layout codes (models/gguf_blocks.py)
 QUANT_TILE = 16  # output rows per tile (quant_kernels.c QT)
 _lib: ctypes.CDLL | None = None
@@ -136,6 +136,15 @@ def int8_max_rows() -> int:
 
 
 _max_rows_cache: tuple[tuple, int] | None = None
+
+
+def six_bit_tiles() -> bool:
+    """Whether Q6_K weights are tiled in 6 bits (``U6H``, 0.83 bytes per weight, the file's size)
+    rather than one byte per weight (``S8H``, 1.25 with its float32 scales): every build but
+    ``avx512vnni`` with int8 activations, which has no ``U6H`` kernel yet (its products would take the
+    float32-activation path; ``quant_kernels.c``). Decode reads a Q4_K_M file's Q6_K LM head and
+    layers in two thirds of the bytes."""
+    return available() and not (isa() == "avx512vnni" and int8_activations())
 
 
 def set_int8_activations(on: bool) -> None:

@@ -105,6 +105,8 @@ static void quantize_row(const float *x, long K, uint8_t *mem, qrow *r) {
 static inline int q_off(int fmt) {
     if (q_base(fmt) == 2 || q_base(fmt) == 3)
         return 32;
+    if (q_u6(fmt)) /* U6H's quants are stored + 32 already */
+        return 32;
     return (q_base(fmt) == 1 || q_code(fmt)) && QI8_ISA == 2 ? 128 : 0;
 }
 
@@ -118,9 +120,30 @@ static inline __m256 ld_d(int fmt, const float *dt, long i) {
                        : _mm256_loadu_ps(dt + i);
 }
 
+/* U6H's group g scales of block b, rows 8h .. 8h + 7: int8 scale times the super-block's d */
+static inline __m256 u6_d(const uint8_t *tb, const float *dt, long b, int g, int h) {
+    __m256i sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(tb + U6_SC + 16 * g + 8 * h)));
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(sc), _mm256_loadu_ps(dt + b / 8 * QT + 8 * h));
+}
+
 /* The 8 quads of half h of a tile-block (quad q: weights 4q .. 4q + 3 of rows 8h .. 8h + 7): u[q]
  * the unsigned operand (not for full-range S8 on AVX2: s8_dot reads the tile itself). */
 static inline __attribute__((always_inline)) void half_quads(int fmt, const uint8_t *tb, int h, __m256i *u) {
+    if (q_u6(fmt)) { /* nibble | high pair << 4: quad q's pair is bits 2 (q % 4) of high chunk q / 4 */
+        const __m256i m4 = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30);
+        for (int c2 = 0; c2 < 2; c2++) {
+            __m256i hb = _mm256_loadu_si256((const __m256i *)(tb + U6_HIGH + 64 * c2 + 32 * h));
+            __m256i hi[4] = {_mm256_and_si256(_mm256_slli_epi16(hb, 4), m30), _mm256_and_si256(_mm256_slli_epi16(hb, 2), m30),
+                             _mm256_and_si256(hb, m30), _mm256_and_si256(_mm256_srli_epi16(hb, 2), m30)};
+            for (int cc = 0; cc < 2; cc++) {
+                int c = 2 * c2 + cc;
+                __m256i v = _mm256_loadu_si256((const __m256i *)(tb + 64 * c + 32 * h));
+                u[2 * c] = _mm256_or_si256(_mm256_and_si256(v, m4), hi[2 * cc]);
+                u[2 * c + 1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), m4), hi[2 * cc + 1]);
+            }
+        }
+        return;
+    }
     if (q_nib(fmt)) {
         const __m256i m4 = _mm256_set1_epi8(15);
         for (int c = 0; c < 4; c++) {
@@ -213,14 +236,14 @@ static inline __attribute__((always_inline)) __m256 half_block(int fmt, const __
     const int8_t *x1 = r->xq + b * QBLOCK, *x2 = r->xq2 + b * QBLOCK;
     const int32_t *c = r->c16 + 2 * b;
     __m256 dxv = _mm256_set1_ps(r->dx[b]);
-    int off = q_off(fmt), ng = q_base(fmt) == 3 ? 2 : 1, per = 8 / ng;
+    int off = q_off(fmt), ng = q_two_groups(fmt) ? 2 : 1, per = 8 / ng;
     for (int g = 0; g < ng; g++) {
         __m256i v = q_wide(fmt) ? (q_code(fmt) ? s8_dot_u(u, r->xw + b * QBLOCK) : s8_dot(tb, h, r->xw + b * QBLOCK))
                                 : _mm256_add_epi32(_mm256_slli_epi32(quads_dot(fmt, u, x1, g * per, (g + 1) * per), 8),
                                            quads_dot(fmt, u, x2, g * per, (g + 1) * per));
         if (off)
             v = _mm256_sub_epi32(v, _mm256_set1_epi32(off * (ng == 2 ? c[g] : c[0] + c[1])));
-        __m256 dv = ld_d(fmt, dt, (ng == 2 ? 2 * b + g : b) * QT + 8 * h);
+        __m256 dv = q_u6(fmt) ? u6_d(tb, dt, b, g, h) : ld_d(fmt, dt, (ng == 2 ? 2 * b + g : b) * QT + 8 * h);
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), _mm256_mul_ps(dv, dxv), acc);
     }
     if (q_min(fmt))

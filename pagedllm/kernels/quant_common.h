@@ -30,22 +30,30 @@
 /* fmt codes (kernels/cpu.py QUANT_LAYOUTS): 0 U4M, 1 S8, 2 S6 (S8 whose quants are all in
  * -32..31: Q5_0; the AVX2 kernels may add 32 to make them unsigned without vpmaddubsw saturating),
  * 3 S8H, 4 S8M, 5 IQ4 and 6 E2M1 (U4M's nibbles as indices into a 16-value codebook, q_codebook:
- * IQ4_NL / IQ4_XS's, MXFP4's e2m1 values doubled; one d per 32, no min).
+ * IQ4_NL / IQ4_XS's, MXFP4's e2m1 values doubled; one d per 32, no min), 7 U6H (Q6_K's 6 bits kept
+ * 6 bits: U4M's nibbles, a 2-bit plane and int8 group scales in the tile-block, d per 256;
+ * quant_kernels.c).
  * fmt | Q_HALF (of S8, S6, IQ4, E2M1): the scales d are float16, not float32 (gguf_blocks.to_tiles stores
  * them so when every one is exact in float16: Q8_0's, Q5_0's and IQ4_NL's fp16 d, MXFP4's powers of two):
  * Q8_0 then reads its file's 34 bytes per 32 weights, not 36, MXFP4 18 instead of 20. */
 #define Q_HALF 8
 static inline int q_base(int fmt) { return fmt & 7; }
 static inline int q_half(int fmt) { return (fmt & Q_HALF) != 0; }
-static inline int q_code(int fmt) { return q_base(fmt) >= 5; }
-static inline int q_nib(int fmt) { return q_base(fmt) == 0 || q_code(fmt); }
+static inline int q_code(int fmt) { return q_base(fmt) == 5 || q_base(fmt) == 6; }
+static inline int q_u6(int fmt) { return q_base(fmt) == 7; }
+static inline int q_nib(int fmt) { return q_base(fmt) == 0 || q_code(fmt) || q_u6(fmt); } /* U4M's nibble chunks */
 static inline int q_min(int fmt) { return q_base(fmt) == 0 || q_base(fmt) == 4; }
-static inline long q_tb(int fmt) { return q_nib(fmt) ? 256 : 512; }      /* bytes per tile-block */
+/* bytes per tile-block; U6H: 256 of nibbles, 128 of 2-bit highs (U6_HIGH), 32 of int8 scales (U6_SC) */
+#define U6_HIGH 256
+#define U6_SC 384
+static inline long q_tb(int fmt) { return q_u6(fmt) ? 416 : q_nib(fmt) ? 256 : 512; }
+static inline int q_two_groups(int fmt) { return q_base(fmt) == 3 || q_u6(fmt); } /* a scale per 16 weights */
 /* the codebooks of fmt 5 and 6 (llama.cpp's ggml-common.h kvalues_iq4nl and kvalues_mxfp4) */
 static const int8_t q_codebook[2][16] = {
     {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113},
     {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12}};
-static inline long q_groups(int fmt, long nb) { return q_base(fmt) == 3 ? 2 * nb : nb; } /* scales per row */
+/* entries of d per row and tile lane: U6H's one d per 256 (its group scales are in the tiles) */
+static inline long q_groups(int fmt, long nb) { return q_u6(fmt) ? nb / 8 : q_base(fmt) == 3 ? 2 * nb : nb; }
 /* the scales from entry i on, and entry i as float (float32 or float16 arrays alike) */
 static inline const float *q_dat(int fmt, const float *d, long i) {
     return (const float *)((const char *)d + i * (q_half(fmt) ? 2 : 4));

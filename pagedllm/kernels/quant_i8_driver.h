@@ -41,6 +41,9 @@ static void tile_rows_fmt(int fmt, const uint8_t *tq, const float *dt, const flo
     case 3: tile_rows(3, tq, dt, mt, nb, rows, M, bias, y, N, n0); break;
     case 5: tile_rows(5, tq, dt, mt, nb, rows, M, bias, y, N, n0); break;
     case 6: tile_rows(6, tq, dt, mt, nb, rows, M, bias, y, N, n0); break;
+#if QI8_ISA != 3 /* U6H: quant_avx2.c only (pl_qgemm sends it to the float32 path on AVX-512) */
+    case 7: tile_rows(7, tq, dt, mt, nb, rows, M, bias, y, N, n0); break;
+#endif
     case 1 | Q_HALF: tile_rows(1 | Q_HALF, tq, dt, mt, nb, rows, M, bias, y, N, n0); break;
     case 2 | Q_HALF: tile_rows(2 | Q_HALF, tq, dt, mt, nb, rows, M, bias, y, N, n0); break;
     case 5 | Q_HALF: tile_rows(5 | Q_HALF, tq, dt, mt, nb, rows, M, bias, y, N, n0); break;

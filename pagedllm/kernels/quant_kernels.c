@@ -18,8 +18,13 @@
  *   4 S8M: as S8 with d and m (Q5_1, Q5_K).
  *   5 IQ4, 6 E2M1: U4M's nibbles as indices into a codebook (quant_common.h q_codebook), w = cb[q] d
  *          (IQ4_NL, IQ4_XS; MXFP4): the file's 4 bits per weight stay 4 bits in memory.
+ *   7 U6H: Q6_K in 6 bits (0.83 bytes per weight, as the file; S8H's bytes took 1.25): u = q + 32
+ *          in 0..63, its low nibbles as U4M's (256 bytes), then 128 bytes of high 2-bit pairs (chunk
+ *          c2 = 0, 1, lane n, byte j: bits 2k, 2k + 1 hold weight 16 c2 + 4 k + j's), then the two
+ *          groups' int8 scales (32 bytes: group g, lane n at byte 16 g + n); d holds the float32
+ *          super-block scale per 256 weights: w = (u - 32) sc d, the file's numbers exactly.
  * qs: [tiles][K/32][bytes per tile-block]; d, m: [tiles][groups per row][16] float32 (lane n = row
- * 16 t + n). N is padded to a multiple of 16 with zero rows.
+ * 16 t + n; U6H: [tiles][K/256][16]). N is padded to a multiple of 16 with zero rows.
  *
  * Every source is compiled once per instruction set (kernels/cpu.py ISA_FLAGS; the build is
  * chosen at run time from cpuid and XCR0, kernels/cpu_isa.c). Two ways to multiply, chosen at run time:
@@ -78,6 +83,15 @@ static inline __attribute__((always_inline)) int chunk_q(int fmt, const uint8_t 
         }
         return 8;
     }
+    if (q_u6(fmt)) { /* quads 2c and 2c + 1: pairs k = 2c % 4 and k + 1 of high chunk c / 2 */
+        i16v hb = load16i(tb + U6_HIGH + 64 * (c / 2));
+        int k = 2 * (c % 2);
+        for (int j = 0; j < 4; j++) {
+            w[j] = i2f(((v >> (8 * j)) & 15) | (((hb >> (8 * j + 2 * k)) & 3) << 4)) - 32.0f;
+            w[4 + j] = i2f(((v >> (8 * j + 4)) & 15) | (((hb >> (8 * j + 2 * k + 2)) & 3) << 4)) - 32.0f;
+        }
+        return 8;
+    }
     if (q_nib(fmt)) {
         for (int j = 0; j < 4; j++) {
             w[j] = i2f((v >> (8 * j)) & 15);
@@ -93,6 +107,19 @@ static inline __attribute__((always_inline)) int chunk_q(int fmt, const uint8_t 
  * covers 4c .. 4c + 3; chunks align with S8H's groups of 16. */
 static inline int chunk_k0(int fmt, int c) { return q_nib(fmt) ? 8 * c : 4 * c; }
 static inline int chunk_count(int fmt) { return q_nib(fmt) ? 4 : 8; }
+/* the scale group of chunk c (the two-group formats: the first 16 weights, then the next) */
+static inline int chunk_group(int fmt, int c) { return q_two_groups(fmt) ? c >= chunk_count(fmt) / 2 : 0; }
+
+/* group g's scales of block b, lanes 0 .. 15: U6H's int8 scale times the super-block's d (exact in
+ * float32: 8 + 11 significant bits), the others' d entry */
+static inline f16v group_d(int fmt, const uint8_t *tb, const float *dt, long b, int g) {
+    if (q_u6(fmt)) {
+        f16v s;
+        for (int l = 0; l < 16; l++) s[l] = (float)(int8_t)tb[U6_SC + 16 * g + l];
+        return s * load16(dt + b / 8 * QT);
+    }
+    return load_d(fmt, dt, (q_two_groups(fmt) ? 2 * b + g : b) * QT);
+}
 
 /* acc[i] (lane n) += row n of block b of the tile . x_i[block b], i < R: float32 activations.
  * The scale is applied once per group (d * sum q x) and the min once per block (m * sum x, from
@@ -101,7 +128,7 @@ static inline int chunk_count(int fmt) { return q_nib(fmt) ? 4 : 8; }
 static inline __attribute__((always_inline)) void tile_block_f32(int fmt, const uint8_t *tb, const float *dt,
                                                                  const float *mt, long b, const float *const *xr,
                                                                  const float *const *xs, int R, int P, f16v *acc) {
-    int ngrp = q_base(fmt) == 3 ? 2 : 1, per = chunk_count(fmt) / ngrp;
+    int ngrp = q_two_groups(fmt) ? 2 : 1, per = chunk_count(fmt) / ngrp;
     /* unrolled: S8H's two groups otherwise kept their accumulators on the stack (7x slower) */
 #pragma GCC unroll 2
     for (int g = 0; g < ngrp; g++) {
@@ -115,7 +142,7 @@ static inline __attribute__((always_inline)) void tile_block_f32(int fmt, const 
                 for (int j = 0; j < nw; j++) accq[i][j % P] += w[j] * xp[j];
             }
         }
-        f16v dv = load_d(fmt, dt, (ngrp == 2 ? 2 * b + g : b) * QT);
+        f16v dv = group_d(fmt, tb, dt, b, g);
         for (int i = 0; i < R; i++) {
             f16v sq = accq[i][0];
             for (int p = 1; p < P; p++) sq += accq[i][p];
@@ -183,6 +210,7 @@ static void f32_tile_rows_fmt(int fmt, const uint8_t *tq, const float *dt, const
     case 3: f32_tile_rows(3, tq, dt, mt, nb, x, sums, M, K, bias, y, N, n0); break;
     case 5: f32_tile_rows(5, tq, dt, mt, nb, x, sums, M, K, bias, y, N, n0); break;
     case 6: f32_tile_rows(6, tq, dt, mt, nb, x, sums, M, K, bias, y, N, n0); break;
+    case 7: f32_tile_rows(7, tq, dt, mt, nb, x, sums, M, K, bias, y, N, n0); break;
     default: f32_tile_rows(4, tq, dt, mt, nb, x, sums, M, K, bias, y, N, n0); break;
     }
 }
@@ -221,7 +249,8 @@ int pl_isa(void) { return QI8_ISA; }
 void pl_qgemm(int fmt, const float *x, long M, const uint8_t *qs, const float *d, const float *mn,
               const float *bias, float *y, long N, long K, int nt) {
 #if QI8_ISA > 0
-    if (int8_activations) {
+    /* U6H has no AVX-512 VNNI kernel yet: kernels/cpu.py keeps Q6_K as S8H on that build */
+    if (int8_activations && !(QI8_ISA == 3 && q_u6(fmt))) {
         pl_qgemm_i8(fmt, x, M, qs, d, mn, bias, y, N, K, nt);
         return;
     }
@@ -238,10 +267,9 @@ static void dequant_row(int fmt, const uint8_t *qs, const float *d, const float 
         for (int c = 0; c < chunk_count(fmt); c++) {
             f16v w[8];
             int nw = chunk_q(fmt, tq + b * tbb, c, w), k0 = chunk_k0(fmt, c);
-            long g = q_base(fmt) == 3 ? 2 * b + (c >= 4) : b;
+            float dv = group_d(fmt, tq + b * tbb, dt, b, chunk_group(fmt, c))[lane];
             for (int j = 0; j < nw; j++) /* the products' arithmetic: q * d (+ m), exact for every format */
-                out[b * QBLOCK + k0 + j] = q_min(fmt) ? w[j][lane] * dt[g * QT + lane] + mt[b * QT + lane]
-                                                      : w[j][lane] * q_dval(fmt, dt, g * QT + lane);
+                out[b * QBLOCK + k0 + j] = q_min(fmt) ? w[j][lane] * dv + mt[b * QT + lane] : w[j][lane] * dv;
         }
 }
 
@@ -254,7 +282,7 @@ static inline __attribute__((always_inline)) void dequant_tile(int fmt, const ui
         for (int c = 0; c < chunk_count(fmt); c++) {
             f16v w[8];
             int nw = chunk_q(fmt, tq + b * tbb, c, w), k0 = chunk_k0(fmt, c);
-            f16v dv = load_d(fmt, dt, (q_base(fmt) == 3 ? 2 * b + (c >= 4) : b) * QT);
+            f16v dv = group_d(fmt, tq + b * tbb, dt, b, chunk_group(fmt, c));
             for (int j = 0; j < nw; j++) { /* the products' arithmetic: q * d (+ m), exact for every format */
                 f16v v = q_min(fmt) ? w[j] * dv + load16(mt + b * QT) : w[j] * dv;
                 for (long lane = 0; lane < nc; lane++) out[lane * K + b * QBLOCK + k0 + j] = v[lane];
@@ -274,6 +302,7 @@ static void dequant_tile_fmt(int fmt, const uint8_t *tq, const float *dt, const 
     case 3: dequant_tile(3, tq, dt, mt, nb, nc, K, out); break;
     case 5: dequant_tile(5, tq, dt, mt, nb, nc, K, out); break;
     case 6: dequant_tile(6, tq, dt, mt, nb, nc, K, out); break;
+    case 7: dequant_tile(7, tq, dt, mt, nb, nc, K, out); break;
     default: dequant_tile(4, tq, dt, mt, nb, nc, K, out); break;
     }
 }

@@ -17,7 +17,9 @@ layout   arrays (weight matrix ``[N, K]``)           GGUF formats served by it (
                                                      an index into ``_IQ4_VALUES``)
 ``E2M1`` as ``IQ4``                                  MXFP4 (into ``_E2M1_X2``; ``d = 2^(e-128)``)
 ``U4``   qs uint8 [N, K/2], d float32 [N, K/32]      Q4_0            (``w = (q - 8) d``)
-``S8H``  qs int8 [N, K], d float32 [N, K/16]         Q6_K (q - 32), Q3_K (q - 4; ``w = q d``)
+``S8H``  qs int8 [N, K], d float32 [N, K/16]         Q6_K (q - 32), Q3_K (q - 4; ``w = q d``);
+         (Q6_K adds sc int8 [N, K/16] and dsup        Q6_K's ``d = dsup sc`` (tiled as ``U6H``)
+         float32 [N, K/256])
 ``S8M``  qs int8 [N, K], d, m float32 [N, K/32]      Q5_1, Q5_K      (``w = q d + m``)
 ``S8HM`` ``S8H`` qs, d, plus the mins as a second    Q2_K (``w = q d + m``, one ``d`` and
          ``S8H`` matrix over the groups: mq int8     ``m`` per 16; ``m = md mq`` with the
@@ -51,7 +53,7 @@ def unpermute_rows(w, n_head: int):
     """
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
-LAYOUTS = {"U4M": 0, "S8": 1, "S6": 2, "S8H": 3, "S8M": 4, "IQ4": 5, "E2M1": 6}  # pl_qgemm's tile layout codes (U4 tiles as U4M)
+LAYOUTS = {"U4M": 0, "S8": 1, "S6": 2, "S8H": 3, "S8M": 4, "IQ4": 5, "E2M1": 6, "U6H": 7}  # pl_qgemm's tile layout codes (U4 tiles as U4M)
 HALF_SCALES = ("S8", "S6", "IQ4", "E2M1")  # tile layouts whose d may be float16 ("S8/f16": quant_common.h Q_HALF)
 TILE = 16  # output rows per tile
 GGUF_LAYOUT = {"Q4_0": "U4", "Q4_1": "U4M", "Q8_0": "S8", "Q5_0": "S8", "Q5_1": "S8M",
@@ -218,6 +220,12 @@ def repack(kind: str, raw: np.ndarray, n: int, k: int) -> tuple[str, dict[str, t
         return kind, {"w": w.view(torch.float16 if kind == "F16" else torch.bfloat16)}
     q, d, m, _ = decode(kind, raw, n, k)
     layout = GGUF_LAYOUT[kind]
+    if kind == "Q6_K":  # its int8 group scales and fp16 super-block scale, for the 6-bit tiles
+        b = np.asarray(raw, dtype=np.uint8).reshape(-1, 210)
+        extra = {"sc": torch.from_numpy(np.ascontiguousarray(b[:, 192:208]).view(np.int8).reshape(n, k // 16).copy()),
+                 "dsup": torch.from_numpy(_f16(b[:, 208:210]).reshape(n, k // 256))}
+    else:
+        extra = {}
     if layout == "U4":
         q = q + 8
     elif layout in _CODEBOOK:  # the values back to their indices (MXFP4's two zeros: either index)
@@ -228,7 +236,7 @@ def repack(kind: str, raw: np.ndarray, n: int, k: int) -> tuple[str, dict[str, t
     out = {"qs": torch.from_numpy(np.ascontiguousarray(qs)), "d": torch.from_numpy(d)}
     if m is not None:
         out["m"] = torch.from_numpy(m)
-    return layout, out
+    return layout, out | extra
 
 
 def _repack_q2_k(raw: np.ndarray, n: int, k: int) -> dict[str, torch.Tensor]:
@@ -279,7 +287,8 @@ def quantize_int8(w: torch.Tensor) -> dict[str, torch.Tensor]:
     return {"qs": q.contiguous(), "d": scale.expand(n, k // 32).contiguous()}
 
 
-def to_tiles(layout: str, packed: dict[str, torch.Tensor], n: int, k: int) -> tuple[str, dict[str, torch.Tensor]]:
+def to_tiles(layout: str, packed: dict[str, torch.Tensor], n: int, k: int,
+             six_bit: bool = False) -> tuple[str, dict[str, torch.Tensor]]:
     """Rearrange a row-layout matrix (``repack``, ``quantize_int8``) into the kernels' tiles.
 
     Rows are padded with zeros to a multiple of ``TILE``. Within a tile, the 32-weight block ``b`` of
@@ -290,10 +299,13 @@ def to_tiles(layout: str, packed: dict[str, torch.Tensor], n: int, k: int) -> tu
     becomes ``S6``: the same bytes, which the AVX2 kernels may offset by 32 into an unsigned operand
     that ``vpmaddubsw`` cannot saturate (``quant_avx2.c``). The ``HALF_SCALES`` layouts keep ``d``
     in float16 (layout ``"S8/f16"`` etc.) when every scale is exact there (Q8_0, Q5_0 and IQ4_NL's
-    fp16 scales, MXFP4's powers of two): the bytes a product reads are then the file's.
+    fp16 scales, MXFP4's powers of two): the bytes a product reads are then the file's. Q6_K's
+    ``S8H`` (with its ``sc`` and ``dsup``) becomes ``U6H`` when ``six_bit`` (``_six_bit_tiles``).
 
     Args:
-        layout: the row layout; packed: its ``{"qs", "d"[, "m"]}``; n, k: the matrix's shape.
+        layout: the row layout; packed: its ``{"qs", "d"[, "m"][, "sc", "dsup"]}``; n, k: the matrix's
+            shape; six_bit: tile Q6_K in 6 bits (``kernels.cpu.six_bit_tiles``: the loaded build has
+            its kernel).
     Returns:
         ``(tile layout, {"qs": uint8 [tiles, K/32 * (256 | 512)], "d": float32 (or float16 for a
         ``/f16`` layout) [tiles, groups, 16] [, "m": float32 [tiles, K/32, 16]]})``.
@@ -309,6 +321,13 @@ def to_tiles(layout: str, packed: dict[str, torch.Tensor], n: int, k: int) -> tu
     def rows(t: torch.Tensor) -> torch.Tensor:
         return torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) if pad else t
 
+    def lanes(t: torch.Tensor) -> torch.Tensor:
+        return rows(t).reshape(tiles, TILE, -1).transpose(1, 2).contiguous()
+
+    if six_bit and layout == "S8H" and "sc" in packed and k % 256 == 0:
+        return "U6H", {"qs": _six_bit_tiles(rows(qs.view(torch.int8)), rows(packed["sc"]), tiles, nb),
+                       "d": lanes(packed["dsup"])}
+
     if layout in ("U4M", *_CODEBOOK):
         b = rows(qs.view(torch.uint8)).reshape(tiles * TILE, nb, 16)
         q = torch.stack([b & 15, b >> 4], 2).reshape(tiles, TILE, nb, 4, 2, 4)  # weight 8c + 4h + j
@@ -319,9 +338,6 @@ def to_tiles(layout: str, packed: dict[str, torch.Tensor], n: int, k: int) -> tu
         tq = q.permute(0, 2, 3, 1, 4).view(torch.uint8)
     out = {"qs": tq.contiguous().reshape(tiles, -1)}
 
-    def lanes(t: torch.Tensor) -> torch.Tensor:
-        return rows(t).reshape(tiles, TILE, -1).transpose(1, 2).contiguous()
-
     out["d"] = lanes(d)
     if m is not None:
         out["m"] = lanes(m)
@@ -329,3 +345,24 @@ def to_tiles(layout: str, packed: dict[str, torch.Tensor], n: int, k: int) -> tu
     if layout in HALF_SCALES and torch.equal(half.float(), out["d"]):
         layout, out["d"] = f"{layout}/f16", half
     return layout, out
+
+
+def _six_bit_tiles(q: torch.Tensor, sc: torch.Tensor, tiles: int, nb: int) -> torch.Tensor:
+    """``U6H`` tile bytes (``quant_kernels.c``) of Q6_K quants.
+
+    Args:
+        q: int8 ``[tiles * 16, nb * 32]`` in -32..31 (rows padded); sc: int8 ``[tiles * 16, nb * 2]``
+            group scales; tiles, nb: tiles and 32-weight blocks per row.
+    Returns:
+        uint8 ``[tiles, nb * 416]``: per block, 256 bytes of low nibbles (``U4M``'s chunks), 128 of
+        high 2-bit pairs (chunk ``c2``, lane ``n``, byte ``j``, bits ``2k``: weight ``16 c2 + 4k + j``),
+        32 of group scales (group ``g``, lane ``n``).
+    """
+    u = (q.to(torch.int16) + 32).to(torch.uint8).reshape(tiles, TILE, nb, 32)
+    low = (u & 15).reshape(tiles, TILE, nb, 4, 2, 4).permute(0, 2, 3, 1, 4, 5)  # [t, b, c, lane, h, j]
+    nib = low[..., 0, :] | (low[..., 1, :] << 4)  # weight 8c + j | weight 8c + 4 + j
+    high = (u >> 4).reshape(tiles, TILE, nb, 2, 4, 4).permute(0, 2, 3, 1, 5, 4)  # [t, b, c2, lane, j, k]
+    two = high[..., 0] | (high[..., 1] << 2) | (high[..., 2] << 4) | (high[..., 3] << 6)
+    scales = sc.view(torch.uint8).reshape(tiles, TILE, nb, 2).permute(0, 2, 3, 1)  # [t, b, g, lane]
+    return torch.cat([nib.reshape(tiles, nb, 256), two.reshape(tiles, nb, 128), scales.reshape(tiles, nb, 32)],
+                     2).reshape(tiles, -1).contiguous()

@@ -15,7 +15,9 @@ from pagedllm.models.quant_linear import GGUFLinear, PackedEmbedding
 
 
 def _cat(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    return {key: torch.cat([p[key] for p in parts], 0) for key in parts[0]}
+    """Row layouts' arrays stacked part after part; the keys every part has (Q6_K's extra ``sc`` and
+    ``dsup`` only where all parts are Q6_K: ``gguf_blocks.to_tiles``)."""
+    return {key: torch.cat([p[key] for p in parts], 0) for key in parts[0] if all(key in p for p in parts)}
 
 
 def _count(counts: dict[str, int], key: str) -> None:

@@ -70,7 +70,7 @@ class GGUFLinear(nn.Module):
                  bias: torch.Tensor | None = None, kind: str | None = None) -> None:
         super().__init__()
         self.layout, self.kind = layout, kind or layout
-        tile_layout, tiles = to_tiles(layout, packed, n, k)
+        tile_layout, tiles = to_tiles(layout, packed, n, k, six_bit=cpu_kernels.six_bit_tiles())
         self.fmt = cpu_kernels.QUANT_LAYOUTS[tile_layout]
         self.qs, self.d, self.m = tiles["qs"], tiles["d"], tiles.get("m")
         self.out_features, self.in_features = n, k

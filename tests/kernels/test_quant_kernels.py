@@ -339,19 +339,27 @@ def test_int8_activation_products(int8_activations, kind):
 
 
 @pytest.mark.parametrize("layout,q", [("U4M", 15), ("S8", -128), ("S8", 127), ("S6", -32), ("S8H", -32),
+                                       ("U6H", -32), ("U6H", 31),
                                        ("S8M", 31), ("IQ4", 0), ("IQ4", 15), ("E2M1", 7), ("E2M1", 15)])
 def test_int8_activations_at_the_extremes_stay_exact(int8_activations, layout, q):
     """Every weight at its format's extreme quant and every activation at +-127 (the first level) or
     with the residual at its extreme: the AVX2 kernels' int16 partial sums (vpmaddubsw saturates)
     and int16 activations (256 q1 + q2) must not overflow; results equal the exact product."""
     n, k = 16, 256
-    group = 16 if layout == "S8H" else 32
+    group = 16 if layout in ("S8H", "U6H") else 32
     nibbles = layout in ("U4M", "IQ4", "E2M1")  # the codebooks' q: an index (IQ4 0: -127, E2M1 15: -12)
     qs = torch.full((n, k // 2), q | q << 4, dtype=torch.uint8) if nibbles else torch.full((n, k), q, dtype=torch.int8)
     packed = {"qs": qs, "d": torch.full((n, k // group), 0.5)}
     if layout in ("U4M", "S8M"):
         packed["m"] = torch.full((n, k // 32), -0.25)
-    lin = GGUFLinear(layout, packed, n, k)
+    if layout == "U6H" and not cpu.six_bit_tiles():
+        pytest.skip(f"the {int8_activations} build keeps Q6_K as S8H")
+    if layout == "U6H":  # Q6_K's int8 group scales at their extreme, times the super-block's d
+        sc = -128 if q > 0 else 127
+        packed.update(d=torch.full((n, k // 16), 0.5 * sc), sc=torch.full((n, k // 16), sc, dtype=torch.int8),
+                      dsup=torch.full((n, k // 256), 0.5))
+    lin = GGUFLinear("S8H" if layout == "U6H" else layout, packed, n, k)
+    assert layout != "U6H" or lin.fmt == cpu.QUANT_LAYOUTS["U6H"]
     w = lin.dequantize().double()
     sign = 1.0 if w[0, 0] > 0 else -1.0
     x = torch.full((3, k), sign)  # q1 = +-127 everywhere, with the weights' sign: the largest sums
