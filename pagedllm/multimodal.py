@@ -128,12 +128,14 @@ class MultiModalProcessor:
         image_token_id: the placeholder token the processor expands (``config.image_token_id``).
         limit_per_prompt: most images in one prompt (``--limit-mm-per-prompt``'s ``image``).
         policy: where image URLs may point (``MediaPolicy``).
+        max_image_tokens: most placeholder tokens of one image (``None``: any), for a model that
+            computes an image in one step (Gemma 3: ``--max-num-batched-tokens``).
     Raises:
         ValueError: the directory has no processor ``transformers`` can load.
     """
 
     def __init__(self, model_dir: str | Path, image_token_id: int, limit_per_prompt: int,
-                 policy: MediaPolicy | None = None) -> None:
+                 policy: MediaPolicy | None = None, max_image_tokens: int | None = None) -> None:
         self.policy = policy or MediaPolicy()
         from transformers import AutoProcessor
         try:
@@ -142,6 +144,7 @@ class MultiModalProcessor:
             raise ValueError(f"{model_dir}: no image processor transformers can load ({exc})") from None
         self.image_token_id = image_token_id
         self.limit_per_prompt = limit_per_prompt
+        self.max_image_tokens = max_image_tokens
 
     def __call__(self, prompt: MultiModalPrompt, where: str = "prompt") -> tuple[list[int], list[MultiModalInput]]:
         """Token ids (placeholders expanded) and one ``MultiModalInput`` per image, in prompt order.
@@ -166,6 +169,9 @@ class MultiModalProcessor:
         if len(runs) != len(images) or pixels.shape[0] != len(images):
             raise ValueError(f"{where}: the text places {len(runs)} images but {len(images)} were given "
                              f"(put the model's image token once per image)")
+        if self.max_image_tokens is not None and any(n > self.max_image_tokens for _, n in runs):
+            raise ValueError(f"{where}: an image takes {max(n for _, n in runs)} tokens, more than "
+                             f"--max-num-batched-tokens ({self.max_image_tokens}); this model computes an image in one step")
         return ids, [MultiModalInput(image_hash(img), off, n, pixels[i].tobytes(), list(pixels[i].shape))
                      for i, (img, (off, n)) in enumerate(zip(images, runs))]
 

@@ -33,6 +33,9 @@ class AttentionBatch:
             table; only read (a backend copies the rows it needs at ``build_metadata``).
         rows: ``[R]`` int64 row of ``block_table`` of each request.
         block_size: tokens per KV block.
+        bidirectional: per request, the ``(start, end)`` positions of the images whose tokens attend
+            to each other both ways (Gemma 3's image-prefix attention, issue 41), or ``None``: causal
+            everywhere. Only prefills read it: an image is never split across steps.
     """
 
     query_start_loc: np.ndarray
@@ -42,6 +45,7 @@ class AttentionBatch:
     block_table: np.ndarray
     rows: np.ndarray
     block_size: int
+    bidirectional: list[tuple[tuple[int, int], ...]] | None = None
 
 
 @dataclass
@@ -52,12 +56,15 @@ class PrefillSeq:
         q_start, q_end: its rows in the flattened batch (tokens).
         num_computed: tokens already cached before this step.
         gather_slots: ``[seq_len]`` int64 cache slots of all its tokens, in order.
+        bidirectional: ``(start, end)`` positions of the spans (images) within which queries also
+            see later keys (``AttentionBatch.bidirectional``); empty: causal.
     """
 
     q_start: int
     q_end: int
     num_computed: int
     gather_slots: torch.Tensor
+    bidirectional: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass
@@ -98,7 +105,8 @@ def paged_fields(batch: AttentionBatch, device: torch.device) -> dict:
         ar = np.arange(batch.seq_lens[i], dtype=np.int64)
         gather = batch.block_table[batch.rows[i], ar // bs] * bs + ar % bs
         prefills.append(PrefillSeq(int(qsl[i]), int(qsl[i + 1]), int(batch.num_computed[i]),
-                                   torch.from_numpy(gather).to(device)))
+                                   torch.from_numpy(gather).to(device),
+                                   tuple(batch.bidirectional[i]) if batch.bidirectional is not None else ()))
     return dict(slot_mapping=torch.from_numpy(batch.slot_mapping).to(device),
                 decode_token_idx=torch.from_numpy(qsl[dec]).to(device),
                 decode_block_tables=torch.from_numpy(dec_tables).to(device),
@@ -124,4 +132,5 @@ def slice_batch(batch: AttentionBatch, start: int, end: int) -> AttentionBatch:
     t0, t1 = int(qsl[start]), int(qsl[end])
     return AttentionBatch(query_start_loc=qsl[start:end + 1] - t0, num_computed=batch.num_computed[start:end],
                           seq_lens=batch.seq_lens[start:end], slot_mapping=batch.slot_mapping[t0:t1],
-                          block_table=batch.block_table, rows=batch.rows[start:end], block_size=batch.block_size)
+                          block_table=batch.block_table, rows=batch.rows[start:end], block_size=batch.block_size,
+                          bidirectional=None if batch.bidirectional is None else batch.bidirectional[start:end])

@@ -143,7 +143,10 @@ def decode_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Te
 def prefill_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                       meta: AttentionMetadata, scale: float, sliding_window: int | None = None,
                       softcap: float | None = None, sinks: torch.Tensor | None = None) -> None:
-    """Causal attention of each multi-token request over its context, gathered through its slots.
+    """Causal attention of each multi-token request over its context, gathered through its slots;
+    within a ``PrefillSeq.bidirectional`` span (an image of Gemma 3) queries see the span's later keys
+    too, and a sliding window still bounds them (``transformers``' Gemma 3 masks: full layers causal
+    OR same image, sliding layers AND the window).
 
     Args:
         out: ``[T, H, D]``; each prefill's rows ``q_start:q_end`` are written.
@@ -163,11 +166,13 @@ def prefill_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.T
         v = v_flat.index_select(0, idx).view(1, kvh, -1, d)
         n, s = q.shape[2], k.shape[2]
         mask = None
-        if p.num_computed != 0 or (sliding_window is not None and s > sliding_window):
+        if p.num_computed != 0 or (sliding_window is not None and s > sliding_window) or p.bidirectional:
             # query i sits at absolute position s - n + i and sees keys up to that position
             qpos = torch.arange(s - n, s, device=q.device).unsqueeze(1)
             kpos = torch.arange(s, device=q.device).unsqueeze(0)
             mask = kpos <= qpos
+            for lo, hi in p.bidirectional:
+                mask |= (qpos >= lo) & (qpos < hi) & (kpos >= lo) & (kpos < hi)
             if sliding_window is not None:
                 mask &= kpos > qpos - sliding_window
         o = _attend(q, k, v, mask, scale, softcap, causal=True, sinks=sinks)

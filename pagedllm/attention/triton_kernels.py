@@ -232,12 +232,12 @@ def decode_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Te
 
 @triton.jit
 def _prefill_kernel(query, out, key_cache, value_cache, block_tables, seq_lens, num_computed, query_start_loc,
-                    tile_req, tile_q0, sinks, scale, softcap, window,
+                    tile_req, tile_q0, sinks, span_lo, span_hi, scale, softcap, window,
                     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_ch, stride_cb, stride_ct,
                     head_dim, group,
                     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, G_P: tl.constexpr, D_P: tl.constexpr,
                     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_F32: tl.constexpr,
-                    USE_SINKS: tl.constexpr):
+                    USE_SINKS: tl.constexpr, USE_SPANS: tl.constexpr):
     j = tl.program_id(0)
     kvh = tl.program_id(1)
     r = tl.load(tile_req + j).to(tl.int64)
@@ -258,6 +258,10 @@ def _prefill_kernel(query, out, key_cache, value_cache, block_tables, seq_lens, 
     q = tl.load(query + (qs + tok)[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :],
                 mask=qmask, other=0.0)
     hi = tl.minimum(seq_len, ctx + q0 + BLOCK_Q)  # keys up to the tile's last query
+    if USE_SPANS:  # a query inside an image span [slo, shi) sees the span's later keys too
+        slo = tl.load(span_lo + qs + tok, mask=row_ok, other=0).to(tl.int32)
+        shi = tl.load(span_hi + qs + tok, mask=row_ok, other=0).to(tl.int32)
+        hi = tl.minimum(seq_len, tl.maximum(hi, tl.max(shi, axis=0)))
     lo = 0
     if USE_WINDOW:
         lo = tl.maximum(0, ctx + q0 - window + 1)
@@ -274,7 +278,10 @@ def _prefill_kernel(query, out, key_cache, value_cache, block_tables, seq_lens, 
         k = tl.load(key_cache + base, mask=lmask, other=0.0)
         v = tl.load(value_cache + base, mask=lmask, other=0.0)
         s = _scores(q, k, scale, softcap, USE_SOFTCAP, DOT_F32)
-        vis = kmask[None, :] & (kpos[None, :] <= qpos[:, None])
+        vis = kpos[None, :] <= qpos[:, None]
+        if USE_SPANS:
+            vis = vis | ((kpos[None, :] >= slo[:, None]) & (kpos[None, :] < shi[:, None]))
+        vis = kmask[None, :] & vis
         if USE_WINDOW:
             vis = vis & (kpos[None, :] > qpos[:, None] - window)
         s = tl.where(vis, s, float("-inf"))
@@ -299,8 +306,11 @@ def prefill_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.T
                       block_tables: torch.Tensor, seq_lens: torch.Tensor, num_computed: torch.Tensor,
                       query_start_loc: torch.Tensor, tile_req: torch.Tensor, tile_q0: torch.Tensor,
                       block_q: int, scale: float, sliding_window: int | None = None,
-                      softcap: float | None = None, sinks: torch.Tensor | None = None) -> None:
-    """Causal paged attention of every multi-token request of the step, in one launch.
+                      softcap: float | None = None, sinks: torch.Tensor | None = None,
+                      spans: torch.Tensor | None = None) -> None:
+    """Causal paged attention of every multi-token request of the step, in one launch; a token
+    inside a bidirectional span (an image of Gemma 3) also sees the span's later keys, the sliding
+    window still bounding it (``torch_paged.prefill_attention``'s masks).
 
     Args:
         out: ``[T, H, D]``; the rows of the tiles' requests are written.
@@ -311,6 +321,7 @@ def prefill_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.T
         tile_req, tile_q0: ``[N]`` int64 request and first local query token of each tile of
             ``block_q`` tokens (``PREFILL_BLOCK_Q``).
         scale, sliding_window, softcap, sinks: as ``decode_attention``.
+        spans: ``[2, T]`` int64 first and end position of each token's span (``0, 0``: none), or ``None``.
     """
     n = tile_req.shape[0]
     if n == 0:
@@ -321,9 +332,10 @@ def prefill_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.T
     _prefill_kernel[(n, kvh)](
         query, out, key_cache, value_cache, block_tables, seq_lens, num_computed, query_start_loc, tile_req, tile_q0,
         seq_lens if sinks is None else sinks,  # not read without sinks
+        seq_lens if spans is None else spans[0], seq_lens if spans is None else spans[1],  # read only with spans
         float(scale), float(softcap or 1.0), int(sliding_window or 0),
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), d, group,
         BLOCK_SIZE=bs, BLOCK_Q=block_q, G_P=_pow2(group), D_P=_pow2(max(d, 16)),
         USE_SOFTCAP=softcap is not None, USE_WINDOW=sliding_window is not None,
-        DOT_F32=_dot_f32(query.dtype), USE_SINKS=sinks is not None)
+        DOT_F32=_dot_f32(query.dtype), USE_SINKS=sinks is not None, USE_SPANS=spans is not None)

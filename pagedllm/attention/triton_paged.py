@@ -62,6 +62,8 @@ class TritonMetadata:
         tile_req, tile_q0: ``[N]`` request and first local query token of each prefill tile.
         num_splits, split_len: the decode split-K grid (splits per context, tokens per split).
         block_q: query tokens per prefill tile.
+        spans: ``[2, T]`` first and end position of the bidirectional span (an image of Gemma 3)
+            each token lies in (``0, 0``: none), or ``None`` when the step has none.
     The CPU backends' shared fields (``AttentionMetadata``) are not built: the models read them
     only for the C kernels' fused decode, which never runs with this backend.
     """
@@ -77,6 +79,7 @@ class TritonMetadata:
     num_splits: int
     split_len: int
     block_q: int
+    spans: torch.Tensor | None = None
 
 
 @dataclass
@@ -186,6 +189,9 @@ class TritonPagedBackend(AttentionBackend):
         tables = batch.block_table[batch.rows, :nblk]
         parts = [batch.slot_mapping, qsl, batch.num_computed, batch.seq_lens, tables.reshape(-1), lay.decode_req,
                  lay.tile_req, lay.tile_q0]
+        spans = token_spans(batch)
+        if spans is not None:
+            parts.append(spans)
         host = np.concatenate([np.asarray(p, dtype=np.int64).reshape(-1) for p in parts])
         buf = torch.from_numpy(host)
         if self._pin:
@@ -198,7 +204,8 @@ class TritonPagedBackend(AttentionBackend):
         return TritonMetadata(slot_mapping=views[0], query_start_loc=views[1], num_computed=views[2],
                               seq_lens=views[3], block_tables=views[4].view(r, nblk), decode_req=views[5],
                               tile_req=views[6], tile_q0=views[7], num_splits=lay.num_splits,
-                              split_len=lay.split_len, block_q=self.block_q)
+                              split_len=lay.split_len, block_q=self.block_q,
+                              spans=None if spans is None else views[8].view(2, -1))
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache, metadata: TritonMetadata) -> None:
         """Scatter the step's K/V ``[T, KVH, D]`` into their slots (one Triton launch)."""
@@ -218,8 +225,23 @@ class TritonPagedBackend(AttentionBackend):
         self._k.decode_attention(out, query, kc, vc, m.block_tables, m.seq_lens, m.query_start_loc, m.decode_req,
                                  m.num_splits, m.split_len, scale, sliding_window, softcap, sinks)
         self._k.prefill_attention(out, query, kc, vc, m.block_tables, m.seq_lens, m.num_computed, m.query_start_loc,
-                                  m.tile_req, m.tile_q0, m.block_q, scale, sliding_window, softcap, sinks)
+                                  m.tile_req, m.tile_q0, m.block_q, scale, sliding_window, softcap, sinks, m.spans)
         return out
+
+
+def token_spans(batch: AttentionBatch) -> np.ndarray | None:
+    """``[2, T]`` int64 first and end position of the ``AttentionBatch.bidirectional`` span each
+    token of the step lies in (``0, 0``: none), or ``None`` when no request has one."""
+    if not batch.bidirectional or not any(batch.bidirectional):
+        return None
+    qsl = batch.query_start_loc
+    out = np.zeros((2, int(qsl[-1])), dtype=np.int64)
+    for i, spans in enumerate(batch.bidirectional):
+        pos = np.arange(int(batch.num_computed[i]), int(batch.num_computed[i]) + int(qsl[i + 1] - qsl[i]))
+        for lo, hi in spans:
+            inside = (pos >= lo) & (pos < hi)
+            out[0, qsl[i]:qsl[i + 1]][inside], out[1, qsl[i]:qsl[i + 1]][inside] = lo, hi
+    return out
 
 
 def _last_contig(t: torch.Tensor) -> torch.Tensor:

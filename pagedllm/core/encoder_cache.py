@@ -27,14 +27,16 @@ class EncoderScheduler:
     Args:
         budget: placeholder tokens of images encoded per step at most (``max_num_batched_tokens``:
             vLLM's default encoder budget).
+        whole_images: never end a chunk inside an image's placeholders (a model whose image tokens
+            attend to each other both ways, Gemma 3: each needs the whole image's keys in its step).
     Attributes:
         holders: image hash -> ids of the requests that hold its encoder output.
         step_encoded: image hashes encoded by the step being planned, with their token counts.
         num_encoded: images encoded since the start (``/stats``, tests).
     """
 
-    def __init__(self, budget: int) -> None:
-        self.budget = budget
+    def __init__(self, budget: int, whole_images: bool = False) -> None:
+        self.budget, self.whole_images = budget, whole_images
         self.holders: dict[str, set[str]] = {}
         self.step_encoded: dict[str, int] = {}
         self._freed: list[str] = []
@@ -52,12 +54,16 @@ class EncoderScheduler:
 
     def fit(self, req: Request, n: int) -> int:
         """``n`` cut so that the images this request's next ``n`` tokens need fit the step's encoder
-        budget (0 when the first image they need does not)."""
+        budget (0 when the first image they need does not); with ``whole_images``, also cut before an
+        image the chunk would end inside (0 when the chunk starts inside it: the next step, with
+        more of the token budget, takes it whole; the processor refuses an image longer than that)."""
         if not req.mm_inputs or n <= 0:
             return n
         start = req.num_computed_tokens
         used = sum(self.step_encoded.values())
         for m in self._needed(req, start, start + n):
+            if self.whole_images and m.end > start + n:
+                return max(0, m.offset - start)
             if m.hash in self.holders or m.hash in self.step_encoded:
                 continue
             if used + m.length > self.budget and used:  # one image always fits an empty budget

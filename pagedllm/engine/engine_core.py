@@ -161,7 +161,8 @@ class EngineCore:
                         "dynamic" if args.speculative_config.dynamic else "fixed")
         overlap = plan.scheduler.pipeline_overlap  # several steps in flight (step_issuers.OverlappedIssuer)
         # an image-text model: each step's encoder budget is its token budget (vLLM's default)
-        encoder = EncoderScheduler(args.max_num_batched_tokens) if getattr(model, "is_multimodal", False) else None
+        encoder = (EncoderScheduler(args.max_num_batched_tokens, getattr(model, "mm_prefix_attention", False))
+                   if getattr(model, "is_multimodal", False) else None)
         self.scheduler = Scheduler(self.kv_cache_manager, args.max_num_seqs, args.max_num_batched_tokens,
                                    max_model_len, args.enable_chunked_prefill, spec, encoder_only=encoder_only,
                                    steps_in_flight=plan.scheduler.steps_in_flight, encoder=encoder)

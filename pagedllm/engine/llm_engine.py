@@ -99,7 +99,7 @@ class LLMEngine:
 
     def _multimodal_processor(self, args: EngineArgs):
         """An image-text model's processor (``multimodal.MultiModalProcessor``), else ``None``."""
-        from pagedllm.models.transformers_backend import is_vision_model
+        from pagedllm.models.transformers_backend import is_mm_prefix_model, is_vision_model
         if not is_vision_model(self.hf_config):
             return None
         from pathlib import Path as _Path
@@ -108,7 +108,8 @@ class LLMEngine:
         policy = MediaPolicy(_Path(args.allowed_local_media_path) if args.allowed_local_media_path else None,
                              tuple(args.allowed_media_domains or ()))
         return MultiModalProcessor(self.model_dir, self.hf_config.image_token_id,
-                                   (args.limit_mm_per_prompt or {}).get("image", 999), policy)
+                                   (args.limit_mm_per_prompt or {}).get("image", 999), policy,
+                                   args.max_num_batched_tokens if is_mm_prefix_model(self.hf_config) else None)
 
     def _pooler_config(self):
         """The model's pooling defaults when the plan's runner pools (``EngineArgs.runner``), else ``None``."""

@@ -113,7 +113,15 @@ def _text_config(config):
 
 # image-text models served through the backend (issue 41, first part): the language model on our
 # paged attention, the vision tower and projector as transformers builds them (its own attention)
-VISION_MODEL_TYPES = ("llava",)
+VISION_MODEL_TYPES = ("llava", "gemma3")
+# those whose image tokens attend to each other both ways (transformers' Gemma 3 masks, vLLM's
+# is_mm_prefix_lm): the runner passes the images' spans to attention, the scheduler never splits one
+MM_PREFIX_MODEL_TYPES = ("gemma3",)
+
+
+def is_mm_prefix_model(config) -> bool:
+    """Whether ``config``'s image tokens attend bidirectionally within their image (Gemma 3)."""
+    return getattr(config, "model_type", None) in MM_PREFIX_MODEL_TYPES
 
 
 def is_vision_model(config) -> bool:
@@ -213,6 +221,7 @@ class TransformersCausalLM(nn.Module):
         self._state_spec = state_cache_spec(cfg)
         self.decode_stack = None  # set by ``load_transformers_model`` where the C stack applies
         self.is_multimodal = is_vision_model(hf_model.config)  # images: encode_image, forward(mm=...)
+        self.mm_prefix_attention = is_mm_prefix_model(hf_model.config)  # within an image: both ways
         if self._state_spec:
             install_mixers(hf_model, cfg, self._step_state)
 

@@ -106,9 +106,11 @@ class ModelRunner:
         self.sampler = Sampler(seed, eos_token_ids)
         # a multimodal model's encoder outputs and each step's image rows (multimodal_step.py)
         self.encoder_cache = EncoderCache() if getattr(model, "is_multimodal", False) else None
+        self.mm_prefix = self.encoder_cache is not None and getattr(model, "mm_prefix_attention", False)
         # the strategies, chosen once: where inputs are built, how tokens are drawn, how steps are
         # issued (step_inputs.py, token_drawers.py, step_issuers.py)
-        self.step_inputs = make_step_inputs(self.input_batch, self.attention_backend, device, block_size)
+        self.step_inputs = make_step_inputs(self.input_batch, self.attention_backend, device, block_size,
+                                            bidirectional=self.mm_prefix)
         self.drawer = make_drawer(self.sampler, self.attention_backend.name, scripted_output,
                                   min(eos_token_ids) if eos_token_ids else 0, seed)
         self.issuer = make_issuer(self, executor, self.pipeline_overlap)
@@ -174,7 +176,8 @@ class ModelRunner:
         spec = self._write_drafts(rids, slots, so.spec_token_ids)
         sample, pend, pending_src, slot_row, sampling = self._prepare_sampling(slots, end, spec)
         rows, prompt_lp = logits_rows_of(self.input_batch, rids, slots, start, end, qsl, sample, spec)
-        inputs = self.step_inputs.stage(slots, n, start, end, qsl, spec, pend, pending_src, rows)
+        inputs = self.step_inputs.stage(slots, n, start, end, qsl, spec, pend, pending_src, rows, bidirectional=(
+            self.encoder_cache.spans(rids, start, end) if self.mm_prefix else None))  # Gemma 3's images
         pool_rows, pool_spans = self._prepare_pooling(rids, slots, start, end, qsl)
         kwargs = {} if self.state_cache is None else {
             "state": self.state_cache.batch(self.input_batch.state_slot[slots], start, qsl, rids,

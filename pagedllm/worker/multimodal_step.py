@@ -92,6 +92,12 @@ class EncoderCache:
             if nr.mm_inputs:
                 self.images[nr.req_id] = tuple(nr.mm_inputs)
 
+    def spans(self, rids: list[str], start: np.ndarray, end: np.ndarray) -> list[tuple[tuple[int, int], ...]]:
+        """Per request (batch order), the ``(offset, end)`` positions of its images with a placeholder
+        among the tokens ``[start, end)`` it computes this step (``AttentionBatch.bidirectional``)."""
+        return [tuple((m.offset, m.end) for m in self.images.get(rid, ()) if m.offset < e and m.end > s)
+                for rid, s, e in zip(rids, start.tolist(), end.tolist())]
+
     def plan(self, so, rids: list[str], start: np.ndarray, end: np.ndarray, qsl: np.ndarray) -> MultiModalStep | None:
         """The step's ``MultiModalStep`` (``None`` when no scheduled row is an image placeholder).
 

@@ -40,13 +40,13 @@ class HostInputs:
         self.device, self.block_size = device, block_size
 
     def gather(self, slots: np.ndarray, n: np.ndarray, start: np.ndarray, end: np.ndarray,
-               qsl: np.ndarray) -> tuple[np.ndarray, np.ndarray, AttentionMetadata]:
+               qsl: np.ndarray, bidirectional: list | None = None) -> tuple[np.ndarray, np.ndarray, AttentionMetadata]:
         """The model inputs of the scheduled requests, and the attention backend's metadata.
 
         Args:
             slots: ``[R]`` int64 batch slots; ``n``: ``[R]`` tokens scheduled for each;
             start, end: ``[R]`` tokens each has computed before / after this step;
-            qsl: ``[R + 1]`` cumulative ``n``.
+            qsl: ``[R + 1]`` cumulative ``n``; bidirectional: ``AttentionBatch.bidirectional``.
         Returns:
             ``input_ids`` ``[T]`` int64 (a pending token's entry is filled when the step runs),
             ``positions`` ``[T]`` int64 (host arrays: ``stage`` copies them to the device with the
@@ -61,16 +61,17 @@ class HostInputs:
         # whole, or as pipeline micro-batches (``distributed/micro_batch.py``)
         meta = step_metadata(self.attention_backend, AttentionBatch(
             query_start_loc=qsl, num_computed=start, seq_lens=end, slot_mapping=slot_mapping,
-            block_table=b.block_table, rows=slots, block_size=bs))
+            block_table=b.block_table, rows=slots, block_size=bs, bidirectional=bidirectional))
         return input_ids, pos, meta
 
     def stage(self, slots: np.ndarray, n: np.ndarray, start: np.ndarray, end: np.ndarray, qsl: np.ndarray,
-              spec: np.ndarray, pend: np.ndarray, pending_src: np.ndarray, rows: np.ndarray) -> dict:
+              spec: np.ndarray, pend: np.ndarray, pending_src: np.ndarray, rows: np.ndarray,
+              bidirectional: list | None = None) -> dict:
         """The step's inputs as ``PreparedStep`` fields, on the device (``spec``: unused here, the
         drafts are already in the batch's token ids; ``pend`` / ``pending_src``: the requests whose
         last input is still being sampled and its row among the previous step's samples; ``rows``:
-        the logits rows)."""
-        input_ids, positions, meta = self.gather(slots, n, start, end, qsl)
+        the logits rows; ``bidirectional``: the images' spans, ``AttentionBatch.bidirectional``)."""
+        input_ids, positions, meta = self.gather(slots, n, start, end, qsl, bidirectional)
         input_ids, positions, logits_rows, pending_idx, pending_src = to_device(
             [input_ids, positions, rows, qsl[1:][pend] - 1, pending_src], self.device)
         return dict(input_ids=input_ids, positions=positions, meta=meta, logits_rows=logits_rows,
@@ -97,8 +98,12 @@ class DeviceStepInputs:
         self._no_pending = torch.zeros(0, dtype=torch.int64, device=device)
 
     def stage(self, slots: np.ndarray, n: np.ndarray, start: np.ndarray, end: np.ndarray, qsl: np.ndarray,
-              spec: np.ndarray, pend: np.ndarray, pending_src: np.ndarray, rows: np.ndarray) -> dict:
-        """Only the diffs and the layout now (``DeviceInputs.prepare``); see ``HostInputs.stage``."""
+              spec: np.ndarray, pend: np.ndarray, pending_src: np.ndarray, rows: np.ndarray,
+              bidirectional: list | None = None) -> dict:
+        """Only the diffs and the layout now (``DeviceInputs.prepare``); see ``HostInputs.stage``
+        (``bidirectional`` must be ``None``: ``make_step_inputs`` gives such models the host builder)."""
+        if bidirectional is not None:
+            raise ValueError("the device-built inputs carry no bidirectional image spans")
         plan, (logits_rows,) = self.device_inputs.prepare(slots, n, start, end, spec, pend, pending_src, [rows])
         self.input_batch.num_computed_tokens[slots] = end
         return dict(input_ids=None, positions=None, meta=None, logits_rows=logits_rows, device_plan=plan,
@@ -111,8 +116,9 @@ class DeviceStepInputs:
 
 
 def make_step_inputs(input_batch: InputBatch, attention_backend: AttentionBackend, device: torch.device,
-                     block_size: int) -> HostInputs | DeviceStepInputs:
-    """The device builder for the Triton backend (unless ``PAGEDLLM_DEVICE_INPUTS=0``), else the host one."""
-    if attention_backend.name == "triton" and envs.PAGEDLLM_DEVICE_INPUTS:
+                     block_size: int, bidirectional: bool = False) -> HostInputs | DeviceStepInputs:
+    """The device builder for the Triton backend (unless ``PAGEDLLM_DEVICE_INPUTS=0``), else the host
+    one; always the host one for a model with ``bidirectional`` image spans (Gemma 3)."""
+    if attention_backend.name == "triton" and envs.PAGEDLLM_DEVICE_INPUTS and not bidirectional:
         return DeviceStepInputs(input_batch, attention_backend, device)
     return HostInputs(input_batch, attention_backend, device, block_size)

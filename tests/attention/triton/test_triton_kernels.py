@@ -146,3 +146,28 @@ def test_metadata_is_one_device_buffer_and_does_not_alias_the_table():
     assert torch.equal(meta.block_tables, before)
     base = meta.slot_mapping.untyped_storage().data_ptr()
     assert all(t.untyped_storage().data_ptr() == base for t in (meta.block_tables, meta.decode_req, meta.tile_q0))
+
+
+@pytest.mark.parametrize("seed,window", [(9, None), (10, 6)])
+def test_bidirectional_spans_equal_torch_reference(seed, window):
+    """Gemma 3's image spans (issue 41): inside a span a query also sees the span's later keys (the
+    window still bounds it), one span from a prefill's start, one that began in the cached prefix
+    (a prefix-cache hit that ends inside an image); Triton equals the torch reference."""
+    batch, prefix = _random_step(seed, 16)
+    qsl = batch.query_start_loc
+    spans = []
+    for i in range(len(qsl) - 1):
+        start, end = int(batch.num_computed[i]), int(batch.seq_lens[i])
+        if end - start < 2:
+            spans.append(())
+        elif start == 0:
+            spans.append(((1, end - 1),))
+        else:
+            spans.append(((start - 1, start + (end - start) // 2),))
+    batch.bidirectional = spans
+    got, _, meta = _run("triton", batch, prefix, 2, 3, 16, torch.float32, window, None, seed, split_tokens=16)
+    want, _, _ = _run("torch", batch, prefix, 2, 3, 16, torch.float32, window, None, seed)
+    plain = _run("torch", AttentionBatch(**{**batch.__dict__, "bidirectional": None}), prefix, 2, 3, 16,
+                 torch.float32, window, None, seed)[0]
+    assert meta.spans is not None and not torch.allclose(want, plain, atol=1e-3)  # the spans change the outputs
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
