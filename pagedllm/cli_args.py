@@ -65,6 +65,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="image URLs may be file:// paths under this directory (trusted deployments only)")
     p.add_argument("--allowed-media-domains", nargs="+", default=None,
                    help="image URLs may be http(s) URLs of these hosts (none by default)")
+    p.add_argument("--mmproj", default=None,
+                   help="llama.cpp's vision projector GGUF for a GGUF language model (llama-server's flag; Gemma 3)")
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
                    help="stages that split the layers (each a --tensor-parallel-size group: tp x pp ranks in all)")
     p.add_argument("--pipeline-micro-batches", type=int, default=0,
@@ -124,6 +126,7 @@ def engine_args_from_cli(a: argparse.Namespace) -> EngineArgs:
                       limit_mm_per_prompt=getattr(a, "limit_mm_per_prompt", None),
                       allowed_local_media_path=getattr(a, "allowed_local_media_path", None),
                       allowed_media_domains=getattr(a, "allowed_media_domains", None),
+                      mmproj=getattr(a, "mmproj", None),
                       pipeline_micro_batches=getattr(a, "pipeline_micro_batches", 0),
                       distributed_executor_backend=a.distributed_executor_backend,
                       data_parallel_size=a.data_parallel_size, runner=_runner(a))

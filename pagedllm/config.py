@@ -143,6 +143,8 @@ class EngineArgs:
             ``--limit-mm-per-prompt``, ``{"image": N}``; default 999); an image-text model only.
         allowed_local_media_path: images may be ``file://`` URLs under this directory (vLLM's flag).
         allowed_media_domains: images may be http(s) URLs of these hosts (vLLM's flag; unset: none).
+        mmproj: llama.cpp's vision projector GGUF beside a GGUF language model (llama-server's
+            ``--mmproj``; ``models/gguf_mmproj.py``: Gemma 3), served as one image-text model.
         pipeline_parallel_size: ranks that split the layers into stages (``--pipeline-parallel-size``,
             ``models/layers/pipeline.py``); with ``tensor_parallel_size`` too, each stage is a TP group
             (``tp * pp`` ranks in all).
@@ -207,6 +209,7 @@ class EngineArgs:
     limit_mm_per_prompt: dict | None = None
     allowed_local_media_path: str | None = None
     allowed_media_domains: list[str] | None = None
+    mmproj: str | None = None
     pipeline_parallel_size: int = 1
     pipeline_micro_batches: int = 0
     distributed_executor_backend: str | None = None

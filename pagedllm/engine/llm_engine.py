@@ -59,6 +59,9 @@ class LLMEngine:
         from pagedllm.models.load import check_safetensors
         self.args = args
         self.model_dir = Path(resolve_model(args.model))
+        if args.mmproj:  # llama.cpp's two files: the language model's GGUF and the vision projector's
+            from pagedllm.models.gguf_mmproj import with_mmproj
+            self.model_dir = with_mmproj(self.model_dir, args.mmproj)
         self.served_model_name = args.served_model_name or default_served_model_name(args.model)
         self.hf_config = read_hf_config(self.model_dir)
         # skip_tokenizer_init (vLLM's): token ids in and out, for directories without tokenizer files

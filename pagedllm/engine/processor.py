@@ -159,7 +159,10 @@ class Processor:
             ids = ids[-max(keep, 1):]
         if not ids:
             raise SamplingParamError("prompt", "prompt: must contain at least one token")
-        if min(ids) < 0 or max(ids) >= vocab:
+        # an image's placeholder may lie past the vocabulary (embedded from the image, never looked up:
+        # a text-only Gemma 3 with llama.cpp's mmproj)
+        text_ids = ids if not mm_inputs else [t for t in ids if t != self.multimodal.image_token_id]
+        if text_ids and (min(text_ids) < 0 or max(text_ids) >= vocab):
             raise SamplingParamError("prompt", f"prompt: token ids must be in [0, {vocab})")
         bad_bias = [t for t in (params.logit_bias or {}) if t >= vocab]
         if bad_bias:

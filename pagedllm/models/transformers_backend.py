@@ -251,8 +251,12 @@ class TransformersCausalLM(nn.Module):
         return feats.reshape(-1, feats.shape[-1])
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """``[T]`` ids -> ``[T, hidden]`` input embeddings (a tensor of its own: image rows go over it)."""
-        return self.hf.get_input_embeddings()(input_ids).clone()
+        """``[T]`` ids -> ``[T, hidden]`` input embeddings (a tensor of its own: image rows go over it). An
+        image token past the embedding table (a text-only Gemma 3 vocabulary with llama.cpp's mmproj)
+        embeds as token 0: its row is written over."""
+        table = self.hf.get_input_embeddings()
+        ids = torch.where(input_ids < table.weight.shape[0], input_ids, torch.zeros_like(input_ids))
+        return table(ids).clone()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 meta: AttentionMetadata, logits_indices: torch.Tensor, hidden_indices: torch.Tensor | None = None,
