@@ -27,6 +27,8 @@ from pathlib import Path
 import numpy as np
 
 from pagedllm.cache import cache_root, cached_sha256
+from pagedllm.models.loader import record_gguf_source
+from pagedllm.models.quant_linear import gguf_source
 
 logger = logging.getLogger(__name__)
 
@@ -133,7 +135,13 @@ def _write_gemma3(text_dir: Path, meta: dict, tensors: dict[str, np.ndarray], ou
         raise ValueError(f"the language model and mmproj do not fill Gemma 3: missing {unfilled[:6]}, "
                          f"unexpected {result.unexpected_keys[:6]}")
     model.config.dtype = "float32"
-    model.save_pretrained(out)
+    model.config.save_pretrained(out)
+    # the module names as they are (not transformers' on-disk layout): the packed loader reads them;
+    # a tied head is the embedding's tensor, written once
+    from safetensors.torch import save_file
+    tied = getattr(model.config.get_text_config(), "tie_word_embeddings", True)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")},
+              str(out / "model.safetensors"), metadata={"format": "pt"})
     size = int(meta["clip.vision.image_size"])
     image = Gemma3ImageProcessorPil(size={"height": size, "width": size},
                                     image_mean=[float(v) for v in meta.get("clip.vision.image_mean", [0.5] * 3)],
@@ -143,6 +151,9 @@ def _write_gemma3(text_dir: Path, meta: dict, tensors: dict[str, np.ndarray], ou
     for extra in ("generation_config.json",):
         if (text_dir / extra).is_file():
             shutil.copy(text_dir / extra, out / extra)
+    source = gguf_source(text_dir)
+    if source is not None:  # the language model's blocks are served packed, as the text model's are
+        record_gguf_source(out, source)
 
 
 def with_mmproj(text_dir: str | os.PathLike, mmproj: str | os.PathLike) -> Path:

@@ -211,7 +211,8 @@ def pack_from_gguf(hf: nn.Module, model_dir: str | Path, gguf_path: Path, text_c
     emb, head = hf.get_input_embeddings(), hf.get_output_embeddings()
     with Checkpoint(model_dir) as ckpt:
         for qual, owner, attr, lin in list(_linears(hf, head)):
-            base = names.get_name(qual) if names is not None else None
+            # an image-text model's language model under model.language_model (Gemma 3): gguf's map has model.*
+            base = names.get_name(qual.replace("model.language_model.", "model.", 1)) if names is not None else None
             t = tensors.get(f"{base}.weight") if base else None
             new = None
             if t is not None and f"{qual}.weight" in ckpt:

@@ -255,7 +255,7 @@ class TransformersCausalLM(nn.Module):
         image token past the embedding table (a text-only Gemma 3 vocabulary with llama.cpp's mmproj)
         embeds as token 0: its row is written over."""
         table = self.hf.get_input_embeddings()
-        ids = torch.where(input_ids < table.weight.shape[0], input_ids, torch.zeros_like(input_ids))
+        ids = torch.where(input_ids < table.num_embeddings, input_ids, torch.zeros_like(input_ids))
         return table(ids).clone()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],

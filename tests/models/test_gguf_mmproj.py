@@ -3,8 +3,8 @@ Q4_K_M, from its wheels) and an ``--mmproj`` GGUF holding a tiny random SigLIP t
 pooled by 2 to 16 image tokens) and Gemma 3's projector, written as llama.cpp's
 ``convert_hf_to_gguf.py --mmproj`` writes it (``gguf``'s MMPROJ tensor names, ``clip.vision.*``
 keys, the soft-embedding norm stored as ``1 + w``). ``LLM("gemma-3-270m", mmproj=...)`` serves
-them as one Gemma 3 image-text model: ``transformers``' tokens and logprobs of the same weights
-with the image masks; the text-only vocabulary gains the image soft token after its end, as the 4B+
+them as one Gemma 3 image-text model, its language model's blocks packed as the text model's are:
+``transformers``' tokens and logprobs of the same (dequantized) weights with the image masks; the text-only vocabulary gains the image soft token after its end, as the 4B+
 models have it. A file that is no mmproj, and a projector for another family, are refused naming it.
 """
 
@@ -97,6 +97,9 @@ def test_two_llama_cpp_files_serve_gemma3_with_images(joined, greedy_ref, assert
     path, model = joined
     llm = LLM("gemma-3-270m", mmproj=str(path), num_kv_blocks=64, block_size=16)
     proc = AutoProcessor.from_pretrained(llm.llm_engine.model_dir)
+    from pagedllm.models.quant_linear import GGUFLinear  # the language model's blocks stay packed
+    packed = [m for m in llm.engine.core.runner.model.hf.model.language_model.modules() if isinstance(m, GGUFLinear)]
+    assert len(packed) >= 18 * 7, len(packed)
     assert proc.image_seq_length == 16 and proc.image_processor.size == {"height": 32, "width": 32}
     assert proc.tokenizer.convert_tokens_to_ids("<image_soft_token>") == 262144  # after the 270m's vocabulary
     text, img = "Describe <start_of_image> in one word.", _image(0)
