@@ -18,7 +18,11 @@
 
 Results: ``results/moe-<date>.json`` with the CPU's model and flags.
 
-Usage: ``python benchmarks/moe.py [--family qwen3moe|gpt-oss] [--layers 2] [--threads 2] [--repeats 2] [--serve]``
+``--compare-s8h``: ours again with Q6_K tiled one byte per weight (``S8H``), the layout before the 6-bit
+``U6H`` tiles (``quant_kernels.c``), in the same run.
+
+Usage: ``python benchmarks/moe.py [--family qwen3moe|gpt-oss] [--layers 2] [--threads 2] [--repeats 2] [--serve]
+[--compare-s8h]``
 """
 
 from __future__ import annotations
@@ -125,6 +129,9 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--json-out", default=None)
     ap.add_argument("--serve", action="store_true", help="also both servers at concurrency 1 and 16")
+    ap.add_argument("--serve-only", action="store_true", help="only the servers (no llama-bench, no memory)")
+    ap.add_argument("--compare-s8h", action="store_true",
+                    help="also ours with Q6_K tiled one byte per weight (S8H), as before the 6-bit tiles")
     ap.add_argument("--serve-requests", type=int, default=32, help="requests per concurrency level")
     ap.add_argument("--llama-cpp-bin", default="/work/peers/llamacpp-bin")
     ap.add_argument("--llama-cpp-src", default="/work/peers/llamacpp-src/llama_cpp_python-0.3.36/vendor/llama.cpp")
@@ -133,19 +140,28 @@ def main() -> int:
     gguf = build_gguf(args.layers, Path(args.llama_cpp_bin), Path(args.llama_cpp_src), args.family)
     res: dict = {"machine": machine_facts(), "start": idle(), "isa": cpu.isa(), "args": vars(args),
                  "gguf_file_mib": round(gguf.stat().st_size / 2**20, 1), "runs": {}}
-    res["memory"] = resident_mib(str(gguf), "auto")
-    res["memory"]["bound_mib"] = round(1.3 * (res["gguf_file_mib"] + KV_POOL_MIB + RUNTIME_MIB), 1)
-    print(f"file {res['gguf_file_mib']} MiB, resident memory {res['memory']}")
-    for nt in args.threads:
+    if not args.serve_only:
+        res["memory"] = resident_mib(str(gguf), "auto")
+        res["memory"]["bound_mib"] = round(1.3 * (res["gguf_file_mib"] + KV_POOL_MIB + RUNTIME_MIB), 1)
+        print(f"file {res['gguf_file_mib']} MiB, resident memory {res['memory']}")
+    for nt in [] if args.serve_only else args.threads:
         ours = measure(str(gguf), "int8", nt, args.repeats, False, "transformers")
         peer = llama_bench(Path(args.llama_cpp_bin), gguf, nt)
         res["runs"][f"t{nt}"] = {"pagedllm": ours, "llama.cpp": peer,
                                  "decode_ratio": ours["decode_tok_s"] / peer["tg128"],
                                  "prefill_ratio": ours["prefill_tok_s"] / peer["pp512"]}
+        if args.compare_s8h:  # the same build with the 6-bit tiles off (kernels.cpu.six_bit_tiles)
+            six_bit, cpu.six_bit_tiles = cpu.six_bit_tiles, lambda: False
+            try:
+                s8h = measure(str(gguf), "int8", nt, args.repeats, False, "transformers")
+            finally:
+                cpu.six_bit_tiles = six_bit
+            res["runs"][f"t{nt}"]["pagedllm_s8h"] = s8h
+            print(f"t{nt} pagedllm with Q6_K as S8H: decode {s8h['decode_tok_s']:.1f} prefill {s8h['prefill_tok_s']:.1f}")
         print(f"t{nt} pagedllm decode {ours['decode_tok_s']:.1f} prefill {ours['prefill_tok_s']:.1f}; llama.cpp "
               f"tg128 {peer['tg128']:.1f} pp512 {peer['pp512']:.1f}: {ours['decode_tok_s'] / peer['tg128']:.2f}x / "
               f"{ours['prefill_tok_s'] / peer['pp512']:.2f}x")
-    if args.serve:
+    if args.serve or args.serve_only:
         res["serve"] = serve(gguf, Path(args.llama_cpp_bin), max(args.threads), args.serve_requests)
     write_result("moe" if args.family == "qwen3moe" else f"moe-{args.family}", res, args.json_out)
     return 0
