@@ -129,3 +129,19 @@ def test_not_an_mmproj_or_another_projector_is_refused(tmp_path, joined):
     _write_mmproj(other, {k: v for k, v in model.state_dict().items() if k.startswith("model.vision_tower.")}, "mlp")
     with pytest.raises(ValueError, match="projector 'mlp' is not served"):
         read_mmproj(other)
+
+
+def test_mmproj_flag_reaches_the_engine_args(tmp_path):
+    """``pagedllm serve model.gguf --mmproj file`` (llama-server's flag) sets ``EngineArgs.mmproj``; a
+    missing file is named before anything loads."""
+    import argparse
+
+    from pagedllm.cli_args import add_engine_flags, engine_args_from_cli
+    from pagedllm.models.gguf_mmproj import with_mmproj
+    p = argparse.ArgumentParser()
+    p.add_argument("model")
+    add_engine_flags(p)
+    assert engine_args_from_cli(p.parse_args(["m.gguf", "--mmproj", "mmproj-f16.gguf"])).mmproj == "mmproj-f16.gguf"
+    assert engine_args_from_cli(p.parse_args(["m.gguf"])).mmproj is None
+    with pytest.raises(FileNotFoundError, match="--mmproj: no file"):
+        with_mmproj(tmp_path, tmp_path / "absent.gguf")
