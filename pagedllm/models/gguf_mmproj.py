@@ -162,8 +162,9 @@ def with_mmproj(text_dir: str | os.PathLike, mmproj: str | os.PathLike) -> Path:
 
     Raises:
         FileNotFoundError: no mmproj file there.
-        ValueError: as ``read_mmproj``, or a language model the projector does not fit (the message
-            names both).
+        ValueError: as ``read_mmproj``; a language model other than Gemma 3 (its ``model_type``
+            named); a tower or projector tensor missing from the file or of another size than the
+            language model needs (the tensor and the wanted shape named).
     """
     text_dir, mmproj = Path(text_dir), Path(mmproj).expanduser()
     if not mmproj.is_file():
