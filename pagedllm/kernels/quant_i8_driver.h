@@ -5,6 +5,9 @@
  * whatever else the batch holds. */
 #ifndef PL_QUANT_I8_DRIVER_H
 #define PL_QUANT_I8_DRIVER_H
+#ifndef QI_CHUNK
+#define QI_CHUNK 16
+#endif
 
 /* y rows [0, M) x tile t (output rows n0 .. n0 + nc) of format fmt, a constant once inlined */
 static inline __attribute__((always_inline)) void tile_rows(int fmt, const uint8_t *tq, const float *dt,
@@ -73,10 +76,14 @@ void pl_qgemm_i8(int fmt, const float *x, long M, const uint8_t *qs, const float
             #pragma omp for schedule(static)
             for (long i = 0; i < M; i++) quantize_row(x + i * K, K, mem + i * rb, rows + i);
         }
-        #pragma omp for schedule(static)
-        for (long t = 0; t < tiles; t++)
-            tile_rows_fmt(fmt, qs + t * nb * tbb, q_dat(fmt, d, t * ng * QT), mn ? mn + t * nb * QT : NULL, nb, rows, M, bias, y,
-                          N, t * QT);
+        /* rows in chunks of QI_CHUNK (their quantized levels stay in L2 while every tile passes by) */
+        for (long r0 = 0; r0 < M; r0 += QI_CHUNK) {
+            long rc = M - r0 < QI_CHUNK ? M - r0 : QI_CHUNK;
+            #pragma omp for schedule(static)
+            for (long t = 0; t < tiles; t++)
+                tile_rows_fmt(fmt, qs + t * nb * tbb, q_dat(fmt, d, t * ng * QT), mn ? mn + t * nb * QT : NULL, nb,
+                              rows + r0, rc, bias, y + r0 * N, N, t * QT);
+        }
     }
     free(mem);
     free(rows);
