@@ -52,7 +52,10 @@ class MultiModalInput(msgspec.Struct, frozen=True):
         offset: position of its first placeholder token in the prompt.
         length: placeholder tokens (= rows of its embeddings).
         data: its processor output ``pixel_values`` as raw bytes; shape, dtype: theirs
-            (``[C, H, W]``, ``float32``).
+            (``[C, H, W]``, ``float32``; LLaVA-NeXT: ``[patches, C, H, W]``, padded to the most
+            patches of the images processed with it).
+        extra: its rows of the processor's other per-image outputs the vision tower reads
+            (``PER_IMAGE_KEYS``: LLaVA-NeXT's ``image_sizes``, ``[height, width]`` in pixels).
     """
 
     hash: str
@@ -61,6 +64,7 @@ class MultiModalInput(msgspec.Struct, frozen=True):
     data: bytes
     shape: list[int]
     dtype: str = "float32"
+    extra: dict[str, list[int]] = {}
 
     @property
     def end(self) -> int:
@@ -71,6 +75,15 @@ class MultiModalInput(msgspec.Struct, frozen=True):
         """``[1, *shape]`` torch tensor of its pixels (a copy)."""
         import torch
         return torch.from_numpy(np.frombuffer(self.data, dtype=self.dtype).reshape(self.shape).copy()).unsqueeze(0)
+
+    def group_key(self) -> tuple:
+        """Images with equal keys run the vision tower as one batch: pixel shape and extras' names."""
+        return tuple(self.shape), tuple(sorted(self.extra))
+
+
+# the processors' per-image outputs other than pixel_values that get_image_features reads, one row per
+# image (LLaVA-NeXT: each image's original [height, width], which picks its patch grid)
+PER_IMAGE_KEYS = ("image_sizes",)
 
 
 def image_hash(image) -> str:
@@ -172,7 +185,9 @@ class MultiModalProcessor:
         if self.max_image_tokens is not None and any(n > self.max_image_tokens for _, n in runs):
             raise ValueError(f"{where}: an image takes {max(n for _, n in runs)} tokens, more than "
                              f"--max-num-batched-tokens ({self.max_image_tokens}); this model computes an image in one step")
-        return ids, [MultiModalInput(image_hash(img), off, n, pixels[i].tobytes(), list(pixels[i].shape))
+        extra = {k: np.asarray(out[k]).tolist() for k in PER_IMAGE_KEYS if k in out}
+        return ids, [MultiModalInput(image_hash(img), off, n, pixels[i].tobytes(), list(pixels[i].shape),
+                                     extra={k: v[i] for k, v in extra.items()})
                      for i, (img, (off, n)) in enumerate(zip(images, runs))]
 
 

@@ -113,7 +113,7 @@ def _text_config(config):
 
 # image-text models served through the backend (issue 41, first part): the language model on our
 # paged attention, the vision tower and projector as transformers builds them (its own attention)
-VISION_MODEL_TYPES = ("llava", "gemma3")
+VISION_MODEL_TYPES = ("llava", "llava_next", "gemma3")
 # those whose image tokens attend to each other both ways (transformers' Gemma 3 masks, vLLM's
 # is_mm_prefix_lm): the runner passes the images' spans to attention, the scheduler never splits one
 MM_PREFIX_MODEL_TYPES = ("gemma3",)
@@ -239,12 +239,15 @@ class TransformersCausalLM(nn.Module):
         """Model layer -> per-slot shapes of its recurrent-state tensors (``{}``: attention only)."""
         return self._state_spec
 
-    def encode_image(self, pixel_values: torch.Tensor) -> torch.Tensor:
+    def encode_image(self, pixel_values: torch.Tensor, **extra: torch.Tensor) -> torch.Tensor:
         """Images' embeddings in the language model's space: the model's own vision tower and
-        projector (``get_image_features``) on their processor's ``pixel_values`` ``[N, C, H, W]``;
-        returns ``[N * placeholder tokens, hidden]``, image after image."""
+        projector (``get_image_features``) on their processor's ``pixel_values`` ``[N, C, H, W]``
+        (LLaVA-NeXT: ``[N, patches, C, H, W]``) and per-image ``extra`` (``multimodal.PER_IMAGE_KEYS``:
+        ``image_sizes`` ``[N, 2]`` int64); returns ``[sum of placeholder tokens, hidden]``, image after
+        image."""
         p = next(self.hf.parameters())
-        feats = self.hf.get_image_features(pixel_values=pixel_values.to(p.device, p.dtype))
+        extra = {k: v.to(p.device) for k, v in extra.items()}
+        feats = self.hf.get_image_features(pixel_values=pixel_values.to(p.device, p.dtype), **extra)
         feats = getattr(feats, "pooler_output", feats)
         if isinstance(feats, (list, tuple)):
             feats = torch.cat(list(feats))

@@ -45,7 +45,7 @@ class MultiModalStep:
 
     def embeds(self, model, input_ids: torch.Tensor) -> torch.Tensor:
         """``[T, hidden]`` input embeddings of the step: the token embeddings with the image rows
-        written over their placeholders (``model.encode_image``, one call per pixel shape for all the
+        written over their placeholders (``model.encode_image``, one call per pixel shape (and extras) for all the
         step's new images; ``model.embed_tokens``).
 
         Raises:
@@ -53,9 +53,10 @@ class MultiModalStep:
         """
         groups: dict[tuple, list] = {}  # images of one pixel shape run the vision tower as one batch
         for holder, m in self.encode:
-            groups.setdefault(tuple(m.shape), []).append((holder, m))
-        for items in groups.values():
-            out = model.encode_image(torch.cat([m.pixel_values() for _, m in items]))
+            groups.setdefault(m.group_key(), []).append((holder, m))
+        for (_, names), items in groups.items():
+            extra = {k: torch.tensor([m.extra[k] for _, m in items]) for k in names}
+            out = model.encode_image(torch.cat([m.pixel_values() for _, m in items]), **extra)
             lengths = [m.length for _, m in items]
             if out.shape[0] != sum(lengths):
                 raise RuntimeError(f"the vision tower gave {out.shape[0]} rows for {sum(lengths)} image placeholders")
