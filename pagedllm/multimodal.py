@@ -55,7 +55,9 @@ class MultiModalInput(msgspec.Struct, frozen=True):
             (``[C, H, W]``, ``float32``; LLaVA-NeXT: ``[patches, C, H, W]``, padded to the most
             patches of the images processed with it).
         extra: its rows of the processor's other per-image outputs the vision tower reads
-            (``PER_IMAGE_KEYS``: LLaVA-NeXT's ``image_sizes``, ``[height, width]`` in pixels).
+            (``PER_IMAGE_KEYS``: LLaVA-NeXT's ``image_sizes``, ``[height, width]`` in pixels;
+            Qwen2.5-VL's ``image_grid_thw``, its ``[t, h, w]`` patches, whose pixels are then
+            ``[t * h * w, C * T * P * P]``).
     """
 
     hash: str
@@ -82,8 +84,9 @@ class MultiModalInput(msgspec.Struct, frozen=True):
 
 
 # the processors' per-image outputs other than pixel_values that get_image_features reads, one row per
-# image (LLaVA-NeXT: each image's original [height, width], which picks its patch grid)
-PER_IMAGE_KEYS = ("image_sizes",)
+# image (LLaVA-NeXT: each image's original [height, width], which picks its patch grid; Qwen2.5-VL:
+# its patch grid [t, h, w], which also gives its M-RoPE positions)
+PER_IMAGE_KEYS = ("image_sizes", "image_grid_thw")
 
 
 def image_hash(image) -> str:
@@ -143,16 +146,24 @@ class MultiModalProcessor:
         policy: where image URLs may point (``MediaPolicy``).
         max_image_tokens: most placeholder tokens of one image (``None``: any), for a model that
             computes an image in one step (Gemma 3: ``--max-num-batched-tokens``).
+        model_type: the model's ``config.model_type``: Qwen2-VL / Qwen2.5-VL take
+            ``multimodal_patches.PatchTokenProcessor`` instead of ``AutoProcessor``.
     Raises:
         ValueError: the directory has no processor ``transformers`` can load.
     """
 
     def __init__(self, model_dir: str | Path, image_token_id: int, limit_per_prompt: int,
-                 policy: MediaPolicy | None = None, max_image_tokens: int | None = None) -> None:
+                 policy: MediaPolicy | None = None, max_image_tokens: int | None = None,
+                 model_type: str | None = None) -> None:
         self.policy = policy or MediaPolicy()
         from transformers import AutoProcessor
+
+        from pagedllm.multimodal_patches import PATCH_PROCESSOR_TOKENS, PatchTokenProcessor
         try:
-            self.processor = AutoProcessor.from_pretrained(str(model_dir))
+            if model_type in PATCH_PROCESSOR_TOKENS:
+                self.processor = PatchTokenProcessor(model_dir, PATCH_PROCESSOR_TOKENS[model_type])
+            else:
+                self.processor = AutoProcessor.from_pretrained(str(model_dir))
         except Exception as exc:  # transformers raises OSError, ValueError, KeyError on a bad directory
             raise ValueError(f"{model_dir}: no image processor transformers can load ({exc})") from None
         self.image_token_id = image_token_id
@@ -178,8 +189,11 @@ class MultiModalProcessor:
             raise ValueError(f"{where}: {exc}") from None
         ids = [int(t) for t in np.asarray(out["input_ids"])[0]]
         pixels = np.ascontiguousarray(np.asarray(out["pixel_values"], dtype=np.float32))
+        if "image_grid_thw" in out:  # all images' patches in one [patches, dim] array (Qwen2.5-VL)
+            from pagedllm.multimodal_patches import patch_rows
+            pixels = patch_rows(pixels, np.asarray(out["image_grid_thw"]))
         runs = placeholder_runs(ids, self.image_token_id)
-        if len(runs) != len(images) or pixels.shape[0] != len(images):
+        if len(runs) != len(images) or len(pixels) != len(images):
             raise ValueError(f"{where}: the text places {len(runs)} images but {len(images)} were given "
                              f"(put the model's image token once per image)")
         if self.max_image_tokens is not None and any(n > self.max_image_tokens for _, n in runs):

@@ -329,11 +329,26 @@ def assert_same_greedy(got: list[int], want: list[int], prompt: list[int], hf_mo
     assert_greedy_match(got, ref_ids, ref_logits, what)
 
 
+def assert_logprobs_match(out, ref_ids: list[int], ref_logits: torch.Tensor, what: str, tol: float = 1e-3) -> float:
+    """A completion's top-k logprobs (``SamplingParams(logprobs=k)``) against the reference's at each
+    step up to the first different token; returns the largest gap."""
+    ref_lp = torch.log_softmax(ref_logits.double(), -1)
+    worst = 0.0
+    for i, (tok, lp) in enumerate(zip(out.token_ids, out.logprobs)):
+        worst = max(worst, *(abs(v.logprob - float(ref_lp[i, t])) for t, v in lp.items()))
+        if tok != ref_ids[i]:
+            break
+    assert worst <= tol, (what, worst)
+    return worst
+
+
 @pytest.fixture(scope="session")
 def greedy_ref():
-    """Greedy-reference helpers: ``hf_greedy``, ``assert_greedy_match``, ``assert_same_greedy``, ``gap_tol``."""
+    """Greedy-reference helpers: ``hf_greedy``, ``assert_greedy_match``, ``assert_same_greedy``,
+    ``assert_logprobs``, ``gap_tol``."""
     return SimpleNamespace(hf_greedy=hf_greedy, assert_greedy_match=assert_greedy_match,
-                           assert_same_greedy=assert_same_greedy, gap_tol=GREEDY_GAP_TOL)
+                           assert_same_greedy=assert_same_greedy, assert_logprobs=assert_logprobs_match,
+                           gap_tol=GREEDY_GAP_TOL)
 
 
 @pytest.fixture(scope="session")

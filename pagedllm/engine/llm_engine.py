@@ -112,7 +112,8 @@ class LLMEngine:
                              tuple(args.allowed_media_domains or ()))
         return MultiModalProcessor(self.model_dir, self.hf_config.image_token_id,
                                    (args.limit_mm_per_prompt or {}).get("image", 999), policy,
-                                   args.max_num_batched_tokens if is_mm_prefix_model(self.hf_config) else None)
+                                   args.max_num_batched_tokens if is_mm_prefix_model(self.hf_config) else None,
+                                   model_type=getattr(self.hf_config, "model_type", None))
 
     def _pooler_config(self):
         """The model's pooling defaults when the plan's runner pools (``EngineArgs.runner``), else ``None``."""

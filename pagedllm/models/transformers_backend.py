@@ -113,10 +113,12 @@ def _text_config(config):
 
 # image-text models served through the backend (issue 41, first part): the language model on our
 # paged attention, the vision tower and projector as transformers builds them (its own attention)
-VISION_MODEL_TYPES = ("llava", "llava_next", "gemma3")
+VISION_MODEL_TYPES = ("llava", "llava_next", "gemma3", "qwen2_vl", "qwen2_5_vl")
 # those whose image tokens attend to each other both ways (transformers' Gemma 3 masks, vLLM's
 # is_mm_prefix_lm): the runner passes the images' spans to attention, the scheduler never splits one
 MM_PREFIX_MODEL_TYPES = ("gemma3",)
+# those whose rotary positions are 3-D (temporal, height, width) over images: M-RoPE (Qwen2-VL, Qwen2.5-VL)
+MROPE_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
 
 
 def is_mm_prefix_model(config) -> bool:
@@ -221,6 +223,7 @@ class TransformersCausalLM(nn.Module):
         self._state_spec = state_cache_spec(cfg)
         self.decode_stack = None  # set by ``load_transformers_model`` where the C stack applies
         self.is_multimodal = is_vision_model(hf_model.config)  # images: encode_image, forward(mm=...)
+        self.mrope = getattr(hf_model.config, "model_type", None) in MROPE_MODEL_TYPES  # rope_positions
         self.mm_prefix_attention = is_mm_prefix_model(hf_model.config)  # within an image: both ways
         if self._state_spec:
             install_mixers(hf_model, cfg, self._step_state)
@@ -247,11 +250,24 @@ class TransformersCausalLM(nn.Module):
         image."""
         p = next(self.hf.parameters())
         extra = {k: v.to(p.device) for k, v in extra.items()}
+        if "image_grid_thw" in extra:  # Qwen2.5-VL reads all images' patches as one [patches, dim] array
+            pixel_values = pixel_values.flatten(0, 1)
         feats = self.hf.get_image_features(pixel_values=pixel_values.to(p.device, p.dtype), **extra)
         feats = getattr(feats, "pooler_output", feats)
         if isinstance(feats, (list, tuple)):
             feats = torch.cat(list(feats))
         return feats.reshape(-1, feats.shape[-1])
+
+    def rope_positions(self, prompt_ids: list[int], images) -> tuple[np.ndarray, int]:
+        """M-RoPE (``self.mrope``): the ``[3, n]`` int64 (temporal, height, width) positions of a
+        prompt's first ``n`` tokens, through its last image, and ``delta``: every later token ``p`` is
+        at ``p + delta`` on all three axes. ``images``: the prompt's ``MultiModalInput`` (their
+        ``image_grid_thw``). Source: transformers' ``get_rope_index`` on those ``n`` tokens."""
+        n = max(m.end for m in images)
+        ids = torch.tensor([prompt_ids[:n]])
+        grid = torch.tensor([m.extra["image_grid_thw"] for m in images])
+        pos, delta = self.hf.model.get_rope_index(ids, (ids == self.hf.config.image_token_id).int(), image_grid_thw=grid)
+        return pos[:, 0].numpy(), int(delta.reshape(-1)[0])
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         """``[T]`` ids -> ``[T, hidden]`` input embeddings (a tensor of its own: image rows go over it). An
@@ -263,7 +279,7 @@ class TransformersCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 meta: AttentionMetadata, logits_indices: torch.Tensor, hidden_indices: torch.Tensor | None = None,
-                state: StateBatch | None = None, mm=None):
+                state: StateBatch | None = None, mm=None, rope_positions: torch.Tensor | None = None):
         """Run one step (same contract as the native models).
 
         Args:
@@ -277,6 +293,8 @@ class TransformersCausalLM(nn.Module):
             state: the step's state slots (hybrid models; ``attention/state.py``), else ``None``.
             mm: the step's images (``worker.multimodal_step.MultiModalStep``): the model then runs
                 on input embeddings with the image rows written over their placeholders.
+            rope_positions: ``[3, T]`` int64 M-RoPE positions (``self.mrope``, a step with a request
+                that has images: ``EncoderCache.rope_positions``), in place of ``positions``.
         Returns:
             ``[R, vocab]`` float32 logits (after the model's own final soft-capping, if any); with
             ``hidden_indices``, ``(logits, [N, hidden] float32)``.
@@ -291,7 +309,8 @@ class TransformersCausalLM(nn.Module):
         try:
             tokens = ({"input_ids": input_ids.unsqueeze(0)} if mm is None
                       else {"inputs_embeds": mm.embeds(self, input_ids).unsqueeze(0)})
-            out = self.hf(**tokens, position_ids=positions.unsqueeze(0), use_cache=False,
+            pos = positions.unsqueeze(0) if rope_positions is None else rope_positions.unsqueeze(1)
+            out = self.hf(**tokens, position_ids=pos, use_cache=False,
                           logits_to_keep=logits_indices, return_dict=True, output_hidden_states=want_hidden)
         finally:
             _current = None

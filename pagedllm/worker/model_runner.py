@@ -105,7 +105,8 @@ class ModelRunner:
                                                 draft_slots=(max_num_reqs, draft_state_slots))
         self.sampler = Sampler(seed, eos_token_ids)
         # a multimodal model's encoder outputs and each step's image rows (multimodal_step.py)
-        self.encoder_cache = EncoderCache() if getattr(model, "is_multimodal", False) else None
+        self.encoder_cache = EncoderCache(model.rope_positions if getattr(model, "mrope", False) else None) if getattr(
+            model, "is_multimodal", False) else None
         self.mm_prefix = self.encoder_cache is not None and getattr(model, "mm_prefix_attention", False)
         # the strategies, chosen once: where inputs are built, how tokens are drawn, how steps are
         # issued (step_inputs.py, token_drawers.py, step_issuers.py)
@@ -187,9 +188,12 @@ class ModelRunner:
             kwargs["token_type_ids"] = types.to(self.device)  # a cross-encoder's pairs
         if self.encoder_cache is not None and (mm := self.encoder_cache.plan(so, rids, start, end, qsl)) is not None:
             kwargs["mm"] = mm  # image rows: encoded and written over their placeholders when the step runs
+        if self.encoder_cache is not None and (rope := self.encoder_cache.rope_positions(rids, start, n)) is not None:
+            kwargs["rope_positions"] = rope.to(self.device)  # M-RoPE: Qwen2.5-VL's 3-D positions over images
         return PreparedStep(
             pool_rows=pool_rows, pool_spans=pool_spans, model_kwargs=kwargs,
-            graph=self._graph_step(n, spec, sample, rows, pool_rows) and "mm" not in kwargs, has_pending=bool(pend.size),
+            graph=self._graph_step(n, spec, sample, rows, pool_rows) and not {"mm", "rope_positions"} & kwargs.keys(),
+            has_pending=bool(pend.size),
             **inputs, sample_ids=[rids[i] for i in sample.tolist()], sampling=sampling, prompt_lp=prompt_lp,
             slot_row=slot_row, grammar=grammar_rows(rids, sample, sampling, so.spec_token_ids),
             drafts=None if not so.spec_token_ids else [so.spec_token_ids.get(rids[i], []) for i in sample.tolist()],

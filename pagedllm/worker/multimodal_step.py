@@ -74,14 +74,19 @@ class MultiModalStep:
 class EncoderCache:
     """Encoder outputs by image hash, and the images of the requests the runner holds.
 
+    Args:
+        rope_index: an M-RoPE model's ``rope_positions`` (``None``: positions stay 1-D).
     Attributes:
         entries: image hash -> ``EncoderOutput``.
         images: request id -> its ``mm_inputs``.
+        rope: request id -> ``(positions [3, n] int64, delta)`` of a request with images (``rope_index``).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, rope_index=None) -> None:
         self.entries: dict[str, EncoderOutput] = {}
         self.images: dict[str, tuple] = {}
+        self.rope_index = rope_index
+        self.rope: dict[str, tuple[np.ndarray, int]] = {}
 
     def update(self, so) -> None:
         """Apply a ``SchedulerOutput``'s frees, finished and new requests."""
@@ -89,9 +94,35 @@ class EncoderCache:
             self.entries.pop(h, None)
         for rid in so.finished_req_ids:
             self.images.pop(rid, None)
+            self.rope.pop(rid, None)
         for nr in so.new_reqs:
             if nr.mm_inputs:
                 self.images[nr.req_id] = tuple(nr.mm_inputs)
+                if self.rope_index is not None:
+                    self.rope[nr.req_id] = self.rope_index(list(nr.token_ids), nr.mm_inputs)
+
+    def rope_positions(self, rids: list[str], start: np.ndarray, n: np.ndarray) -> torch.Tensor | None:
+        """``[3, T]`` int64 M-RoPE positions of the step's rows (``None`` when no scheduled request has
+        images): token ``p`` of a request with images at its ``rope`` entry's column ``p`` (through its
+        last image) or ``p + delta``, every other token at ``p`` on all three axes.
+
+        Args:
+            rids: the step's requests in batch order; start: ``[R]`` int64 tokens computed before the
+                step; n: ``[R]`` int64 rows each computes.
+        """
+        if not any(rid in self.rope for rid in rids):
+            return None
+        out = np.repeat(start - np.concatenate(([0], np.cumsum(n)[:-1])), n) + np.arange(int(n.sum()))
+        out = np.repeat(out[None], 3, axis=0)
+        row = 0
+        for rid, s, k in zip(rids, start.tolist(), n.tolist()):
+            if rid in self.rope:
+                table, delta = self.rope[rid]
+                p = np.arange(s, s + k)
+                inside = p < table.shape[1]
+                out[:, row:row + k] = np.where(inside, table[:, np.minimum(p, table.shape[1] - 1)], p + delta)
+            row += k
+        return torch.from_numpy(out)
 
     def spans(self, rids: list[str], start: np.ndarray, end: np.ndarray) -> list[tuple[tuple[int, int], ...]]:
         """Per request (batch order), the ``(offset, end)`` positions of its images with a placeholder

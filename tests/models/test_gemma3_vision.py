@@ -77,19 +77,6 @@ def _reference(gemma3, greedy_ref, text, images, two_way: bool = True):
     return greedy_ref.hf_greedy(model, inp["input_ids"][0].tolist(), MAX_NEW, **extra)
 
 
-def _assert_logprobs(out, ref_ids, ref_logits, what: str, tol: float = 1e-3) -> float:
-    """Our top-5 logprobs against the reference's at each step up to the first different token;
-    returns the largest gap."""
-    ref_lp = torch.log_softmax(ref_logits.double(), -1)
-    worst = 0.0
-    for i, (tok, lp) in enumerate(zip(out.token_ids, out.logprobs)):
-        worst = max(worst, *(abs(v.logprob - float(ref_lp[i, t])) for t, v in lp.items()))
-        if tok != ref_ids[i]:
-            break
-    assert worst <= tol, (what, worst)
-    return worst
-
-
 @pytest.mark.parametrize("budget,blocks", [(2048, 64), (36, 64), (2048, 16)])
 def test_gemma3_images_attend_both_ways(gemma3, greedy_ref, assert_no_leaks, budget, blocks):
     """Whole prompts; a budget of 36 tokens (the two-image prompt alone: its first chunk would end at
@@ -105,11 +92,11 @@ def test_gemma3_images_attend_both_ways(gemma3, greedy_ref, assert_no_leaks, bud
     for (text, images), out in zip(PROMPTS, outs):
         ids, logits = _reference(gemma3, greedy_ref, text, images)
         greedy_ref.assert_greedy_match(list(out.outputs[0].token_ids), ids, logits, f"{len(images)} images")
-        _assert_logprobs(out.outputs[0], ids, logits, f"{len(images)} images")
+        greedy_ref.assert_logprobs(out.outputs[0], ids, logits, f"{len(images)} images")
         if images and budget == 2048 and blocks == 64:
             causal_ids, causal_logits = _reference(gemma3, greedy_ref, text, images, two_way=False)
             with pytest.raises(AssertionError):
-                _assert_logprobs(out.outputs[0], causal_ids, causal_logits, "causal", tol=1e-2)
+                greedy_ref.assert_logprobs(out.outputs[0], causal_ids, causal_logits, "causal", tol=1e-2)
     if blocks == 16:
         assert llm.llm_engine.get_stats().num_preemptions > 0
     core = llm.engine.core
@@ -128,7 +115,7 @@ def test_a_prefix_cache_hit_through_an_image_keeps_the_logprobs(gemma3, greedy_r
     assert llm.llm_engine.get_stats().prefix_cache_hits - hits >= 16
     ids, logits = _reference(gemma3, greedy_ref, text, images)
     for out in (first, again):
-        _assert_logprobs(out.outputs[0], ids, logits, "prefix hit")
+        greedy_ref.assert_logprobs(out.outputs[0], ids, logits, "prefix hit")
     assert_no_leaks(llm.engine)
 
 
@@ -172,4 +159,4 @@ def test_llm_chat_with_an_image(gemma3, greedy_ref):
                                        token_type_ids=inp["token_type_ids"])
     assert out.prompt_token_ids == inp["input_ids"][0].tolist()
     greedy_ref.assert_greedy_match(list(out.outputs[0].token_ids), ids, logits, "LLM.chat")
-    _assert_logprobs(out.outputs[0], ids, logits, "LLM.chat")
+    greedy_ref.assert_logprobs(out.outputs[0], ids, logits, "LLM.chat")
