@@ -1,12 +1,13 @@
-"""Qwen2.5-VL (issue 41): images as a variable grid of flattened patches and M-RoPE, the rotary
-positions of image tokens three numbers (temporal, height, width) and every token after an image
-shifted by the image's extent rather than its length. A tiny random Qwen2.5-VL (a 2-block vision
+"""Qwen2.5-VL and Qwen2-VL (issue 41): images as a variable grid of flattened patches and M-RoPE,
+the rotary positions of image tokens three numbers (temporal, height, width) and every token after an
+image shifted by the image's extent rather than its length. A tiny random Qwen2.5-VL (a 2-block vision
 tower with one windowed and one full block, 14 px patches merged 2 x 2, before a 2-layer text model
-with SmolLM2's vocabulary) through the Transformers backend gives ``transformers``' greedy tokens
-(float32) for one and two images (a wide and a tall grid of equal token count: only their positions
-differ) beside a text-only prompt, whole, chunked through an image and preempted; the same image
-again hits the prefix cache. The processor is ours (``multimodal_patches``: transformers' own needs
-torchvision); its output is checked against transformers' expansion rule.
+with SmolLM2's vocabulary), and a Qwen2-VL of the same shapes, through the Transformers backend give
+``transformers``' greedy tokens and top-5 logprobs (float32) for one and two images (a wide and a tall
+grid of equal token count: only their positions differ) beside a text-only prompt, whole, chunked
+through an image and preempted; the same image again hits the prefix cache. The processor is ours
+(``multimodal_patches``: transformers' own needs torchvision); its output is checked against
+transformers' expansion rule.
 """
 
 from __future__ import annotations
@@ -27,28 +28,38 @@ def _image(seed: int, size):
     return Image.fromarray((np.random.default_rng(seed).random((*size, 3)) * 255).astype("uint8"))
 
 
-@pytest.fixture(scope="module")
-def qwen_vl(tmp_path_factory, smollm2_dir):
-    """``(model directory, transformers model)`` of the tiny random Qwen2.5-VL."""
-    from transformers import (AutoTokenizer, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration,
-                              Qwen2VLImageProcessorPil)
+# family -> (config and model classes, tiny vision tower): Qwen2.5-VL's windowed blocks, Qwen2-VL's plain ones
+FAMILIES = {
+    "qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration",
+                   dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=14,
+                        spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1])),
+    "qwen2_vl": ("Qwen2VLConfig", "Qwen2VLForConditionalGeneration",
+                 dict(depth=2, embed_dim=32, hidden_size=64, mlp_ratio=2, num_heads=2, patch_size=14,
+                      spatial_merge_size=2, temporal_patch_size=2))}
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def qwen_vl(request, tmp_path_factory, smollm2_dir):
+    """``(model directory, transformers model)`` of the tiny random Qwen2.5-VL (or Qwen2-VL)."""
+    import transformers
+    from transformers import AutoTokenizer, Qwen2VLImageProcessorPil
+    config_cls, model_cls, vision = FAMILIES[request.param]
     tok = AutoTokenizer.from_pretrained(smollm2_dir)
     tok.add_special_tokens({"additional_special_tokens": ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"]})
     start, pad, end = tok.convert_tokens_to_ids(["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"])
-    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=14,
-                  spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1])
     text = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=2,
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
-    cfg = Qwen2_5_VLConfig(vision_config=vision, text_config=text, image_token_id=pad, vision_start_token_id=start,
-                           vision_end_token_id=end)
+    cfg = getattr(transformers, config_cls)(vision_config=vision, text_config=text, image_token_id=pad,
+                                            vision_start_token_id=start, vision_end_token_id=end, bos_token_id=1,
+                                            eos_token_id=2)
     torch.manual_seed(0)
-    model = Qwen2_5_VLForConditionalGeneration(cfg).eval()
+    model = getattr(transformers, model_cls)(cfg).eval()
     with torch.no_grad():  # sharper attention: at transformers' initial scale it barely depends on positions
         for layer in model.model.language_model.layers:
             layer.self_attn.q_proj.weight.mul_(8)
             layer.self_attn.k_proj.weight.mul_(8)
-    out = tmp_path_factory.mktemp("qwen2_5_vl") / "tiny-qwen2.5-vl"
+    out = tmp_path_factory.mktemp(request.param) / f"tiny-{request.param}"
     model.save_pretrained(out)
     tok.save_pretrained(out)
     Qwen2VLImageProcessorPil(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 16, patch_size=14, merge_size=2,
@@ -68,7 +79,7 @@ def _request(text, images):
 
 def _inputs(qwen_vl, text, images):
     from pagedllm.multimodal_patches import PATCH_PROCESSOR_TOKENS, PatchTokenProcessor
-    proc = PatchTokenProcessor(qwen_vl[0], PATCH_PROCESSOR_TOKENS["qwen2_5_vl"])
+    proc = PatchTokenProcessor(qwen_vl[0], PATCH_PROCESSOR_TOKENS[qwen_vl[1].config.model_type])
     out = {k: torch.from_numpy(v) for k, v in proc(text=text, images=images).items()}
     if images:
         out["mm_token_type_ids"] = (out["input_ids"] == qwen_vl[1].config.image_token_id).int()
