@@ -50,7 +50,8 @@ class MultiModalInput(msgspec.Struct, frozen=True):
         hash: hex SHA-256 of the image's content (mode, size, pixels): the encoder cache's key and
             part of the hash of every KV block that holds its placeholders.
         offset: position of its first placeholder token in the prompt.
-        length: placeholder tokens (= rows of its embeddings).
+        length: tokens from its first placeholder through its last (= rows of its embeddings, unless
+            ``runs``).
         data: its processor output ``pixel_values`` as raw bytes; shape, dtype: theirs
             (``[C, H, W]``, ``float32``; LLaVA-NeXT: ``[patches, C, H, W]``, padded to the most
             patches of the images processed with it).
@@ -58,6 +59,9 @@ class MultiModalInput(msgspec.Struct, frozen=True):
             (``PER_IMAGE_KEYS``: LLaVA-NeXT's ``image_sizes``, ``[height, width]`` in pixels;
             Qwen2.5-VL's ``image_grid_thw``, its ``[t, h, w]`` patches, whose pixels are then
             ``[t * h * w, C * T * P * P]``).
+        runs: ``[start, count]`` of each run of its placeholders, ``start`` from ``offset``, when they
+            are several runs with other tokens between (Idefics3: one run per crop, each after its
+            ``<row_i_col_j>`` text); empty: one run of ``length``.
     """
 
     hash: str
@@ -67,11 +71,21 @@ class MultiModalInput(msgspec.Struct, frozen=True):
     shape: list[int]
     dtype: str = "float32"
     extra: dict[str, list[int]] = {}
+    runs: list[list[int]] = []
 
     @property
     def end(self) -> int:
         """One past its last placeholder position."""
         return self.offset + self.length
+
+    @property
+    def rows(self) -> int:
+        """Rows of its embeddings: its placeholder tokens."""
+        return sum(n for _, n in self.runs) if self.runs else self.length
+
+    def row_runs(self) -> list[tuple[int, int]]:
+        """``(start from offset, count)`` of each run of its placeholders, in order."""
+        return [(int(a), int(n)) for a, n in self.runs] if self.runs else [(0, self.length)]
 
     def pixel_values(self):
         """``[1, *shape]`` torch tensor of its pixels (a copy)."""
@@ -121,6 +135,27 @@ def read_images(data, where: str) -> tuple:
     if not images:
         raise ValueError(f"{where}.multi_modal_data.image: no image")
     return tuple(images)
+
+
+def _group_runs(runs: list[tuple[int, int]], counts: list[int] | None,
+                n_images: int) -> list[list[tuple[int, int]]] | None:
+    """The prompt's placeholder runs per image: one each (``counts`` ``None``), all of them for a
+    single image (``[-1]``), or consecutive runs adding up to each image's count; ``None`` when they do
+    not fit."""
+    if counts is None:
+        return [[r] for r in runs] if len(runs) == n_images else None
+    if counts == [-1]:
+        return [list(runs)] if runs and n_images == 1 else None
+    groups, it = [], iter(runs)
+    for want in counts:
+        group, got = [], 0
+        while got < want and (r := next(it, None)) is not None:
+            group.append(r)
+            got += r[1]
+        if got != want:
+            return None
+        groups.append(group)
+    return groups if next(it, None) is None else None
 
 
 def placeholder_runs(ids: list[int], token_id: int) -> list[tuple[int, int]]:
@@ -182,27 +217,44 @@ class MultiModalProcessor:
         if len(images) > self.limit_per_prompt:
             raise ValueError(f"{where}: {len(images)} images, more than --limit-mm-per-prompt allows "
                              f"({self.limit_per_prompt})")
+        out = self._process(prompt.text, images, prompt.add_special_tokens, where)
+        ids = [int(t) for t in np.asarray(out["input_ids"])[0]]
+        pixels, extra, counts = self._per_image(out, images, where)
+        groups = _group_runs(placeholder_runs(ids, self.image_token_id), counts, len(images))
+        if groups is None:
+            raise ValueError(f"{where}: the text places {len(placeholder_runs(ids, self.image_token_id))} image "
+                             f"runs for {len(images)} images (put the model's image token once per image)")
+        spans = [(g[0][0], g[-1][0] + g[-1][1] - g[0][0]) for g in groups]
+        if self.max_image_tokens is not None and any(n > self.max_image_tokens for _, n in spans):
+            raise ValueError(f"{where}: an image takes {max(n for _, n in spans)} tokens, more than "
+                             f"--max-num-batched-tokens ({self.max_image_tokens}); this model computes an image in one step")
+        return ids, [MultiModalInput(image_hash(img), off, n, pixels[i].tobytes(), list(pixels[i].shape),
+                                     extra={k: v[i] for k, v in extra.items()},
+                                     runs=[[a - off, c] for a, c in groups[i]] if len(groups[i]) > 1 else [])
+                     for i, (img, (off, n)) in enumerate(zip(images, spans))]
+
+    def _process(self, text: str, images: list, add_special_tokens: bool, where: str) -> dict:
         try:
-            out = self.processor(text=prompt.text, images=images, return_tensors="np",
-                                 add_special_tokens=prompt.add_special_tokens)
+            return self.processor(text=text, images=images, return_tensors="np", add_special_tokens=add_special_tokens)
         except ValueError as exc:  # the processor's own count check, or a bad image
             raise ValueError(f"{where}: {exc}") from None
-        ids = [int(t) for t in np.asarray(out["input_ids"])[0]]
+
+    def _per_image(self, out: dict, images: list, where: str) -> tuple[list, dict, list[int] | None]:
+        """Each image's pixels and ``PER_IMAGE_KEYS`` rows, and (when the prompt's runs cannot be
+        matched one per image) each image's placeholder count. A processor whose ``pixel_values`` are
+        not one entry per image (Idefics3: ``[1, all crops, C, H, W]``) is run again on each image
+        alone, with the model's image token as its text: that gives its crops and its count."""
         pixels = np.ascontiguousarray(np.asarray(out["pixel_values"], dtype=np.float32))
+        extra = {k: np.asarray(out[k]).tolist() for k in PER_IMAGE_KEYS if k in out}
         if "image_grid_thw" in out:  # all images' patches in one [patches, dim] array (Qwen2.5-VL)
             from pagedllm.multimodal_patches import patch_rows
-            pixels = patch_rows(pixels, np.asarray(out["image_grid_thw"]))
-        runs = placeholder_runs(ids, self.image_token_id)
-        if len(runs) != len(images) or len(pixels) != len(images):
-            raise ValueError(f"{where}: the text places {len(runs)} images but {len(images)} were given "
-                             f"(put the model's image token once per image)")
-        if self.max_image_tokens is not None and any(n > self.max_image_tokens for _, n in runs):
-            raise ValueError(f"{where}: an image takes {max(n for _, n in runs)} tokens, more than "
-                             f"--max-num-batched-tokens ({self.max_image_tokens}); this model computes an image in one step")
-        extra = {k: np.asarray(out[k]).tolist() for k in PER_IMAGE_KEYS if k in out}
-        return ids, [MultiModalInput(image_hash(img), off, n, pixels[i].tobytes(), list(pixels[i].shape),
-                                     extra={k: v[i] for k, v in extra.items()})
-                     for i, (img, (off, n)) in enumerate(zip(images, runs))]
+            return patch_rows(pixels, np.asarray(out["image_grid_thw"])), extra, None
+        if len(pixels) == len(images):
+            return list(pixels), extra, None if len(images) > 1 else [-1]
+        alone = [self._process(self.processor.image_token, [img], False, where) for img in images]
+        counts = [int((np.asarray(o["input_ids"])[0] == self.image_token_id).sum()) for o in alone]
+        return [np.ascontiguousarray(np.asarray(o["pixel_values"], dtype=np.float32))[0] for o in alone], {
+            k: [np.asarray(o[k]).tolist()[0] for o in alone] for k in extra}, counts
 
 
 MAX_IMAGE_PIXELS = 64 * 2**20  # an image of more pixels is refused (a decompression bomb)

@@ -57,7 +57,7 @@ class MultiModalStep:
         for (_, names), items in groups.items():
             extra = {k: torch.tensor([m.extra[k] for _, m in items]) for k in names}
             out = model.encode_image(torch.cat([m.pixel_values() for _, m in items]), **extra)
-            lengths = [m.length for _, m in items]
+            lengths = [m.rows for _, m in items]
             if out.shape[0] != sum(lengths):
                 raise RuntimeError(f"the vision tower gave {out.shape[0]} rows for {sum(lengths)} image placeholders")
             for (holder, _), rows in zip(items, out.split(lengths)):
@@ -148,8 +148,12 @@ class EncoderCache:
         fills = []
         for i, rid in enumerate(rids):
             for m in self.images.get(rid, ()):
-                lo, hi = max(m.offset, int(start[i])), min(m.end, int(end[i]))
-                if lo < hi:
-                    fills.append((int(qsl[i]) + lo - int(start[i]), self.entries[m.hash], lo - m.offset, hi - lo))
+                done = 0  # rows of the image before this run (several runs: Idefics3's crops)
+                for a, count in m.row_runs():
+                    lo, hi = max(m.offset + a, int(start[i])), min(m.offset + a + count, int(end[i]))
+                    if lo < hi:
+                        fills.append((int(qsl[i]) + lo - int(start[i]), self.entries[m.hash],
+                                      done + lo - m.offset - a, hi - lo))
+                    done += count
         drop = [(self.entries, h, self.entries[h]) for h in so.free_encoder_after if h in self.entries]
         return MultiModalStep(encode, fills, drop) if encode or fills else None
