@@ -181,8 +181,8 @@ class MultiModalProcessor:
         policy: where image URLs may point (``MediaPolicy``).
         max_image_tokens: most placeholder tokens of one image (``None``: any), for a model that
             computes an image in one step (Gemma 3: ``--max-num-batched-tokens``).
-        model_type: the model's ``config.model_type``: Qwen2-VL / Qwen2.5-VL take
-            ``multimodal_patches.PatchTokenProcessor`` instead of ``AutoProcessor``.
+        model_type: the model's ``config.model_type``: Qwen2-VL / Qwen2.5-VL and Mistral 3 take
+            ``multimodal_patches``' processors instead of ``AutoProcessor``.
     Raises:
         ValueError: the directory has no processor ``transformers`` can load.
     """
@@ -193,10 +193,12 @@ class MultiModalProcessor:
         self.policy = policy or MediaPolicy()
         from transformers import AutoProcessor
 
-        from pagedllm.multimodal_patches import PATCH_PROCESSOR_TOKENS, PatchTokenProcessor
+        from pagedllm.multimodal_patches import PATCH_PROCESSOR_TOKENS, PatchTokenProcessor, PixtralTokenProcessor
         try:
             if model_type in PATCH_PROCESSOR_TOKENS:
                 self.processor = PatchTokenProcessor(model_dir, PATCH_PROCESSOR_TOKENS[model_type])
+            elif model_type == "mistral3":
+                self.processor = PixtralTokenProcessor(model_dir)
             else:
                 self.processor = AutoProcessor.from_pretrained(str(model_dir))
         except Exception as exc:  # transformers raises OSError, ValueError, KeyError on a bad directory
@@ -249,8 +251,8 @@ class MultiModalProcessor:
         if "image_grid_thw" in out:  # all images' patches in one [patches, dim] array (Qwen2.5-VL)
             from pagedllm.multimodal_patches import patch_rows
             return patch_rows(pixels, np.asarray(out["image_grid_thw"])), extra, None
-        if len(pixels) == len(images):
-            return list(pixels), extra, None if len(images) > 1 else [-1]
+        if len(pixels) == len(images):  # Pixtral's counts: its rows are runs between [IMG_BREAK]s
+            return list(pixels), extra, out.get("image_token_counts", None if len(images) > 1 else [-1])
         alone = [self._process(self.processor.image_token, [img], False, where) for img in images]
         counts = [int((np.asarray(o["input_ids"])[0] == self.image_token_id).sum()) for o in alone]
         return [np.ascontiguousarray(np.asarray(o["pixel_values"], dtype=np.float32))[0] for o in alone], {

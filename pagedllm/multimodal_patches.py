@@ -1,15 +1,18 @@
-"""The processor of the models whose images become a variable grid of flattened patches (Qwen2-VL,
-Qwen2.5-VL; issue 41), built from the model's image processor and tokenizer.
+"""The processors of the models whose images become a variable grid of patches (Qwen2-VL, Qwen2.5-VL,
+Pixtral / Mistral 3; issue 41), built from the model's image processor and tokenizer.
 
-Why ours: ``transformers``' ``Qwen2_5_VLProcessor`` also builds a video processor, which needs
-torchvision; the registry's torchvision is a CUDA build that does not load beside the CPU torch
-installed here. The image processor alone (``AutoImageProcessor``: its PIL backend without
-torchvision) does the resizing and patching; what the processor adds is one step, done here as it
-does it: each image token in the text becomes ``prod(image_grid_thw) / merge_size**2`` of them.
+Why ours: ``transformers``' ``Qwen2_5_VLProcessor`` also builds a video processor, and its
+``PixtralProcessor`` is marked as needing torchvision; the registry's torchvision is a CUDA build
+that does not load beside the CPU torch installed here. The image processor alone
+(``AutoImageProcessor``: its PIL backend without torchvision) does the resizing and patching; what
+the processor adds is the placeholder expansion, done here as it does it: Qwen's image token becomes
+``prod(image_grid_thw) / merge_size**2`` of them, Pixtral's ``[IMG]`` a row of ``[IMG]`` per patch
+row, each row ended by ``[IMG_BREAK]`` and the last by ``[IMG_END]``.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -67,3 +70,59 @@ class PatchTokenProcessor:
 def patch_rows(pixels: np.ndarray, grid: np.ndarray) -> list[np.ndarray]:
     """Each image's ``[t * h * w, dim]`` rows of a processor's flattened ``pixel_values``."""
     return np.split(pixels, np.cumsum(grid.prod(-1))[:-1])
+
+
+class PixtralTokenProcessor:
+    """``processor(text=..., images=..., return_tensors="np")`` of Pixtral / Mistral 3.
+
+    Args:
+        model_dir: the model directory: tokenizer, ``preprocessor_config.json`` and the processor's
+            ``processor_config.json`` (``patch_size``, ``spatial_merge_size``, ``image_token``,
+            ``image_break_token``, ``image_end_token``; absent keys: ``config.json``'s vision
+            patch size and merge size, Pixtral's token names).
+    Raises:
+        OSError, ValueError: from ``transformers`` when the directory lacks a part.
+    Source: transformers' ``PixtralProcessor`` (``replace_image_token``).
+    """
+
+    def __init__(self, model_dir: str | Path) -> None:
+        from transformers import AutoImageProcessor, AutoTokenizer
+        model_dir = Path(model_dir)
+        self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        self.image_processor = AutoImageProcessor.from_pretrained(str(model_dir))
+        cfg = json.loads((model_dir / "config.json").read_text())
+        pc = model_dir / "processor_config.json"
+        pc = json.loads(pc.read_text()) if pc.is_file() else {}
+        self.patch = int(pc.get("patch_size", cfg.get("vision_config", {}).get("patch_size", 16)))
+        self.patch *= int(pc.get("spatial_merge_size", cfg.get("spatial_merge_size", 1)))
+        self.image_token = pc.get("image_token", "[IMG]")
+        self.break_token = pc.get("image_break_token", "[IMG_BREAK]")
+        self.end_token = pc.get("image_end_token", "[IMG_END]")
+
+    def __call__(self, text: str, images: list | None = None, return_tensors: str = "np",
+                 add_special_tokens: bool = True) -> dict:
+        """``{"input_ids": [1, L] int64, "pixel_values": [N, C, H, W] float32 (padded to the largest),
+        "image_sizes": [N, 2] int64 (each image's resized height and width), "image_token_counts":
+        [N]}`` (the last three only with images).
+
+        Raises:
+            ValueError: the text's placeholder count differs from the images'.
+        """
+        images = list(images or [])
+        pieces = text.split(self.image_token)
+        if len(pieces) - 1 != len(images):
+            raise ValueError(f"the text has {len(pieces) - 1} {self.image_token} tokens but {len(images)} images "
+                             f"were given")
+        out: dict = {}
+        if images:
+            pixels = self.image_processor(images=images, return_tensors="np", patch_size=self.patch)
+            out["pixel_values"] = np.asarray(pixels["pixel_values"], dtype=np.float32)
+            out["image_sizes"] = np.asarray(pixels["image_sizes"], dtype=np.int64)
+            grids = [(int(h) // self.patch, int(w) // self.patch) for h, w in out["image_sizes"]]
+            out["image_token_counts"] = [h * w for h, w in grids]
+            rows = [((self.image_token * w + self.break_token) * h)[:-len(self.break_token)] + self.end_token
+                    for h, w in grids]
+            text = pieces[0] + "".join(r + rest for r, rest in zip(rows, pieces[1:]))
+        out["input_ids"] = np.asarray([self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]],
+                                      dtype=np.int64)
+        return out
