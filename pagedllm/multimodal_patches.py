@@ -20,7 +20,7 @@ import numpy as np
 # model types whose processor this module stands in for: (the text that stands for one image, as
 # their chat template writes it; the token in it that the processor repeats once per image row)
 _QWEN = ("<|vision_start|><|image_pad|><|vision_end|>", "<|image_pad|>")
-PATCH_PROCESSOR_TOKENS = {"qwen2_vl": _QWEN, "qwen2_5_vl": _QWEN}
+PATCH_PROCESSOR_TOKENS = {"qwen2_vl": _QWEN, "qwen2_5_vl": _QWEN, "qwen3_vl": _QWEN}
 
 
 class PatchTokenProcessor:

@@ -102,7 +102,7 @@ class LLMEngine:
 
     def _multimodal_processor(self, args: EngineArgs):
         """An image-text model's processor (``multimodal.MultiModalProcessor``), else ``None``."""
-        from pagedllm.models.transformers_backend import is_mm_prefix_model, is_vision_model
+        from pagedllm.models.transformers_vision import is_mm_prefix_model, is_vision_model
         if not is_vision_model(self.hf_config):
             return None
         from pathlib import Path as _Path

@@ -32,6 +32,7 @@ from pagedllm.attention.backend import AttentionBackend
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.state import StateBatch
 from pagedllm.models.decode_stack import one_sequence
+from pagedllm.models.transformers_vision import MROPE_MODEL_TYPES, VisionMixin, is_mm_prefix_model, is_vision_model
 from pagedllm.models.hf_config import num_kv_heads
 from pagedllm.models.hybrid import (attention_layer_indices, hybrid_family, install_mixers, layer_kinds,
                                     state_cache_spec)
@@ -111,26 +112,6 @@ def _text_config(config):
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
-# image-text models served through the backend (issue 41, first part): the language model on our
-# paged attention, the vision tower and projector as transformers builds them (its own attention)
-VISION_MODEL_TYPES = ("llava", "llava_next", "gemma3", "qwen2_vl", "qwen2_5_vl", "idefics3", "mistral3")
-# those whose image tokens attend to each other both ways (transformers' Gemma 3 masks, vLLM's
-# is_mm_prefix_lm): the runner passes the images' spans to attention, the scheduler never splits one
-MM_PREFIX_MODEL_TYPES = ("gemma3",)
-# those whose rotary positions are 3-D (temporal, height, width) over images: M-RoPE (Qwen2-VL, Qwen2.5-VL)
-MROPE_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
-
-
-def is_mm_prefix_model(config) -> bool:
-    """Whether ``config``'s image tokens attend bidirectionally within their image (Gemma 3)."""
-    return getattr(config, "model_type", None) in MM_PREFIX_MODEL_TYPES
-
-
-def is_vision_model(config) -> bool:
-    """Whether ``config`` is an image-text model the backend serves with its images."""
-    return getattr(config, "model_type", None) in VISION_MODEL_TYPES
-
-
 def _auto_class(config):
     """``transformers``' auto class for ``config``: image-text-to-text for ``VISION_MODEL_TYPES``."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
@@ -195,7 +176,7 @@ def _check_modules(hf: nn.Module, backend: AttentionBackend) -> None:
                              f"does not implement")
 
 
-class TransformersCausalLM(nn.Module):
+class TransformersCausalLM(VisionMixin, nn.Module):
     """A ``transformers`` causal LM behind pagedllm's model interface.
 
     Args:
@@ -242,41 +223,6 @@ class TransformersCausalLM(nn.Module):
         """Model layer -> per-slot shapes of its recurrent-state tensors (``{}``: attention only)."""
         return self._state_spec
 
-    def encode_image(self, pixel_values: torch.Tensor, **extra: torch.Tensor) -> torch.Tensor:
-        """Images' embeddings in the language model's space: the model's own vision tower and
-        projector (``get_image_features``) on their processor's ``pixel_values`` ``[N, C, H, W]``
-        (LLaVA-NeXT: ``[N, patches, C, H, W]``) and per-image ``extra`` (``multimodal.PER_IMAGE_KEYS``:
-        ``image_sizes`` ``[N, 2]`` int64); returns ``[sum of placeholder tokens, hidden]``, image after
-        image."""
-        p = next(self.hf.parameters())
-        extra = {k: v.to(p.device) for k, v in extra.items()}
-        if "image_grid_thw" in extra:  # Qwen2.5-VL reads all images' patches as one [patches, dim] array
-            pixel_values = pixel_values.flatten(0, 1)
-        feats = self.hf.get_image_features(pixel_values=pixel_values.to(p.device, p.dtype), **extra)
-        feats = getattr(feats, "pooler_output", feats)
-        if isinstance(feats, (list, tuple)):
-            feats = torch.cat(list(feats))
-        return feats.reshape(-1, feats.shape[-1])
-
-    def rope_positions(self, prompt_ids: list[int], images) -> tuple[np.ndarray, int]:
-        """M-RoPE (``self.mrope``): the ``[3, n]`` int64 (temporal, height, width) positions of a
-        prompt's first ``n`` tokens, through its last image, and ``delta``: every later token ``p`` is
-        at ``p + delta`` on all three axes. ``images``: the prompt's ``MultiModalInput`` (their
-        ``image_grid_thw``). Source: transformers' ``get_rope_index`` on those ``n`` tokens."""
-        n = max(m.end for m in images)
-        ids = torch.tensor([prompt_ids[:n]])
-        grid = torch.tensor([m.extra["image_grid_thw"] for m in images])
-        pos, delta = self.hf.model.get_rope_index(ids, (ids == self.hf.config.image_token_id).int(), image_grid_thw=grid)
-        return pos[:, 0].numpy(), int(delta.reshape(-1)[0])
-
-    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """``[T]`` ids -> ``[T, hidden]`` input embeddings (a tensor of its own: image rows go over it). An
-        image token past the embedding table (a text-only Gemma 3 vocabulary with llama.cpp's mmproj)
-        embeds as token 0: its row is written over."""
-        table = self.hf.get_input_embeddings()
-        ids = torch.where(input_ids < table.num_embeddings, input_ids, torch.zeros_like(input_ids))
-        return table(ids).clone()
-
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 meta: AttentionMetadata, logits_indices: torch.Tensor, hidden_indices: torch.Tensor | None = None,
                 state: StateBatch | None = None, mm=None, rope_positions: torch.Tensor | None = None):
@@ -310,6 +256,8 @@ class TransformersCausalLM(nn.Module):
             tokens = ({"input_ids": input_ids.unsqueeze(0)} if mm is None
                       else {"inputs_embeds": mm.embeds(self, input_ids).unsqueeze(0)})
             pos = positions.unsqueeze(0) if rope_positions is None else rope_positions.unsqueeze(1)
+            if mm is not None and mm.deepstack is not None and not want_hidden:
+                return self._deepstack_logits(tokens["inputs_embeds"], pos, mm.deepstack, logits_indices)
             out = self.hf(**tokens, position_ids=pos, use_cache=False,
                           logits_to_keep=logits_indices, return_dict=True, output_hidden_states=want_hidden)
         finally:

@@ -38,10 +38,12 @@ class MultiModalStep:
             ``first ..`` of the holder's embeddings.
         drop: ``(cache entries, hash, holder)``: entries to remove once the rows are written (no
             later step reads them), each only while it is still that holder.
+        deepstack: after ``embeds``, Qwen3-VL's per-layer image rows of the step (``_deepstack``).
     """
 
     def __init__(self, encode: list, fills: list, drop: list) -> None:
         self.encode, self.fills, self.drop = encode, fills, drop
+        self.deepstack: tuple[torch.Tensor, torch.Tensor] | None = None  # set by embeds (_deepstack)
 
     def embeds(self, model, input_ids: torch.Tensor) -> torch.Tensor:
         """``[T, hidden]`` input embeddings of the step: the token embeddings with the image rows
@@ -63,12 +65,27 @@ class MultiModalStep:
             for (holder, _), rows in zip(items, out.split(lengths)):
                 holder.value = rows
         x = model.embed_tokens(input_ids)
+        width = x.shape[1]
         for row, holder, first, count in self.fills:
-            x[row:row + count] = holder.value[first:first + count].to(x.dtype)
+            x[row:row + count] = holder.value[first:first + count, :width].to(x.dtype)
+        self.deepstack = self._deepstack(x, width)
         for entries, h, holder in self.drop:
             if entries.get(h) is holder:  # not re-encoded by a step planned since
                 del entries[h]
         return x
+
+    def _deepstack(self, x: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Qwen3-VL's deepstack: an image row wider than the embeddings carries, after its embedding,
+        one more row per early decoder layer (``encode_image``). Returns ``(mask [T] bool of the
+        step's image rows, [n, layers * hidden] their extra columns in row order)`` or ``None``."""
+        wide = [f for f in self.fills if f[1].value.shape[1] > width]
+        if not wide:
+            return None
+        rows = torch.cat([torch.arange(r, r + c) for r, _, _, c in wide])
+        extra = torch.cat([h.value[f:f + c, width:] for _, h, f, c in wide]).to(x.dtype)
+        mask = torch.zeros(x.shape[0], dtype=torch.bool)
+        mask[rows] = True
+        return mask, extra[rows.argsort()]  # the mask selects rows in row order
 
 
 class EncoderCache:

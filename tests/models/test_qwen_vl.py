@@ -28,28 +28,34 @@ def _image(seed: int, size):
     return Image.fromarray((np.random.default_rng(seed).random((*size, 3)) * 255).astype("uint8"))
 
 
-# family -> (config and model classes, tiny vision tower): Qwen2.5-VL's windowed blocks, Qwen2-VL's plain ones
+# family -> (config and model classes, tiny vision tower, patch size): Qwen2.5-VL's windowed blocks,
+# Qwen2-VL's plain ones, Qwen3-VL's with deepstack rows from both blocks into the first two text layers
 FAMILIES = {
     "qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration",
                    dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=14,
-                        spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1])),
+                        spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1]), 14),
     "qwen2_vl": ("Qwen2VLConfig", "Qwen2VLForConditionalGeneration",
                  dict(depth=2, embed_dim=32, hidden_size=64, mlp_ratio=2, num_heads=2, patch_size=14,
-                      spatial_merge_size=2, temporal_patch_size=2))}
+                      spatial_merge_size=2, temporal_patch_size=2), 14),
+    "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration",
+                 dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=16,
+                      spatial_merge_size=2, temporal_patch_size=2, deepstack_visual_indexes=[0, 1],
+                      num_position_embeddings=64), 16)}
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def qwen_vl(request, tmp_path_factory, smollm2_dir):
-    """``(model directory, transformers model)`` of the tiny random Qwen2.5-VL (or Qwen2-VL)."""
+    """``(model directory, transformers model, prompts)`` of the tiny random model of one family."""
     import transformers
     from transformers import AutoTokenizer, Qwen2VLImageProcessorPil
-    config_cls, model_cls, vision = FAMILIES[request.param]
+    config_cls, model_cls, vision, patch = FAMILIES[request.param]
     tok = AutoTokenizer.from_pretrained(smollm2_dir)
     tok.add_special_tokens({"additional_special_tokens": ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"]})
     start, pad, end = tok.convert_tokens_to_ids(["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"])
     text = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=2,
-                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
+                num_key_value_heads=2, head_dim=16, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
+                pad_token_id=2, rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
+                                                 "mrope_interleaved": request.param == "qwen3_vl"})
     cfg = getattr(transformers, config_cls)(vision_config=vision, text_config=text, image_token_id=pad,
                                             vision_start_token_id=start, vision_end_token_id=end, bos_token_id=1,
                                             eos_token_id=2)
@@ -57,20 +63,22 @@ def qwen_vl(request, tmp_path_factory, smollm2_dir):
     model = getattr(transformers, model_cls)(cfg).eval()
     with torch.no_grad():  # sharper attention: at transformers' initial scale it barely depends on positions
         for layer in model.model.language_model.layers:
-            layer.self_attn.q_proj.weight.mul_(8)
-            layer.self_attn.k_proj.weight.mul_(8)
+            attn = layer.self_attn
+            for w in ((attn.q_norm.weight, attn.k_norm.weight) if hasattr(attn, "q_norm")  # Qwen3: after the norm
+                      else (attn.q_proj.weight, attn.k_proj.weight)):
+                w.mul_(8)
     out = tmp_path_factory.mktemp(request.param) / f"tiny-{request.param}"
     model.save_pretrained(out)
     tok.save_pretrained(out)
-    Qwen2VLImageProcessorPil(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 16, patch_size=14, merge_size=2,
+    unit = 2 * patch  # a merged patch
+    Qwen2VLImageProcessorPil(min_pixels=unit * unit * 4, max_pixels=unit * unit * 16, patch_size=patch, merge_size=2,
                              temporal_patch_size=2).save_pretrained(out)
-    return out, model
-
-
-# 56 x 84 and 84 x 56 pixels: grids of 4 x 6 and 6 x 4 patches, 6 tokens each
-PROMPTS = [(f"Describe {IMAGE} please.", [_image(0, (56, 84))]),
-           (f"Compare {IMAGE} with {IMAGE}: which is brighter?", [_image(1, (56, 84)), _image(2, (84, 56))]),
-           ("Tell me about the printing press.", [])]
+    # a wide and a tall image: grids of 4 x 6 and 6 x 4 patches, 6 tokens each
+    wide, tall = (2 * unit, 3 * unit), (3 * unit, 2 * unit)
+    prompts = [(f"Describe {IMAGE} please.", [_image(0, wide)]),
+               (f"Compare {IMAGE} with {IMAGE}: which is brighter?", [_image(1, wide), _image(2, tall)]),
+               ("Tell me about the printing press.", [])]
+    return out, model, prompts
 
 
 def _request(text, images):
@@ -95,8 +103,8 @@ def _reference(qwen_vl, greedy_ref, text, images):
 def test_processor_and_positions_matter(qwen_vl):
     """Our processor expands each image to prod(grid) / 4 tokens; M-RoPE moves the logprobs by more
     than 10x the tests' tolerance (a server on 1-D positions fails the logprob checks below)."""
-    _, model = qwen_vl
-    inp = _inputs(qwen_vl, *PROMPTS[1])
+    _, model, prompts = qwen_vl
+    inp = _inputs(qwen_vl, *prompts[1])
     assert inp["image_grid_thw"].tolist() == [[1, 4, 6], [1, 6, 4]]
     assert int((inp["input_ids"] == model.config.image_token_id).sum()) == 12
     with torch.no_grad():
@@ -112,8 +120,9 @@ def test_qwen2_5_vl_gives_transformers_tokens(qwen_vl, greedy_ref, assert_no_lea
     """Whole prompts; a budget of 4 tokens (chunks end inside an image's 6 placeholders); 14 blocks of
     4 for three prompts of 7-25 tokens (12 blocks; preemption: the images are encoded again, positions kept)."""
     llm = LLM(str(qwen_vl[0]), num_kv_blocks=blocks, block_size=4, max_num_batched_tokens=budget)
-    outs = llm.generate([_request(t, i) for t, i in PROMPTS], GREEDY, use_tqdm=False)
-    for (text, images), out in zip(PROMPTS, outs):
+    prompts = qwen_vl[2]
+    outs = llm.generate([_request(t, i) for t, i in prompts], GREEDY, use_tqdm=False)
+    for (text, images), out in zip(prompts, outs):
         ids, logits = _reference(qwen_vl, greedy_ref, text, images)
         greedy_ref.assert_greedy_match(list(out.outputs[0].token_ids), ids, logits, f"{len(images)} images")
         greedy_ref.assert_logprobs(out.outputs[0], ids, logits, f"{len(images)} images")
@@ -129,12 +138,12 @@ def test_qwen2_5_vl_gives_transformers_tokens(qwen_vl, greedy_ref, assert_no_lea
 def test_same_image_hits_the_prefix_cache(qwen_vl, greedy_ref, assert_no_leaks):
     llm = LLM(str(qwen_vl[0]), num_kv_blocks=64, block_size=4)
     enc = llm.engine.core.scheduler.encoder
-    text = f"Describe {IMAGE} please, in detail and at length."
-    first = llm.generate([_request(text, [_image(0, (56, 84))])], GREEDY, use_tqdm=False)[0]
+    text, image = f"Describe {IMAGE} please, in detail and at length.", qwen_vl[2][0][1]
+    first = llm.generate([_request(text, image)], GREEDY, use_tqdm=False)[0]
     hits = llm.llm_engine.get_stats().prefix_cache_hits
-    again = llm.generate([_request(text, [_image(0, (56, 84))])], GREEDY, use_tqdm=False)[0]
+    again = llm.generate([_request(text, image)], GREEDY, use_tqdm=False)[0]
     assert enc.num_encoded == 1 and again.outputs[0].token_ids == first.outputs[0].token_ids
     assert llm.llm_engine.get_stats().prefix_cache_hits - hits >= 8
-    ids, logits = _reference(qwen_vl, greedy_ref, text, [_image(0, (56, 84))])
+    ids, logits = _reference(qwen_vl, greedy_ref, text, image)
     greedy_ref.assert_logprobs(again.outputs[0], ids, logits, "prefix hit")
     assert_no_leaks(llm.engine)

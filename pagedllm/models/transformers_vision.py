@@ -1,0 +1,88 @@
+"""The image side of the Transformers backend (issue 41): which ``transformers`` image-text models it
+serves and how (``VISION_MODEL_TYPES``, image-prefix attention, M-RoPE), and ``VisionMixin``, the
+model methods the runner's encoder step calls: the vision tower and projector as ``transformers``
+builds them (``encode_image``), the input embeddings the image rows are written over
+(``embed_tokens``), Qwen-VL's 3-D rotary positions (``rope_positions``) and Qwen3-VL's deepstack rows
+(``_deepstack_logits``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+# image-text models served through the backend (issue 41, first part): the language model on our
+# paged attention, the vision tower and projector as transformers builds them (its own attention)
+VISION_MODEL_TYPES = ("llava", "llava_next", "gemma3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "idefics3", "mistral3")
+# those whose image tokens attend to each other both ways (transformers' Gemma 3 masks, vLLM's
+# is_mm_prefix_lm): the runner passes the images' spans to attention, the scheduler never splits one
+MM_PREFIX_MODEL_TYPES = ("gemma3",)
+# those whose rotary positions are 3-D (temporal, height, width) over images: M-RoPE (Qwen2-VL, Qwen2.5-VL,
+# Qwen3-VL)
+MROPE_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+
+
+def is_mm_prefix_model(config) -> bool:
+    """Whether ``config``'s image tokens attend bidirectionally within their image (Gemma 3)."""
+    return getattr(config, "model_type", None) in MM_PREFIX_MODEL_TYPES
+
+
+def is_vision_model(config) -> bool:
+    """Whether ``config`` is an image-text model the backend serves with its images."""
+    return getattr(config, "model_type", None) in VISION_MODEL_TYPES
+
+
+
+class VisionMixin:
+    """Image methods of ``TransformersCausalLM`` (its ``hf`` model: ``AutoModelForImageTextToText``)."""
+
+    def encode_image(self, pixel_values: torch.Tensor, **extra: torch.Tensor) -> torch.Tensor:
+        """Images' embeddings in the language model's space: the model's own vision tower and
+        projector (``get_image_features``) on their processor's ``pixel_values`` ``[N, C, H, W]``
+        (LLaVA-NeXT: ``[N, patches, C, H, W]``) and per-image ``extra`` (``multimodal.PER_IMAGE_KEYS``:
+        ``image_sizes`` ``[N, 2]`` int64); returns ``[sum of placeholder tokens, hidden]``, image after
+        image (Qwen3-VL: ``[..., (1 + deepstack layers) * hidden]``, each row's deepstack rows after its
+        embedding: ``MultiModalStep.deepstack``)."""
+        p = next(self.hf.parameters())
+        extra = {k: v.to(p.device) for k, v in extra.items()}
+        if "image_grid_thw" in extra:  # Qwen2.5-VL reads all images' patches as one [patches, dim] array
+            pixel_values = pixel_values.flatten(0, 1)
+        out = self.hf.get_image_features(pixel_values=pixel_values.to(p.device, p.dtype), **extra)
+        feats = _rows(getattr(out, "pooler_output", out))
+        deep = getattr(out, "deepstack_features", None)  # Qwen3-VL: per early layer, carried beside each row
+        return torch.cat([feats] + [_rows(d) for d in deep], dim=-1) if deep else feats
+
+    def rope_positions(self, prompt_ids: list[int], images) -> tuple[np.ndarray, int]:
+        """M-RoPE (``self.mrope``): the ``[3, n]`` int64 (temporal, height, width) positions of a
+        prompt's first ``n`` tokens, through its last image, and ``delta``: every later token ``p`` is
+        at ``p + delta`` on all three axes. ``images``: the prompt's ``MultiModalInput`` (their
+        ``image_grid_thw``). Source: transformers' ``get_rope_index`` on those ``n`` tokens."""
+        n = max(m.end for m in images)
+        ids = torch.tensor([prompt_ids[:n]])
+        grid = torch.tensor([m.extra["image_grid_thw"] for m in images])
+        pos, delta = self.hf.model.get_rope_index(ids, (ids == self.hf.config.image_token_id).int(), image_grid_thw=grid)
+        return pos[:, 0].numpy(), int(delta.reshape(-1)[0])
+
+    def _deepstack_logits(self, embeds: torch.Tensor, pos: torch.Tensor, deepstack, logits_indices: torch.Tensor):
+        """Qwen3-VL's language model with the step's deepstack rows added after its early layers (the
+        model's own forward takes them only from images it encodes itself); ``[R, vocab]`` float32."""
+        mask, extra = deepstack
+        layers = [e.contiguous() for e in extra.split(embeds.shape[-1], dim=-1)]
+        hidden = self.hf.model.language_model(inputs_embeds=embeds, position_ids=pos, visual_pos_masks=mask[None],
+                                              deepstack_visual_embeds=layers, use_cache=False).last_hidden_state
+        return self.hf.lm_head(hidden[0].index_select(0, logits_indices)).float()
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``[T]`` ids -> ``[T, hidden]`` input embeddings (a tensor of its own: image rows go over it). An
+        image token past the embedding table (a text-only Gemma 3 vocabulary with llama.cpp's mmproj)
+        embeds as token 0: its row is written over."""
+        table = self.hf.get_input_embeddings()
+        ids = torch.where(input_ids < table.num_embeddings, input_ids, torch.zeros_like(input_ids))
+        return table(ids).clone()
+
+
+def _rows(feats) -> torch.Tensor:
+    """``[rows, hidden]`` of a vision tower's output: one tensor, or one per image."""
+    if isinstance(feats, (list, tuple)):
+        feats = torch.cat(list(feats))
+    return feats.reshape(-1, feats.shape[-1])
