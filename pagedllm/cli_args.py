@@ -59,14 +59,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-expert-parallel", action="store_true",
                    help="with --tensor-parallel-size, a mixture of experts' ranks hold whole experts (the "
                         "Transformers backend; without it such a model is refused at several ranks)")
-    p.add_argument("--limit-mm-per-prompt", type=_mm_limits, default=None,
-                   help='most images in one prompt, as JSON: \'{"image": 4}\' (default 999; image-text models)')
-    p.add_argument("--allowed-local-media-path", default=None,
-                   help="image URLs may be file:// paths under this directory (trusted deployments only)")
-    p.add_argument("--allowed-media-domains", nargs="+", default=None,
-                   help="image URLs may be http(s) URLs of these hosts (none by default)")
-    p.add_argument("--mmproj", default=None,
-                   help="llama.cpp's vision projector GGUF for a GGUF language model (llama-server's flag; Gemma 3)")
+    _add_media_flags(p)
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
                    help="stages that split the layers (each a --tensor-parallel-size group: tp x pp ranks in all)")
     p.add_argument("--pipeline-micro-batches", type=int, default=0,
@@ -124,6 +117,7 @@ def engine_args_from_cli(a: argparse.Namespace) -> EngineArgs:
                       tensor_parallel_size=a.tensor_parallel_size, pipeline_parallel_size=a.pipeline_parallel_size,
                       enable_expert_parallel=getattr(a, "enable_expert_parallel", False),
                       limit_mm_per_prompt=getattr(a, "limit_mm_per_prompt", None),
+                      mm_processor_kwargs=getattr(a, "mm_processor_kwargs", None),
                       allowed_local_media_path=getattr(a, "allowed_local_media_path", None),
                       allowed_media_domains=getattr(a, "allowed_media_domains", None),
                       mmproj=getattr(a, "mmproj", None),
@@ -138,6 +132,37 @@ def _runner(a: argparse.Namespace) -> str:
         return a.runner
     task = getattr(a, "task", None)
     return "auto" if task is None else ("generate" if task == "generate" else "pooling")
+
+
+def _add_media_flags(p: argparse.ArgumentParser) -> None:
+    """The image-text models' flags (vLLM's names; llama-server's ``--mmproj``)."""
+    p.add_argument("--limit-mm-per-prompt", type=_mm_limits, default=None,
+                   help='most images in one prompt, as JSON: \'{"image": 4}\' (default 999; image-text models)')
+    p.add_argument("--mm-processor-kwargs", type=_json_object, default=None,
+                   help='arguments for the model\'s image processor, as JSON: \'{"do_pan_and_scan": true}\' '
+                        '(Gemma 3), \'{"max_pixels": 802816}\' (Qwen-VL); checked on a test image at start-up')
+    p.add_argument("--allowed-local-media-path", default=None,
+                   help="image URLs may be file:// paths under this directory (trusted deployments only)")
+    p.add_argument("--allowed-media-domains", nargs="+", default=None,
+                   help="image URLs may be http(s) URLs of these hosts (none by default)")
+    p.add_argument("--mmproj", default=None,
+                   help="llama.cpp's vision projector GGUF for a GGUF language model (llama-server's flag; Gemma 3)")
+
+
+def _json_object(text: str) -> dict:
+    """A flag's JSON object.
+
+    Raises:
+        argparse.ArgumentTypeError: not a JSON object (argparse names the flag).
+    """
+    import json
+    try:
+        value = json.loads(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not JSON: {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
 
 
 def _mm_limits(text: str) -> dict[str, int]:

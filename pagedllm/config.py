@@ -141,6 +141,9 @@ class EngineArgs:
             Transformers backend, ``models/moe.py``); a dense model or one rank is unaffected.
         limit_mm_per_prompt: most items of each modality in one prompt (vLLM's
             ``--limit-mm-per-prompt``, ``{"image": N}``; default 999); an image-text model only.
+        mm_processor_kwargs: arguments for the model's image processor on every image (vLLM's
+            ``--mm-processor-kwargs``: Gemma 3's ``do_pan_and_scan``, Qwen-VL's ``max_pixels``); checked
+            on a test image when the engine starts (a bad one is a ``ValueError`` naming the flag).
         allowed_local_media_path: images may be ``file://`` URLs under this directory (vLLM's flag).
         allowed_media_domains: images may be http(s) URLs of these hosts (vLLM's flag; unset: none).
         mmproj: llama.cpp's vision projector GGUF beside a GGUF language model (llama-server's
@@ -207,6 +210,7 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     enable_expert_parallel: bool = False
     limit_mm_per_prompt: dict | None = None
+    mm_processor_kwargs: dict | None = None
     allowed_local_media_path: str | None = None
     allowed_media_domains: list[str] | None = None
     mmproj: str | None = None

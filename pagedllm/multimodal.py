@@ -62,6 +62,8 @@ class MultiModalInput(msgspec.Struct, frozen=True):
         runs: ``[start, count]`` of each run of its placeholders, ``start`` from ``offset``, when they
             are several runs with other tokens between (Idefics3: one run per crop, each after its
             ``<row_i_col_j>`` text); empty: one run of ``length``.
+        views: its pixels' first dimension is several views the tower takes as separate images
+            (Gemma 3's pan-and-scan: the original, then its crops, each a run).
     """
 
     hash: str
@@ -72,6 +74,7 @@ class MultiModalInput(msgspec.Struct, frozen=True):
     dtype: str = "float32"
     extra: dict[str, list[int]] = {}
     runs: list[list[int]] = []
+    views: bool = False
 
     @property
     def end(self) -> int:
@@ -88,9 +91,10 @@ class MultiModalInput(msgspec.Struct, frozen=True):
         return [(int(a), int(n)) for a, n in self.runs] if self.runs else [(0, self.length)]
 
     def pixel_values(self):
-        """``[1, *shape]`` torch tensor of its pixels (a copy)."""
+        """``[1, *shape]`` torch tensor of its pixels (a copy); ``shape`` itself for ``views``."""
         import torch
-        return torch.from_numpy(np.frombuffer(self.data, dtype=self.dtype).reshape(self.shape).copy()).unsqueeze(0)
+        t = torch.from_numpy(np.frombuffer(self.data, dtype=self.dtype).reshape(self.shape).copy())
+        return t if self.views else t.unsqueeze(0)
 
     def group_key(self) -> tuple:
         """Images with equal keys run the vision tower as one batch: pixel shape and extras' names."""
@@ -183,13 +187,16 @@ class MultiModalProcessor:
             computes an image in one step (Gemma 3: ``--max-num-batched-tokens``).
         model_type: the model's ``config.model_type``: Qwen2-VL / Qwen2.5-VL and Mistral 3 take
             ``multimodal_patches``' processors instead of ``AutoProcessor``.
+        processor_kwargs: ``--mm-processor-kwargs``, passed on every call; each key must be a setting
+            of the processor or its image processor, and they are tried once on a test image.
     Raises:
-        ValueError: the directory has no processor ``transformers`` can load.
+        ValueError: the directory has no processor ``transformers`` can load, or ``processor_kwargs``
+            names no setting of it or fails on the test image (the flag and the key named).
     """
 
     def __init__(self, model_dir: str | Path, image_token_id: int, limit_per_prompt: int,
                  policy: MediaPolicy | None = None, max_image_tokens: int | None = None,
-                 model_type: str | None = None) -> None:
+                 model_type: str | None = None, processor_kwargs: dict | None = None) -> None:
         self.policy = policy or MediaPolicy()
         from transformers import AutoProcessor
 
@@ -206,6 +213,21 @@ class MultiModalProcessor:
         self.image_token_id = image_token_id
         self.limit_per_prompt = limit_per_prompt
         self.max_image_tokens = max_image_tokens
+        self.kwargs = dict(processor_kwargs or {})
+        if self.kwargs:
+            self._check_kwargs()
+
+    def _check_kwargs(self) -> None:
+        """``processor_kwargs`` name settings of the processor and work on a 64 x 48 test image."""
+        from PIL import Image
+        images = getattr(self.processor, "image_processor", None)
+        for key in self.kwargs:
+            if not hasattr(self.processor, key) and not hasattr(images, key):
+                raise ValueError(f"--mm-processor-kwargs: {key!r} is not a setting of this model's image processor")
+        try:
+            self._process(self.processor.image_token, [Image.new("RGB", (64, 48))], False, "--mm-processor-kwargs")
+        except Exception as exc:  # transformers' own checks raise several kinds (its strict dataclasses' too)
+            raise ValueError(f"--mm-processor-kwargs: {exc}") from None
 
     def __call__(self, prompt: MultiModalPrompt, where: str = "prompt") -> tuple[list[int], list[MultiModalInput]]:
         """Token ids (placeholders expanded) and one ``MultiModalInput`` per image, in prompt order.
@@ -221,7 +243,7 @@ class MultiModalProcessor:
                              f"({self.limit_per_prompt})")
         out = self._process(prompt.text, images, prompt.add_special_tokens, where)
         ids = [int(t) for t in np.asarray(out["input_ids"])[0]]
-        pixels, extra, counts = self._per_image(out, images, where)
+        pixels, extra, counts, views = self._per_image(out, images, where)
         groups = _group_runs(placeholder_runs(ids, self.image_token_id), counts, len(images))
         if groups is None:
             raise ValueError(f"{where}: the text places {len(placeholder_runs(ids, self.image_token_id))} image "
@@ -232,31 +254,37 @@ class MultiModalProcessor:
                              f"--max-num-batched-tokens ({self.max_image_tokens}); this model computes an image in one step")
         return ids, [MultiModalInput(image_hash(img), off, n, pixels[i].tobytes(), list(pixels[i].shape),
                                      extra={k: v[i] for k, v in extra.items()},
-                                     runs=[[a - off, c] for a, c in groups[i]] if len(groups[i]) > 1 else [])
+                                     runs=[[a - off, c] for a, c in groups[i]] if len(groups[i]) > 1 else [],
+                                     views=views)
                      for i, (img, (off, n)) in enumerate(zip(images, spans))]
 
     def _process(self, text: str, images: list, add_special_tokens: bool, where: str) -> dict:
         try:
-            return self.processor(text=text, images=images, return_tensors="np", add_special_tokens=add_special_tokens)
+            return self.processor(text=text, images=images, return_tensors="np", add_special_tokens=add_special_tokens,
+                                  **self.kwargs)
         except ValueError as exc:  # the processor's own count check, or a bad image
             raise ValueError(f"{where}: {exc}") from None
 
-    def _per_image(self, out: dict, images: list, where: str) -> tuple[list, dict, list[int] | None]:
-        """Each image's pixels and ``PER_IMAGE_KEYS`` rows, and (when the prompt's runs cannot be
-        matched one per image) each image's placeholder count. A processor whose ``pixel_values`` are
-        not one entry per image (Idefics3: ``[1, all crops, C, H, W]``) is run again on each image
-        alone, with the model's image token as its text: that gives its crops and its count."""
+    def _per_image(self, out: dict, images: list, where: str) -> tuple[list, dict, list[int] | None, bool]:
+        """Each image's pixels and ``PER_IMAGE_KEYS`` rows, (when the prompt's runs cannot be matched
+        one per image) each image's placeholder count, and whether its pixels are several views
+        (``MultiModalInput.views``). A processor whose ``pixel_values`` are not one entry per image
+        (Idefics3: ``[1, all crops, C, H, W]``; Gemma 3 with pan-and-scan: ``[all views, C, H, W]``)
+        is run again on each image alone, with the model's image token as its text: that gives its
+        crops or views and its count."""
         pixels = np.ascontiguousarray(np.asarray(out["pixel_values"], dtype=np.float32))
         extra = {k: np.asarray(out[k]).tolist() for k in PER_IMAGE_KEYS if k in out}
         if "image_grid_thw" in out:  # all images' patches in one [patches, dim] array (Qwen2.5-VL)
             from pagedllm.multimodal_patches import patch_rows
-            return patch_rows(pixels, np.asarray(out["image_grid_thw"])), extra, None
+            return patch_rows(pixels, np.asarray(out["image_grid_thw"])), extra, None, False
         if len(pixels) == len(images):  # Pixtral's counts: its rows are runs between [IMG_BREAK]s
-            return list(pixels), extra, out.get("image_token_counts", None if len(images) > 1 else [-1])
+            return list(pixels), extra, out.get("image_token_counts", None if len(images) > 1 else [-1]), False
         alone = [self._process(self.processor.image_token, [img], False, where) for img in images]
         counts = [int((np.asarray(o["input_ids"])[0] == self.image_token_id).sum()) for o in alone]
-        return [np.ascontiguousarray(np.asarray(o["pixel_values"], dtype=np.float32))[0] for o in alone], {
-            k: [np.asarray(o[k]).tolist()[0] for o in alone] for k in extra}, counts
+        # [1, crops, C, H, W] (Idefics3) is one image's; [views, C, H, W] (Gemma 3's pan-and-scan) its views
+        pixels = [np.ascontiguousarray(np.asarray(o["pixel_values"], dtype=np.float32)) for o in alone]
+        return [p[0] if p.ndim == 5 else p for p in pixels], {
+            k: [np.asarray(o[k]).tolist()[0] for o in alone] for k in extra}, counts, all(p.ndim == 4 for p in pixels)
 
 
 MAX_IMAGE_PIXELS = 64 * 2**20  # an image of more pixels is refused (a decompression bomb)

@@ -43,9 +43,10 @@ class PatchTokenProcessor:
         self.merge = int(getattr(self.image_processor, "merge_size", 2))
 
     def __call__(self, text: str, images: list | None = None, return_tensors: str = "np",
-                 add_special_tokens: bool = True) -> dict:
+                 add_special_tokens: bool = True, **image_kwargs) -> dict:
         """``{"input_ids": [1, L] int64, "pixel_values": [patches, C * T * P * P] float32 (all images'
-        patches, image after image), "image_grid_thw": [N, 3] int64}`` (the last two only with images).
+        patches, image after image), "image_grid_thw": [N, 3] int64}`` (the last two only with images);
+        ``image_kwargs`` go to the image processor (``--mm-processor-kwargs``: ``max_pixels``).
 
         Raises:
             ValueError: the text's placeholder count differs from the images'.
@@ -57,7 +58,7 @@ class PatchTokenProcessor:
                              f"were given")
         out: dict = {}
         if images:
-            pixels = self.image_processor(images=images, return_tensors="np")
+            pixels = self.image_processor(images=images, return_tensors="np", **image_kwargs)
             out["pixel_values"] = np.asarray(pixels["pixel_values"], dtype=np.float32)
             out["image_grid_thw"] = np.asarray(pixels["image_grid_thw"], dtype=np.int64)
             counts = out["image_grid_thw"].prod(-1) // self.merge**2
@@ -100,7 +101,7 @@ class PixtralTokenProcessor:
         self.end_token = pc.get("image_end_token", "[IMG_END]")
 
     def __call__(self, text: str, images: list | None = None, return_tensors: str = "np",
-                 add_special_tokens: bool = True) -> dict:
+                 add_special_tokens: bool = True, **image_kwargs) -> dict:
         """``{"input_ids": [1, L] int64, "pixel_values": [N, C, H, W] float32 (padded to the largest),
         "image_sizes": [N, 2] int64 (each image's resized height and width), "image_token_counts":
         [N]}`` (the last three only with images).
@@ -115,7 +116,7 @@ class PixtralTokenProcessor:
                              f"were given")
         out: dict = {}
         if images:
-            pixels = self.image_processor(images=images, return_tensors="np", patch_size=self.patch)
+            pixels = self.image_processor(images=images, return_tensors="np", **{**image_kwargs, "patch_size": self.patch})
             out["pixel_values"] = np.asarray(pixels["pixel_values"], dtype=np.float32)
             out["image_sizes"] = np.asarray(pixels["image_sizes"], dtype=np.int64)
             grids = [(int(h) // self.patch, int(w) // self.patch) for h, w in out["image_sizes"]]

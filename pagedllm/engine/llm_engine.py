@@ -104,6 +104,8 @@ class LLMEngine:
         """An image-text model's processor (``multimodal.MultiModalProcessor``), else ``None``."""
         from pagedllm.models.transformers_vision import is_mm_prefix_model, is_vision_model
         if not is_vision_model(self.hf_config):
+            if args.mm_processor_kwargs:
+                raise ValueError("--mm-processor-kwargs: this model reads text only")
             return None
         from pathlib import Path as _Path
 
@@ -113,7 +115,8 @@ class LLMEngine:
         return MultiModalProcessor(self.model_dir, self.hf_config.image_token_id,
                                    (args.limit_mm_per_prompt or {}).get("image", 999), policy,
                                    args.max_num_batched_tokens if is_mm_prefix_model(self.hf_config) else None,
-                                   model_type=getattr(self.hf_config, "model_type", None))
+                                   model_type=getattr(self.hf_config, "model_type", None),
+                                   processor_kwargs=args.mm_processor_kwargs)
 
     def _pooler_config(self):
         """The model's pooling defaults when the plan's runner pools (``EngineArgs.runner``), else ``None``."""

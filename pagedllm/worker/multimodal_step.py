@@ -142,9 +142,11 @@ class EncoderCache:
         return torch.from_numpy(out)
 
     def spans(self, rids: list[str], start: np.ndarray, end: np.ndarray) -> list[tuple[tuple[int, int], ...]]:
-        """Per request (batch order), the ``(offset, end)`` positions of its images with a placeholder
-        among the tokens ``[start, end)`` it computes this step (``AttentionBatch.bidirectional``)."""
-        return [tuple((m.offset, m.end) for m in self.images.get(rid, ()) if m.offset < e and m.end > s)
+        """Per request (batch order), the ``(first, end)`` positions of each placeholder run of its
+        images (an image, or each of Gemma 3's pan-and-scan crops) with a placeholder among the tokens
+        ``[start, end)`` it computes this step (``AttentionBatch.bidirectional``)."""
+        return [tuple((m.offset + a, m.offset + a + n) for m in self.images.get(rid, ()) for a, n in m.row_runs()
+                      if m.offset + a < e and m.offset + a + n > s)
                 for rid, s, e in zip(rids, start.tolist(), end.tolist())]
 
     def plan(self, so, rids: list[str], start: np.ndarray, end: np.ndarray, qsl: np.ndarray) -> MultiModalStep | None:

@@ -160,3 +160,32 @@ def test_llm_chat_with_an_image(gemma3, greedy_ref):
     assert out.prompt_token_ids == inp["input_ids"][0].tolist()
     greedy_ref.assert_greedy_match(list(out.outputs[0].token_ids), ids, logits, "LLM.chat")
     greedy_ref.assert_logprobs(out.outputs[0], ids, logits, "LLM.chat")
+
+
+PAN_AND_SCAN = {"do_pan_and_scan": True, "pan_and_scan_min_crop_size": 8}
+
+
+def test_pan_and_scan_crops_attend_within_each_crop(gemma3, greedy_ref, assert_no_leaks):
+    """``--mm-processor-kwargs '{"do_pan_and_scan": true, ...}'``: a wide image becomes the original
+    plus crops, each a run of its own between text; the tokens of each run attend to each other both
+    ways (transformers' masks); transformers' tokens and logprobs with the same processor settings."""
+    from pagedllm.multimodal import MultiModalProcessor, MultiModalPrompt
+    path, model, proc = gemma3
+    text, images = f"Describe {IMAGE} please.", [_image(5, (30, 90))]
+    _, mm = MultiModalProcessor(path, model.config.image_token_id, 4, processor_kwargs=PAN_AND_SCAN)(
+        MultiModalPrompt(text, tuple(images)))
+    assert len(mm[0].row_runs()) >= 3 and mm[0].rows == 16 * len(mm[0].row_runs())
+    llm = LLM(str(path), num_kv_blocks=64, block_size=4, mm_processor_kwargs=PAN_AND_SCAN)
+    out = llm.generate([_request(text, images)], GREEDY, use_tqdm=False)[0]
+    inp = proc(text=text, images=images, return_tensors="pt", **PAN_AND_SCAN)
+    ids, logits = greedy_ref.hf_greedy(model, inp["input_ids"][0].tolist(), MAX_NEW, pixel_values=inp["pixel_values"],
+                                       token_type_ids=inp["token_type_ids"])
+    greedy_ref.assert_logprobs(out.outputs[0], ids, logits, "pan and scan")
+    assert_no_leaks(llm.engine)
+
+
+@pytest.mark.parametrize("kwargs,match", [({"do_pan_and_scan": True, "no_such_setting": 1}, "no_such_setting"),
+                                          ({"pan_and_scan_min_crop_size": "big"}, "mm-processor-kwargs")])
+def test_bad_processor_kwargs_are_refused_at_start(gemma3, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        LLM(str(gemma3[0]), num_kv_blocks=16, block_size=4, mm_processor_kwargs=kwargs)
