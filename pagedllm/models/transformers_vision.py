@@ -63,14 +63,17 @@ class VisionMixin:
         pos, delta = self.hf.model.get_rope_index(ids, (ids == self.hf.config.image_token_id).int(), image_grid_thw=grid)
         return pos[:, 0].numpy(), int(delta.reshape(-1)[0])
 
-    def _deepstack_logits(self, embeds: torch.Tensor, pos: torch.Tensor, deepstack, logits_indices: torch.Tensor):
+    def _deepstack_logits(self, embeds: torch.Tensor, pos: torch.Tensor, deepstack, logits_indices: torch.Tensor,
+                          hidden_indices: torch.Tensor | None = None):
         """Qwen3-VL's language model with the step's deepstack rows added after its early layers (the
-        model's own forward takes them only from images it encodes itself); ``[R, vocab]`` float32."""
+        model's own forward takes them only from images it encodes itself): ``[R, vocab]`` float32
+        logits, with ``hidden_indices`` also those rows' final hidden states (as ``forward``)."""
         mask, extra = deepstack
         layers = [e.contiguous() for e in extra.split(embeds.shape[-1], dim=-1)]
         hidden = self.hf.model.language_model(inputs_embeds=embeds, position_ids=pos, visual_pos_masks=mask[None],
-                                              deepstack_visual_embeds=layers, use_cache=False).last_hidden_state
-        return self.hf.lm_head(hidden[0].index_select(0, logits_indices)).float()
+                                              deepstack_visual_embeds=layers, use_cache=False).last_hidden_state[0]
+        logits = self.hf.lm_head(hidden.index_select(0, logits_indices)).float()
+        return logits if hidden_indices is None else (logits, hidden.index_select(0, hidden_indices).float())
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         """``[T]`` ids -> ``[T, hidden]`` input embeddings (a tensor of its own: image rows go over it). An
