@@ -185,8 +185,8 @@ class MultiModalProcessor:
         policy: where image URLs may point (``MediaPolicy``).
         max_image_tokens: most placeholder tokens of one image (``None``: any), for a model that
             computes an image in one step (Gemma 3: ``--max-num-batched-tokens``).
-        model_type: the model's ``config.model_type``: Qwen2-VL / Qwen2.5-VL and Mistral 3 take
-            ``multimodal_patches``' processors instead of ``AutoProcessor``.
+        model_type: the model's ``config.model_type``: Qwen-VL, Mistral 3 and SmolVLM2 take
+            ``multimodal_patches``' processors instead of ``AutoProcessor`` (theirs need torchvision).
         processor_kwargs: ``--mm-processor-kwargs``, passed on every call; each key must be a setting
             of the processor or its image processor, and they are tried once on a test image.
     Raises:
@@ -200,12 +200,15 @@ class MultiModalProcessor:
         self.policy = policy or MediaPolicy()
         from transformers import AutoProcessor
 
-        from pagedllm.multimodal_patches import PATCH_PROCESSOR_TOKENS, PatchTokenProcessor, PixtralTokenProcessor
+        from pagedllm.multimodal_patches import (PATCH_PROCESSOR_TOKENS, PatchTokenProcessor, PixtralTokenProcessor,
+                                                 smolvlm_processor)
         try:
             if model_type in PATCH_PROCESSOR_TOKENS:
                 self.processor = PatchTokenProcessor(model_dir, PATCH_PROCESSOR_TOKENS[model_type])
             elif model_type == "mistral3":
                 self.processor = PixtralTokenProcessor(model_dir)
+            elif model_type == "smolvlm":
+                self.processor = smolvlm_processor(model_dir)
             else:
                 self.processor = AutoProcessor.from_pretrained(str(model_dir))
         except Exception as exc:  # transformers raises OSError, ValueError, KeyError on a bad directory

@@ -1,8 +1,9 @@
-"""The processors of the models whose images become a variable grid of patches (Qwen2-VL, Qwen2.5-VL,
-Pixtral / Mistral 3; issue 41), built from the model's image processor and tokenizer.
+"""The processors of image-text models whose ``transformers`` processor cannot be built here (Qwen2-VL,
+Qwen2.5-VL, Qwen3-VL, Pixtral / Mistral 3, SmolVLM2; issue 41), built from the model's image processor
+and tokenizer.
 
-Why ours: ``transformers``' ``Qwen2_5_VLProcessor`` also builds a video processor, and its
-``PixtralProcessor`` is marked as needing torchvision; the registry's torchvision is a CUDA build
+Why ours: ``transformers``' ``Qwen2_5_VLProcessor`` and ``SmolVLMProcessor`` also build a video
+processor, and its ``PixtralProcessor`` is marked as needing torchvision; the registry's torchvision is a CUDA build
 that does not load beside the CPU torch installed here. The image processor alone
 (``AutoImageProcessor``: its PIL backend without torchvision) does the resizing and patching; what
 the processor adds is the placeholder expansion, done here as it does it: Qwen's image token becomes
@@ -127,3 +128,20 @@ class PixtralTokenProcessor:
         out["input_ids"] = np.asarray([self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]],
                                       dtype=np.int64)
         return out
+
+
+def smolvlm_processor(model_dir: str | Path):
+    """SmolVLM2's processor for images: ``transformers``' ``SmolVLMProcessor`` also builds a video
+    processor (torchvision); its image placeholder expansion is ``Idefics3Processor``'s, line for line
+    (crops as ``<row_i_col_j>`` runs, then the global view), so that class runs with SmolVLM's image
+    processor and ``processor_config.json``'s ``image_seq_len``.
+
+    Raises:
+        OSError, ValueError: from ``transformers`` when the directory lacks a part.
+    """
+    from transformers import AutoImageProcessor, AutoTokenizer, Idefics3Processor
+    model_dir = Path(model_dir)
+    pc = model_dir / "processor_config.json"
+    seq_len = json.loads(pc.read_text()).get("image_seq_len", 169) if pc.is_file() else 169
+    return Idefics3Processor(image_processor=AutoImageProcessor.from_pretrained(str(model_dir)),
+                             tokenizer=AutoTokenizer.from_pretrained(str(model_dir)), image_seq_len=int(seq_len))

@@ -13,7 +13,8 @@ import torch
 
 # image-text models served through the backend (issue 41, first part): the language model on our
 # paged attention, the vision tower and projector as transformers builds them (its own attention)
-VISION_MODEL_TYPES = ("llava", "llava_next", "gemma3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "idefics3", "mistral3")
+VISION_MODEL_TYPES = ("llava", "llava_next", "gemma3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "idefics3", "smolvlm",
+                      "mistral3")
 # those whose image tokens attend to each other both ways (transformers' Gemma 3 masks, vLLM's
 # is_mm_prefix_lm): the runner passes the images' spans to attention, the scheduler never splits one
 MM_PREFIX_MODEL_TYPES = ("gemma3",)

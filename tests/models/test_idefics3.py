@@ -1,4 +1,4 @@
-"""Idefics3 (SmolVLM's architecture; issue 41): an image is split into crops plus a downscaled global
+"""Idefics3 and SmolVLM2 (issue 41): an image is split into crops plus a downscaled global
 view, and each crop's placeholders are a run of their own after its ``<row_i_col_j>`` text, so one
 image's placeholders are several runs with text between (``MultiModalInput.runs``); the processor
 pads all images' crops into one ``[1, crops, C, H, W]`` array, so each image is processed alone for
@@ -26,14 +26,21 @@ def _image(seed: int, size):
     return Image.fromarray((np.random.default_rng(seed).random((*size, 3)) * 255).astype("uint8"))
 
 
-@pytest.fixture(scope="module")
-def idefics3(tmp_path_factory, smollm2_dir):
-    """``(model directory, transformers model, processor)`` of the tiny random Idefics3."""
-    from transformers import (AutoTokenizer, Idefics3Config, Idefics3ForConditionalGeneration,
-                              Idefics3ImageProcessorPil, Idefics3Processor)
+@pytest.fixture(scope="module", params=["idefics3", "smolvlm"])
+def idefics3(request, tmp_path_factory, smollm2_dir):
+    """``(model directory, transformers model, processor)`` of the tiny random Idefics3, or SmolVLM2
+    (the same layout; its processor is ours, ``multimodal_patches.smolvlm_processor``: transformers'
+    builds a torchvision video processor)."""
+    import json
+
+    import transformers
+    from transformers import AutoTokenizer, Idefics3ImageProcessorPil, Idefics3Processor, SmolVLMImageProcessorPil
+    smol = request.param == "smolvlm"
     tok = AutoTokenizer.from_pretrained(smollm2_dir)
     tok.add_special_tokens({"additional_special_tokens": ["<image>", "<fake_token_around_image>", "<global-img>"]})
-    cfg = Idefics3Config(
+    config_cls, model_cls = (("SmolVLMConfig", "SmolVLMForConditionalGeneration") if smol
+                             else ("Idefics3Config", "Idefics3ForConditionalGeneration"))
+    cfg = getattr(transformers, config_cls)(
         vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                            image_size=32, patch_size=8),
         text_config=dict(model_type="llama", vocab_size=len(tok), hidden_size=64, intermediate_size=128,
@@ -41,13 +48,19 @@ def idefics3(tmp_path_factory, smollm2_dir):
                          eos_token_id=2, pad_token_id=2),
         image_token_id=tok.convert_tokens_to_ids("<image>"), scale_factor=2)
     torch.manual_seed(0)
-    model = Idefics3ForConditionalGeneration(cfg).eval()
-    out = tmp_path_factory.mktemp("idefics3") / "tiny-idefics3"
+    model = getattr(transformers, model_cls)(cfg).eval()
+    out = tmp_path_factory.mktemp(request.param) / f"tiny-{request.param}"
     model.save_pretrained(out)
-    images = Idefics3ImageProcessorPil(size={"longest_edge": 64}, max_image_size={"longest_edge": 32},
-                                       do_image_splitting=True)
+    images = (SmolVLMImageProcessorPil if smol else Idefics3ImageProcessorPil)(
+        size={"longest_edge": 64}, max_image_size={"longest_edge": 32}, do_image_splitting=True)
     proc = Idefics3Processor(image_processor=images, tokenizer=tok, image_seq_len=4)
-    proc.save_pretrained(out)
+    if smol:  # as SmolVLM2's checkpoints carry it (SmolVLMProcessor itself cannot be built here)
+        tok.save_pretrained(out)
+        images.save_pretrained(out)
+        (out / "processor_config.json").write_text(json.dumps({"processor_class": "SmolVLMProcessor",
+                                                               "image_seq_len": 4}))
+    else:
+        proc.save_pretrained(out)
     return out, model, proc
 
 
@@ -71,7 +84,8 @@ def _reference(idefics3, greedy_ref, text, images):
 def test_an_image_is_several_runs(idefics3):
     from pagedllm.multimodal import MultiModalProcessor, MultiModalPrompt
     path, model, _ = idefics3
-    ids, mm = MultiModalProcessor(path, model.config.image_token_id, 8)(MultiModalPrompt(*PROMPTS[1]))
+    ids, mm = MultiModalProcessor(path, model.config.image_token_id, 8, model_type=model.config.model_type)(
+        MultiModalPrompt(*PROMPTS[1]))
     assert [len(m.row_runs()) for m in mm] == [5, 3] and [m.rows for m in mm] == [20, 12]
     assert [m.shape[0] for m in mm] == [5, 3]  # each image's own crops, not padded to the prompt's most
     for m in mm:
