@@ -141,6 +141,14 @@ def read_images(data, where: str) -> tuple:
     return tuple(images)
 
 
+def _whole_prompt(m: MultiModalInput, ids: list[int]) -> MultiModalInput:
+    """A prefix-LM's last image extended to the prompt's end: its placeholders become its only run, its
+    span (scheduled in one step, hashed into every block it covers) the rest of the prompt, and its hash
+    takes every prompt token, since each prompt token's K/V depends on the whole prompt."""
+    digest = hashlib.sha256(m.hash.encode() + np.asarray(ids, dtype=np.int64).tobytes()).hexdigest()
+    return msgspec.structs.replace(m, hash=digest, length=len(ids) - m.offset, runs=[list(r) for r in m.row_runs()])
+
+
 def _group_runs(runs: list[tuple[int, int]], counts: list[int] | None,
                 n_images: int) -> list[list[tuple[int, int]]] | None:
     """The prompt's placeholder runs per image: one each (``counts`` ``None``), all of them for a
@@ -189,6 +197,8 @@ class MultiModalProcessor:
             ``multimodal_patches``' processors instead of ``AutoProcessor`` (theirs need torchvision).
         processor_kwargs: ``--mm-processor-kwargs``, passed on every call; each key must be a setting
             of the processor or its image processor, and they are tried once on a test image.
+        prefix_lm: the whole prompt attends both ways (PaliGemma): the last image's input is extended
+            to the prompt's end and its hash takes the prompt's tokens (``_whole_prompt``).
     Raises:
         ValueError: the directory has no processor ``transformers`` can load, or ``processor_kwargs``
             names no setting of it or fails on the test image (the flag and the key named).
@@ -196,8 +206,9 @@ class MultiModalProcessor:
 
     def __init__(self, model_dir: str | Path, image_token_id: int, limit_per_prompt: int,
                  policy: MediaPolicy | None = None, max_image_tokens: int | None = None,
-                 model_type: str | None = None, processor_kwargs: dict | None = None) -> None:
+                 model_type: str | None = None, processor_kwargs: dict | None = None, prefix_lm: bool = False) -> None:
         self.policy = policy or MediaPolicy()
+        self.prefix_lm = prefix_lm
         from transformers import AutoProcessor
 
         from pagedllm.multimodal_patches import (PATCH_PROCESSOR_TOKENS, PatchTokenProcessor, PixtralTokenProcessor,
@@ -252,14 +263,17 @@ class MultiModalProcessor:
             raise ValueError(f"{where}: the text places {len(placeholder_runs(ids, self.image_token_id))} image "
                              f"runs for {len(images)} images (put the model's image token once per image)")
         spans = [(g[0][0], g[-1][0] + g[-1][1] - g[0][0]) for g in groups]
-        if self.max_image_tokens is not None and any(n > self.max_image_tokens for _, n in spans):
-            raise ValueError(f"{where}: an image takes {max(n for _, n in spans)} tokens, more than "
-                             f"--max-num-batched-tokens ({self.max_image_tokens}); this model computes an image in one step")
-        return ids, [MultiModalInput(image_hash(img), off, n, pixels[i].tobytes(), list(pixels[i].shape),
-                                     extra={k: v[i] for k, v in extra.items()},
-                                     runs=[[a - off, c] for a, c in groups[i]] if len(groups[i]) > 1 else [],
-                                     views=views)
-                     for i, (img, (off, n)) in enumerate(zip(images, spans))]
+        inputs = [MultiModalInput(image_hash(img), off, n, pixels[i].tobytes(), list(pixels[i].shape),
+                                  extra={k: v[i] for k, v in extra.items()},
+                                  runs=[[a - off, c] for a, c in groups[i]] if len(groups[i]) > 1 else [], views=views)
+                  for i, (img, (off, n)) in enumerate(zip(images, spans))]
+        if self.prefix_lm:
+            inputs[-1] = _whole_prompt(inputs[-1], ids)
+        if self.max_image_tokens is not None and any(m.end - m.offset > self.max_image_tokens for m in inputs):
+            raise ValueError(f"{where}: an image{' and its prompt' if self.prefix_lm else ''} takes "
+                             f"{max(m.end - m.offset for m in inputs)} tokens, more than --max-num-batched-tokens "
+                             f"({self.max_image_tokens}); this model computes it in one step")
+        return ids, inputs
 
     def _process(self, text: str, images: list, add_special_tokens: bool, where: str) -> dict:
         try:

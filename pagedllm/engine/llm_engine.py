@@ -102,7 +102,7 @@ class LLMEngine:
 
     def _multimodal_processor(self, args: EngineArgs):
         """An image-text model's processor (``multimodal.MultiModalProcessor``), else ``None``."""
-        from pagedllm.models.transformers_vision import is_mm_prefix_model, is_vision_model
+        from pagedllm.models.transformers_vision import is_mm_prefix_model, is_prefix_lm, is_vision_model
         if not is_vision_model(self.hf_config):
             if args.mm_processor_kwargs:
                 raise ValueError("--mm-processor-kwargs: this model reads text only")
@@ -116,7 +116,7 @@ class LLMEngine:
                                    (args.limit_mm_per_prompt or {}).get("image", 999), policy,
                                    args.max_num_batched_tokens if is_mm_prefix_model(self.hf_config) else None,
                                    model_type=getattr(self.hf_config, "model_type", None),
-                                   processor_kwargs=args.mm_processor_kwargs)
+                                   processor_kwargs=args.mm_processor_kwargs, prefix_lm=is_prefix_lm(self.hf_config))
 
     def _pooler_config(self):
         """The model's pooling defaults when the plan's runner pools (``EngineArgs.runner``), else ``None``."""

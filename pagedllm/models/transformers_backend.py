@@ -32,7 +32,8 @@ from pagedllm.attention.backend import AttentionBackend
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.state import StateBatch
 from pagedllm.models.decode_stack import one_sequence
-from pagedllm.models.transformers_vision import MROPE_MODEL_TYPES, VisionMixin, is_mm_prefix_model, is_vision_model
+from pagedllm.models.transformers_vision import (MROPE_MODEL_TYPES, VisionMixin, is_mm_prefix_model, is_prefix_lm,
+                                                 is_vision_model)
 from pagedllm.models.hf_config import num_kv_heads
 from pagedllm.models.hybrid import (attention_layer_indices, hybrid_family, install_mixers, layer_kinds,
                                     state_cache_spec)
@@ -146,7 +147,8 @@ def check_supported(config) -> type:
     if not (getattr(cls, "_supports_attention_backend", False) or (fam is not None and fam.vouches_attention)):
         raise ValueError(f"{cls.__name__} does not take a custom attention implementation "
                          f"(_supports_attention_backend is False), so the Transformers backend cannot serve it")
-    if getattr(text, "is_causal", True) is False or getattr(text, "use_bidirectional_attention", False):
+    bidirectional = getattr(text, "is_causal", True) is False or getattr(text, "use_bidirectional_attention", False)
+    if bidirectional and not is_prefix_lm(config):  # a prefix-LM's two ways are the runner's spans
         raise ValueError(f"{cls.__name__} is configured for bidirectional attention; pagedllm serves causal LMs only")
     other = sorted(set(layer_kinds(text)) - _SERVABLE_LAYER_TYPES
                    - (fam.state_layer_types | fam.plain_layer_types if fam is not None else frozenset()))
@@ -162,13 +164,15 @@ def _check_modules(hf: nn.Module, backend: AttentionBackend) -> None:
 
     Raises:
         ValueError: a module with a ``layer_idx`` (the decoder's attention) has
-            ``is_causal=False`` (e.g. BERT without ``is_decoder``), or a ``sinks`` tensor (gpt-oss)
+            ``is_causal=False`` (e.g. BERT without ``is_decoder``; a prefix-LM's are allowed: its two
+            ways are the runner's prompt span, ``is_prefix_lm``), or a ``sinks`` tensor (gpt-oss)
             where ``backend.supports_sinks`` is False.
     """
+    prefix_lm = is_prefix_lm(hf.config)
     for name, mod in hf.named_modules():
         if not hasattr(mod, "layer_idx"):
             continue
-        if getattr(mod, "is_causal", True) is False:
+        if getattr(mod, "is_causal", True) is False and not prefix_lm:
             raise ValueError(f"{type(hf).__name__}: {name} is bidirectional (is_causal=False), not a causal LM; "
                              f"pagedllm attention is causal")
         if isinstance(getattr(mod, "sinks", None), torch.Tensor) and not backend.supports_sinks:
@@ -206,6 +210,11 @@ class TransformersCausalLM(VisionMixin, nn.Module):
         self.is_multimodal = is_vision_model(hf_model.config)  # images: encode_image, forward(mm=...)
         self.mrope = getattr(hf_model.config, "model_type", None) in MROPE_MODEL_TYPES  # rope_positions
         self.mm_prefix_attention = is_mm_prefix_model(hf_model.config)  # within an image: both ways
+        self.prefix_lm = is_prefix_lm(hf_model.config)  # the whole prompt both ways (PaliGemma)
+        if self.prefix_lm:  # its two ways are the runner's prompt span; our attention is causal beyond it
+            for mod in hf_model.modules():
+                if hasattr(mod, "layer_idx") and getattr(mod, "is_causal", True) is False:
+                    mod.is_causal = True
         if self._state_spec:
             install_mixers(hf_model, cfg, self._step_state)
 

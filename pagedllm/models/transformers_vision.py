@@ -14,18 +14,27 @@ import torch
 # image-text models served through the backend (issue 41, first part): the language model on our
 # paged attention, the vision tower and projector as transformers builds them (its own attention)
 VISION_MODEL_TYPES = ("llava", "llava_next", "gemma3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "idefics3", "smolvlm",
-                      "mistral3")
+                      "mistral3", "paligemma")
 # those whose image tokens attend to each other both ways (transformers' Gemma 3 masks, vLLM's
 # is_mm_prefix_lm): the runner passes the images' spans to attention, the scheduler never splits one
-MM_PREFIX_MODEL_TYPES = ("gemma3",)
+MM_PREFIX_MODEL_TYPES = ("gemma3", "paligemma")
+# those whose whole prompt (images and text) attends both ways, generated tokens causally (PaliGemma's
+# prefix-LM: transformers' token_type_ids 0): the prompt is one span, computed in one step
+PREFIX_LM_MODEL_TYPES = ("paligemma",)
 # those whose rotary positions are 3-D (temporal, height, width) over images: M-RoPE (Qwen2-VL, Qwen2.5-VL,
 # Qwen3-VL)
 MROPE_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 
 
 def is_mm_prefix_model(config) -> bool:
-    """Whether ``config``'s image tokens attend bidirectionally within their image (Gemma 3)."""
+    """Whether ``config``'s image tokens attend bidirectionally within their image (Gemma 3), or its
+    whole prompt does (PaliGemma: ``is_prefix_lm``)."""
     return getattr(config, "model_type", None) in MM_PREFIX_MODEL_TYPES
+
+
+def is_prefix_lm(config) -> bool:
+    """Whether ``config``'s whole prompt attends bidirectionally (PaliGemma)."""
+    return getattr(config, "model_type", None) in PREFIX_LM_MODEL_TYPES
 
 
 def is_vision_model(config) -> bool:

@@ -108,6 +108,7 @@ class ModelRunner:
         self.encoder_cache = EncoderCache(model.rope_positions if getattr(model, "mrope", False) else None) if getattr(
             model, "is_multimodal", False) else None
         self.mm_prefix = self.encoder_cache is not None and getattr(model, "mm_prefix_attention", False)
+        self.prefix_lm = self.mm_prefix and getattr(model, "prefix_lm", False)  # PaliGemma: one span, the prompt
         # the strategies, chosen once: where inputs are built, how tokens are drawn, how steps are
         # issued (step_inputs.py, token_drawers.py, step_issuers.py)
         self.step_inputs = make_step_inputs(self.input_batch, self.attention_backend, device, block_size,
@@ -178,7 +179,7 @@ class ModelRunner:
         sample, pend, pending_src, slot_row, sampling = self._prepare_sampling(slots, end, spec)
         rows, prompt_lp = logits_rows_of(self.input_batch, rids, slots, start, end, qsl, sample, spec)
         inputs = self.step_inputs.stage(slots, n, start, end, qsl, spec, pend, pending_src, rows, bidirectional=(
-            self.encoder_cache.spans(rids, start, end) if self.mm_prefix else None))  # Gemma 3's images
+            self.encoder_cache.spans(rids, start, end, self.prefix_lm) if self.mm_prefix else None))  # Gemma 3's images
         pool_rows, pool_spans = self._prepare_pooling(rids, slots, start, end, qsl)
         kwargs = {} if self.state_cache is None else {
             "state": self.state_cache.batch(self.input_batch.state_slot[slots], start, qsl, rids,

@@ -141,10 +141,16 @@ class EncoderCache:
             row += k
         return torch.from_numpy(out)
 
-    def spans(self, rids: list[str], start: np.ndarray, end: np.ndarray) -> list[tuple[tuple[int, int], ...]]:
+    def spans(self, rids: list[str], start: np.ndarray, end: np.ndarray,
+              whole: bool = False) -> list[tuple[tuple[int, int], ...]]:
         """Per request (batch order), the ``(first, end)`` positions of each placeholder run of its
         images (an image, or each of Gemma 3's pan-and-scan crops) with a placeholder among the tokens
-        ``[start, end)`` it computes this step (``AttentionBatch.bidirectional``)."""
+        ``[start, end)`` it computes this step (``AttentionBatch.bidirectional``); ``whole`` (a
+        prefix-LM: PaliGemma): one span from the prompt's start through its images' last (the
+        processor extends the last image's to the prompt's end)."""
+        if whole:
+            ends = [max((m.end for m in self.images.get(rid, ())), default=0) for rid in rids]
+            return [((0, stop),) if stop > s else () for stop, s in zip(ends, start.tolist())]
         return [tuple((m.offset + a, m.offset + a + n) for m in self.images.get(rid, ()) for a, n in m.row_runs()
                       if m.offset + a < e and m.offset + a + n > s)
                 for rid, s, e in zip(rids, start.tolist(), end.tolist())]
