@@ -189,3 +189,20 @@ def test_pan_and_scan_crops_attend_within_each_crop(gemma3, greedy_ref, assert_n
 def test_bad_processor_kwargs_are_refused_at_start(gemma3, kwargs, match):
     with pytest.raises(ValueError, match=match):
         LLM(str(gemma3[0]), num_kv_blocks=16, block_size=4, mm_processor_kwargs=kwargs)
+
+
+def test_mm_processor_kwargs_flag_reaches_the_engine_args(tiny_model_dir):
+    """``--mm-processor-kwargs`` (vLLM's flag) is a JSON object in ``EngineArgs``; anything else is
+    refused by the parser; a text-only model refuses the setting."""
+    import argparse
+
+    from pagedllm.cli_args import add_engine_flags, engine_args_from_cli
+    p = argparse.ArgumentParser()
+    p.add_argument("model")
+    add_engine_flags(p)
+    args = p.parse_args(["m", "--mm-processor-kwargs", '{"do_pan_and_scan": true}'])
+    assert engine_args_from_cli(args).mm_processor_kwargs == {"do_pan_and_scan": True}
+    with pytest.raises(SystemExit):
+        p.parse_args(["m", "--mm-processor-kwargs", "[1]"])
+    with pytest.raises(ValueError, match="--mm-processor-kwargs: this model reads text only"):
+        LLM(str(tiny_model_dir("llama")), num_kv_blocks=16, mm_processor_kwargs={"do_pan_and_scan": True})
