@@ -118,6 +118,7 @@ def engine_args_from_cli(a: argparse.Namespace) -> EngineArgs:
                       enable_expert_parallel=getattr(a, "enable_expert_parallel", False),
                       limit_mm_per_prompt=getattr(a, "limit_mm_per_prompt", None),
                       mm_processor_kwargs=getattr(a, "mm_processor_kwargs", None),
+                      enable_mm_embeds=getattr(a, "enable_mm_embeds", False),
                       allowed_local_media_path=getattr(a, "allowed_local_media_path", None),
                       allowed_media_domains=getattr(a, "allowed_media_domains", None),
                       mmproj=getattr(a, "mmproj", None),
@@ -141,6 +142,8 @@ def _add_media_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mm-processor-kwargs", type=_json_object, default=None,
                    help='arguments for the model\'s image processor, as JSON: \'{"do_pan_and_scan": true}\' '
                         '(Gemma 3), \'{"max_pixels": 802816}\' (Qwen-VL); checked on a test image at start-up')
+    p.add_argument("--enable-mm-embeds", action="store_true",
+                   help="accept image embeddings in place of images (multi_modal_data tensors, image_embeds parts)")
     p.add_argument("--allowed-local-media-path", default=None,
                    help="image URLs may be file:// paths under this directory (trusted deployments only)")
     p.add_argument("--allowed-media-domains", nargs="+", default=None,

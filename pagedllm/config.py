@@ -144,6 +144,9 @@ class EngineArgs:
         mm_processor_kwargs: arguments for the model's image processor on every image (vLLM's
             ``--mm-processor-kwargs``: Gemma 3's ``do_pan_and_scan``, Qwen-VL's ``max_pixels``); checked
             on a test image when the engine starts (a bad one is a ``ValueError`` naming the flag).
+        enable_mm_embeds: accept image embeddings in place of images (vLLM's ``--enable-mm-embeds``:
+            ``multi_modal_data={"image": tensor}``, the chat API's ``image_embeds`` parts), for models whose
+            placeholder count does not depend on the image; off: such input is refused naming the flag.
         allowed_local_media_path: images may be ``file://`` URLs under this directory (vLLM's flag).
         allowed_media_domains: images may be http(s) URLs of these hosts (vLLM's flag; unset: none).
         mmproj: llama.cpp's vision projector GGUF beside a GGUF language model (llama-server's
@@ -211,6 +214,7 @@ class EngineArgs:
     enable_expert_parallel: bool = False
     limit_mm_per_prompt: dict | None = None
     mm_processor_kwargs: dict | None = None
+    enable_mm_embeds: bool = False
     allowed_local_media_path: str | None = None
     allowed_media_domains: list[str] | None = None
     mmproj: str | None = None

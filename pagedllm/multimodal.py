@@ -24,6 +24,8 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
+from pagedllm.multimodal_embeds import STAND_IN_SIZES, check_embeds, embedded
+
 MODALITIES = ("image",)
 
 
@@ -64,6 +66,8 @@ class MultiModalInput(msgspec.Struct, frozen=True):
             ``<row_i_col_j>`` text); empty: one run of ``length``.
         views: its pixels' first dimension is several views the tower takes as separate images
             (Gemma 3's pan-and-scan: the original, then its crops, each a run).
+        embeds: ``data`` holds the image's embeddings, ``[rows, hidden]`` float32, given by the client
+            (``image_embeds``; ``--enable-mm-embeds``): no encoder step.
     """
 
     hash: str
@@ -75,6 +79,7 @@ class MultiModalInput(msgspec.Struct, frozen=True):
     extra: dict[str, list[int]] = {}
     runs: list[list[int]] = []
     views: bool = False
+    embeds: bool = False
 
     @property
     def end(self) -> int:
@@ -91,10 +96,11 @@ class MultiModalInput(msgspec.Struct, frozen=True):
         return [(int(a), int(n)) for a, n in self.runs] if self.runs else [(0, self.length)]
 
     def pixel_values(self):
-        """``[1, *shape]`` torch tensor of its pixels (a copy); ``shape`` itself for ``views``."""
+        """``[1, *shape]`` torch tensor of its pixels (a copy); ``shape`` itself for ``views`` and
+        ``embeds`` (then the embeddings)."""
         import torch
         t = torch.from_numpy(np.frombuffer(self.data, dtype=self.dtype).reshape(self.shape).copy())
-        return t if self.views else t.unsqueeze(0)
+        return t if self.views or self.embeds else t.unsqueeze(0)
 
     def group_key(self) -> tuple:
         """Images with equal keys run the vision tower as one batch: pixel shape and extras' names."""
@@ -119,10 +125,11 @@ def read_images(data, where: str) -> tuple:
     """The images of a prompt's ``multi_modal_data``.
 
     Args:
-        data: ``{"image": PIL.Image | list[PIL.Image]}``.
+        data: ``{"image": PIL.Image | list[PIL.Image]}``, or image embeddings (``--enable-mm-embeds``):
+            a float tensor ``[rows, hidden]`` per image or ``[images, rows, hidden]``.
         where: the argument's name, for errors.
     Raises:
-        TypeError: not a dict, or an image that is not a ``PIL.Image.Image``.
+        TypeError: not a dict, or an image that is neither a ``PIL.Image.Image`` nor a 2-D tensor.
         ValueError: a modality other than ``image``, or no image.
     """
     from PIL import Image
@@ -132,13 +139,21 @@ def read_images(data, where: str) -> tuple:
     if other:
         raise ValueError(f"{where}.multi_modal_data.{other[0]}: not supported (images only)")
     images = data.get("image")
+    if _is_tensor(images) and images.dim() == 3:  # vLLM's [images, rows, hidden] embeddings
+        images = list(images)
     images = list(images) if isinstance(images, (list, tuple)) else [images]
     for i, img in enumerate(images):
-        if not isinstance(img, Image.Image):
-            raise TypeError(f"{where}.multi_modal_data.image[{i}]: expected a PIL.Image.Image, got {type(img).__name__}")
+        if not isinstance(img, Image.Image) and not (_is_tensor(img) and img.dim() == 2):
+            raise TypeError(f"{where}.multi_modal_data.image[{i}]: expected a PIL.Image.Image or [rows, hidden] "
+                            f"embeddings, got {type(img).__name__}")
     if not images:
         raise ValueError(f"{where}.multi_modal_data.image: no image")
     return tuple(images)
+
+
+def _is_tensor(x) -> bool:
+    import torch
+    return isinstance(x, torch.Tensor)
 
 
 def _whole_prompt(m: MultiModalInput, ids: list[int]) -> MultiModalInput:
@@ -199,6 +214,8 @@ class MultiModalProcessor:
             of the processor or its image processor, and they are tried once on a test image.
         prefix_lm: the whole prompt attends both ways (PaliGemma): the last image's input is extended
             to the prompt's end and its hash takes the prompt's tokens (``_whole_prompt``).
+        embeds_width: the language model's hidden size when image embeddings are accepted in place of
+            images (``--enable-mm-embeds``; ``multimodal_embeds``), else ``None``.
     Raises:
         ValueError: the directory has no processor ``transformers`` can load, or ``processor_kwargs``
             names no setting of it or fails on the test image (the flag and the key named).
@@ -206,9 +223,12 @@ class MultiModalProcessor:
 
     def __init__(self, model_dir: str | Path, image_token_id: int, limit_per_prompt: int,
                  policy: MediaPolicy | None = None, max_image_tokens: int | None = None,
-                 model_type: str | None = None, processor_kwargs: dict | None = None, prefix_lm: bool = False) -> None:
+                 model_type: str | None = None, processor_kwargs: dict | None = None, prefix_lm: bool = False,
+                 embeds_width: int | None = None) -> None:
         self.policy = policy or MediaPolicy()
         self.prefix_lm = prefix_lm
+        self.embeds_width = embeds_width
+        self._fixed: bool | None = None  # whether the placeholder count is the same for every image
         from transformers import AutoProcessor
 
         from pagedllm.multimodal_patches import (PATCH_PROCESSOR_TOKENS, PatchTokenProcessor, PixtralTokenProcessor,
@@ -255,6 +275,9 @@ class MultiModalProcessor:
         if len(images) > self.limit_per_prompt:
             raise ValueError(f"{where}: {len(images)} images, more than --limit-mm-per-prompt allows "
                              f"({self.limit_per_prompt})")
+        given = {i: img for i, img in enumerate(images) if _is_tensor(img)}  # image embeddings
+        if given:
+            images = self._stand_ins(images, given, where)
         out = self._process(prompt.text, images, prompt.add_special_tokens, where)
         ids = [int(t) for t in np.asarray(out["input_ids"])[0]]
         pixels, extra, counts, views = self._per_image(out, images, where)
@@ -267,6 +290,11 @@ class MultiModalProcessor:
                                   extra={k: v[i] for k, v in extra.items()},
                                   runs=[[a - off, c] for a, c in groups[i]] if len(groups[i]) > 1 else [], views=views)
                   for i, (img, (off, n)) in enumerate(zip(images, spans))]
+        for i, t in given.items():
+            try:
+                inputs[i] = embedded(inputs[i], t)
+            except ValueError as exc:
+                raise ValueError(f"{where}: image {i}: {exc}") from None
         if self.prefix_lm:
             inputs[-1] = _whole_prompt(inputs[-1], ids)
         if self.max_image_tokens is not None and any(m.end - m.offset > self.max_image_tokens for m in inputs):
@@ -274,6 +302,27 @@ class MultiModalProcessor:
                              f"{max(m.end - m.offset for m in inputs)} tokens, more than --max-num-batched-tokens "
                              f"({self.max_image_tokens}); this model computes it in one step")
         return ids, inputs
+
+    def _stand_ins(self, images: list, given: dict, where: str) -> list:
+        """``images`` with a blank stand-in for each of the ``given`` embeddings (checked:
+        ``multimodal_embeds``), whose placeholders the processor then expands as for any image.
+
+        Raises:
+            ValueError: embeddings not enabled, of the wrong shape, or for a model whose placeholder
+                count depends on the image.
+        """
+        from PIL import Image
+        for i, t in given.items():
+            check_embeds(t, self.embeds_width, f"{where}: image {i}")
+        if self._fixed is None:  # once: do two stand-in shapes take the same number of placeholders?
+            counts = {int((np.asarray(self._process(self.processor.image_token, [Image.new("RGB", size)], False,
+                                                    where)["input_ids"]) == self.image_token_id).sum())
+                      for size in STAND_IN_SIZES}
+            self._fixed = len(counts) == 1
+        if not self._fixed:
+            raise ValueError(f"{where}: image embeddings: this model's placeholder count depends on the image; "
+                             f"send the image")
+        return [Image.new("RGB", STAND_IN_SIZES[0]) if i in given else img for i, img in enumerate(images)]
 
     def _process(self, text: str, images: list, add_special_tokens: bool, where: str) -> dict:
         try:

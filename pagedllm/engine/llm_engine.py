@@ -104,8 +104,10 @@ class LLMEngine:
         """An image-text model's processor (``multimodal.MultiModalProcessor``), else ``None``."""
         from pagedllm.models.transformers_vision import is_mm_prefix_model, is_prefix_lm, is_vision_model
         if not is_vision_model(self.hf_config):
-            if args.mm_processor_kwargs:
-                raise ValueError("--mm-processor-kwargs: this model reads text only")
+            for flag, value in (("--mm-processor-kwargs", args.mm_processor_kwargs),
+                                ("--enable-mm-embeds", args.enable_mm_embeds)):
+                if value:
+                    raise ValueError(f"{flag}: this model reads text only")
             return None
         from pathlib import Path as _Path
 
@@ -116,7 +118,9 @@ class LLMEngine:
                                    (args.limit_mm_per_prompt or {}).get("image", 999), policy,
                                    args.max_num_batched_tokens if is_mm_prefix_model(self.hf_config) else None,
                                    model_type=getattr(self.hf_config, "model_type", None),
-                                   processor_kwargs=args.mm_processor_kwargs, prefix_lm=is_prefix_lm(self.hf_config))
+                                   processor_kwargs=args.mm_processor_kwargs, prefix_lm=is_prefix_lm(self.hf_config),
+                                   embeds_width=(self.hf_config.get_text_config().hidden_size
+                                                 if args.enable_mm_embeds else None))
 
     def _pooler_config(self):
         """The model's pooling defaults when the plan's runner pools (``EngineArgs.runner``), else ``None``."""

@@ -11,6 +11,7 @@ from typing import AsyncIterator
 
 from pagedllm.entrypoints.chat_utils import prepare_messages
 from pagedllm.multimodal import MultiModalPrompt, image_from_url
+from pagedllm.multimodal_embeds import embeds_from_base64
 from pagedllm.parsers import DeltaMessage, StreamingParser, make_parser
 from pagedllm.parsers.reasoning import REASONING_PARSERS
 from pagedllm.parsers.tools import TOOL_PARSERS
@@ -158,17 +159,20 @@ class OpenAIServingChat(OpenAIServingBase):
             raise APIError(400, f"chat template failed: {e}", "messages", code="invalid_value") from None
 
     def images(self, body: ChatCompletionRequest) -> tuple:
-        """The images of the conversation's ``image_url`` parts, decoded, in order.
+        """The images of the conversation's ``image_url`` parts, decoded, and the tensors of its
+        ``image_embeds`` parts, in order.
 
         Raises:
-            APIError: 400 naming the part for a URL that is not a readable image data URL.
+            APIError: 400 naming the part for a URL that is not a readable image data URL, or
+                embeddings that are not base64 of a saved float tensor.
         """
         out = []
         for i, m in enumerate(body.messages):
-            for j, url in m.image_urls():
-                where = f"messages[{i}].content[{j}].image_url"
+            for j, part in m.image_parts():
+                where = f"messages[{i}].content[{j}].{part.type}"
                 try:
-                    out.append(image_from_url(url, where, getattr(self.llm, "media_policy", None)))
+                    out.append(image_from_url(part.image_url.url, where, getattr(self.llm, "media_policy", None))
+                               if part.type == "image_url" else embeds_from_base64(part.image_embeds, where))
                 except ValueError as e:
                     raise APIError(400, str(e), where, code="invalid_value") from None
         return tuple(out)

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, Strict, model_serializer, mod
 from pydantic_core import PydanticCustomError
 
 from pagedllm.sampling_params import SamplingParamError, SamplingParams
-from pagedllm.server.protocol_parts import ContentPart, ImageUrlPart, MessagePart  # noqa: F401  (re-exported)
+from pagedllm.server.protocol_parts import ContentPart, ImageEmbedsPart, ImageUrlPart, MessagePart  # noqa: F401  (re-exported)
 from pagedllm.server.refused import (REFUSED_CHAT_FIELDS, REFUSED_COMPLETION_FIELDS, REFUSED_FIELDS,
                                      refuse_unsupported)
 from pagedllm.server.guards import (MAX_MESSAGES, MAX_STOP_STRINGS, MAX_TOKEN_ID_ENTRIES, MAX_TOOLS,
@@ -93,15 +93,15 @@ class ChatMessage(BaseModel):
         """
         if not isinstance(self.content, list):
             return self.content or ""
-        images = [p for p in self.content if isinstance(p, ImageUrlPart)]
+        images = [p for p in self.content if isinstance(p, (ImageUrlPart, ImageEmbedsPart))]
         if images and image is None:
-            raise ValueError("image_url: this model reads text only")
+            raise ValueError(f"{images[0].type}: this model reads text only")
         text = "".join(p.text for p in self.content if isinstance(p, ContentPart))
         return "".join(f"{image}\n" for _ in images) + text
 
-    def image_urls(self) -> list[tuple[int, str]]:
-        """``(index in content, URL)`` of its image parts, in order."""
-        return [(j, p.image_url.url) for j, p in enumerate(self.content) if isinstance(p, ImageUrlPart)] \
+    def image_parts(self) -> list[tuple[int, ImageUrlPart | ImageEmbedsPart]]:
+        """``(index in content, part)`` of its image and image-embeddings parts, in order."""
+        return [(j, p) for j, p in enumerate(self.content) if isinstance(p, (ImageUrlPart, ImageEmbedsPart))] \
             if isinstance(self.content, list) else []
 
 

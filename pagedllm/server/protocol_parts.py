@@ -1,5 +1,5 @@
-"""The parts of a chat message's content (OpenAI's chat API): text, and images for an image-text model
-(issue 41). ``MessagePart`` picks the part's class by its ``type`` (any other type is checked as text,
+"""The parts of a chat message's content (OpenAI's chat API): text, and images (or their embeddings:
+vLLM's ``image_embeds``) for an image-text model (issue 41). ``MessagePart`` picks the part's class by its ``type`` (any other type is checked as text,
 so its 400 names ``type``)."""
 
 from __future__ import annotations
@@ -31,12 +31,23 @@ class ImageUrlPart(BaseModel):
     image_url: ImageUrl
 
 
+class ImageEmbedsPart(BaseModel):
+    """An image given as its embeddings (vLLM's ``image_embeds``: base64 of ``torch.save`` of a float
+    ``[rows, hidden]`` tensor), for a server started with ``--enable-mm-embeds``."""
+
+    type: Literal["image_embeds"]
+    image_embeds: str
+
+
+_PART_TAGS = {"image_url": "ImageUrlPart", "image_embeds": "ImageEmbedsPart"}
+
+
 def _part_kind(value: Any) -> str:
     # capitalized tags: the error path (``errors._param_path``) leaves them out, as class names; any
     # other type is checked as a text part, so its 400 names ``type``
     kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
-    return "ImageUrlPart" if kind == "image_url" else "ContentPart"
+    return _PART_TAGS.get(kind, "ContentPart")
 
 
-MessagePart = Annotated[Annotated[ContentPart, Tag("ContentPart")] | Annotated[ImageUrlPart, Tag("ImageUrlPart")],
-                        Discriminator(_part_kind)]
+MessagePart = Annotated[Annotated[ContentPart, Tag("ContentPart")] | Annotated[ImageUrlPart, Tag("ImageUrlPart")]
+                        | Annotated[ImageEmbedsPart, Tag("ImageEmbedsPart")], Discriminator(_part_kind)]

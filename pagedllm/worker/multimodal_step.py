@@ -55,6 +55,9 @@ class MultiModalStep:
         """
         groups: dict[tuple, list] = {}  # images of one pixel shape run the vision tower as one batch
         for holder, m in self.encode:
+            if m.embeds:  # the client's embeddings (--enable-mm-embeds): no encoder step
+                holder.value = m.pixel_values()
+                continue
             groups.setdefault(m.group_key(), []).append((holder, m))
         for (_, names), items in groups.items():
             extra = {k: torch.tensor([m.extra[k] for _, m in items]) for k in names}

@@ -1,7 +1,8 @@
 """Images through the OpenAI chat API (issue 41, first part): the openai SDK and LangChain send an
 ``image_url`` part (a base64 data URL) to a tiny random LLaVA served in process and get
 ``transformers``' greedy answer; the Responses API's ``input_image`` and Anthropic's ``image`` block
-give the same; ``file://`` and http(s) URLs are read as the flags allow; undecodable base64, a file
+give the same, and so does an ``image_embeds`` part with the tower's output (``--enable-mm-embeds``);
+``file://`` and http(s) URLs are read as the flags allow; undecodable base64, a file
 that is no image, a URL the server does not read, a ``detail`` it does not implement and more images
 than ``--limit-mm-per-prompt`` allows are each a 400 naming the field, and the next request is
 served with nothing leaked."""
@@ -47,7 +48,7 @@ def llava_server(tiny_llava, thread_server, media):
     from pagedllm.server.app import build_app
     llm = AsyncLLM(LLMEngine(EngineArgs(model=str(tiny_llava[0]), num_kv_blocks=64, block_size=4,
                                         limit_mm_per_prompt={"image": 1}, allowed_local_media_path=str(media[0]),
-                                        allowed_media_domains=["127.0.0.1"])))
+                                        allowed_media_domains=["127.0.0.1"], enable_mm_embeds=True)))
     server = None
     try:
         server = thread_server(build_app(llm, "tiny-llava"))
@@ -100,6 +101,37 @@ def test_bad_images_are_a_400_naming_the_field(llava_server, assert_no_leaks, co
     ok = client.chat.completions.create(model="tiny-llava", messages=[{"role": "user", "content": _content(
         _data_url(3)[0])}], max_tokens=2)
     assert ok.choices[0].finish_reason == "length"
+    assert_no_leaks(llm.engine)
+
+
+def _embeds_b64(tiny_llava, img) -> str:
+    """vLLM's ``image_embeds``: base64 of ``torch.save`` of transformers' tower output for ``img``."""
+    import torch
+    _, model, proc = tiny_llava
+    with torch.no_grad():
+        feats = model.get_image_features(pixel_values=proc.image_processor([img], return_tensors="pt")["pixel_values"])
+    buf = io.BytesIO()
+    torch.save(torch.cat(list(getattr(feats, "pooler_output", feats))).reshape(16, -1), buf)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def test_image_embeds_part_answers_as_the_image(llava_server, tiny_llava, assert_no_leaks):
+    """An ``image_embeds`` part (``--enable-mm-embeds``) with the tower's output for an image gives the
+    answer the ``image_url`` part of that image gives; a part that is not a saved tensor is a 400 naming it."""
+    url, llm = llava_server
+    client = _client(url)
+    data_url, img = _data_url(5)
+    ask = {"model": "tiny-llava", "temperature": 0, "max_tokens": 6, "extra_body": {"ignore_eos": True}}
+    by_image = client.chat.completions.create(messages=[{"role": "user", "content": _content(data_url)}], **ask)
+    part = {"type": "image_embeds", "image_embeds": _embeds_b64(tiny_llava, img)}
+    by_embeds = client.chat.completions.create(
+        messages=[{"role": "user", "content": [{"type": "text", "text": "What is in this picture?"}, part]}], **ask)
+    assert by_embeds.choices[0].message.content == by_image.choices[0].message.content
+    assert by_embeds.usage.prompt_tokens == by_image.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError) as ei:
+        client.chat.completions.create(messages=[{"role": "user", "content": [
+            {"type": "image_embeds", "image_embeds": base64.b64encode(b"not a tensor").decode()}]}], **ask)
+    assert ei.value.body["param"] == "messages[0].content[0].image_embeds", ei.value.body
     assert_no_leaks(llm.engine)
 
 

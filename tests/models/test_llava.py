@@ -148,3 +148,31 @@ def test_images_reach_a_core_process(llava):
         got[mp] = llm.generate([_request(*PROMPTS[1])], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
         llm.llm_engine.shutdown()
     assert got[True] == got[False]
+
+
+def _embeddings(llava, images):
+    """transformers' vision tower and projector on the images: ``[images, 16, hidden]``."""
+    _, model, proc = llava
+    with torch.no_grad():
+        feats = model.get_image_features(pixel_values=proc.image_processor(images, return_tensors="pt")["pixel_values"])
+    return torch.stack(list(getattr(feats, "pooler_output", feats)))
+
+
+def test_image_embeddings_stand_for_the_images(llava, greedy_ref, assert_no_leaks):
+    """``LLM(enable_mm_embeds=True)`` takes vLLM's ``{"image": tensor [images, rows, hidden]}``: the
+    rows go over the placeholders as the tower's would (transformers' tokens on the images); without
+    the flag, of the wrong width or rows, or for a model whose count depends on the image: refused."""
+    text, images = PROMPTS[1]
+    emb = _embeddings(llava, images)
+    llm = LLM(str(llava[0]), num_kv_blocks=64, block_size=4, enable_mm_embeds=True)
+    out = llm.generate([{"prompt": text, "multi_modal_data": {"image": emb}}], GREEDY, use_tqdm=False)[0]
+    ids, logits = _reference(llava, greedy_ref, text, images)
+    greedy_ref.assert_greedy_match(list(out.outputs[0].token_ids), ids, logits, "image embeddings")
+    for bad, match in ((emb[:, :, :8], "image embeddings"), (emb[:, :10], "10 rows"),
+                       (emb * float("nan"), "NaN")):
+        with pytest.raises(ValueError, match=match):
+            llm.generate([{"prompt": text, "multi_modal_data": {"image": bad}}], GREEDY, use_tqdm=False)
+    assert_no_leaks(llm.engine)
+    plain = LLM(str(llava[0]), num_kv_blocks=16, block_size=4)
+    with pytest.raises(ValueError, match="enable-mm-embeds"):
+        plain.generate([{"prompt": text, "multi_modal_data": {"image": emb}}], GREEDY, use_tqdm=False)

@@ -119,3 +119,14 @@ def test_image_sizes_reach_a_core_process(llava_next, greedy_ref):
         llm.llm_engine.shutdown()
     ids, logits = _reference(llava_next, greedy_ref, *PROMPTS[1])
     greedy_ref.assert_greedy_match(list(out.outputs[0].token_ids), ids, logits, "core process")
+
+
+def test_image_embeddings_are_refused_naming_why(llava_next, assert_no_leaks):
+    """LLaVA-NeXT's placeholder count depends on the image, so embeddings cannot be placed: refused
+    (``--enable-mm-embeds`` on), naming the reason; the next request is served."""
+    llm = LLM(str(llava_next[0]), num_kv_blocks=96, block_size=4, enable_mm_embeds=True)
+    with pytest.raises(ValueError, match="depends on the image"):
+        llm.generate([{"prompt": "Describe <image>.", "multi_modal_data": {"image": torch.zeros(1, 52, 64)}}],
+                     GREEDY, use_tqdm=False)
+    assert llm.generate([_request(*PROMPTS[0])], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    assert_no_leaks(llm.engine)
