@@ -168,7 +168,7 @@ def _check_modules(hf: nn.Module, backend: AttentionBackend) -> None:
             ways are the runner's prompt span, ``is_prefix_lm``), or a ``sinks`` tensor (gpt-oss)
             where ``backend.supports_sinks`` is False.
     """
-    prefix_lm = is_prefix_lm(hf.config)
+    prefix_lm = is_prefix_lm(getattr(hf, "config", None))
     for name, mod in hf.named_modules():
         if not hasattr(mod, "layer_idx"):
             continue
