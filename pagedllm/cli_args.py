@@ -152,17 +152,26 @@ def _add_media_flags(p: argparse.ArgumentParser) -> None:
                    help="llama.cpp's vision projector GGUF for a GGUF language model (llama-server's flag; Gemma 3)")
 
 
+def _json(text: str):
+    """A flag's JSON value.
+
+    Raises:
+        argparse.ArgumentTypeError: not JSON (argparse names the flag).
+    """
+    import json
+    try:
+        return json.loads(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not JSON: {text!r}") from None
+
+
 def _json_object(text: str) -> dict:
     """A flag's JSON object.
 
     Raises:
         argparse.ArgumentTypeError: not a JSON object (argparse names the flag).
     """
-    import json
-    try:
-        value = json.loads(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not JSON: {text!r}") from None
+    value = _json(text)
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
     return value
@@ -174,11 +183,7 @@ def _mm_limits(text: str) -> dict[str, int]:
     Raises:
         argparse.ArgumentTypeError: not such an object (argparse names the flag).
     """
-    import json
-    try:
-        value = json.loads(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not JSON: {text!r}") from None
+    value = _json(text)
     if (not isinstance(value, dict) or set(value) - {"image"}
             or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value.values())):
         raise argparse.ArgumentTypeError(f'expected {{"image": N}} with N >= 0, got {text!r}')

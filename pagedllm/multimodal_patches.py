@@ -24,6 +24,18 @@ _QWEN = ("<|vision_start|><|image_pad|><|vision_end|>", "<|image_pad|>")
 PATCH_PROCESSOR_TOKENS = {"qwen2_vl": _QWEN, "qwen2_5_vl": _QWEN, "qwen3_vl": _QWEN}
 
 
+def _split_at(text: str, token: str, n_images: int) -> list[str]:
+    """``text`` cut at each ``token`` (one per image).
+
+    Raises:
+        ValueError: the text has another number of ``token`` than ``n_images``.
+    """
+    pieces = text.split(token)
+    if len(pieces) - 1 != n_images:
+        raise ValueError(f"the text has {len(pieces) - 1} {token} tokens but {n_images} images were given")
+    return pieces
+
+
 class PatchTokenProcessor:
     """``processor(text=..., images=..., return_tensors="np")`` of a patch-grid model.
 
@@ -53,10 +65,7 @@ class PatchTokenProcessor:
             ValueError: the text's placeholder count differs from the images'.
         """
         images = list(images or [])
-        pieces = text.split(self.pad_token)
-        if len(pieces) - 1 != len(images):
-            raise ValueError(f"the text has {len(pieces) - 1} {self.pad_token} tokens but {len(images)} images "
-                             f"were given")
+        pieces = _split_at(text, self.pad_token, len(images))
         out: dict = {}
         if images:
             pixels = self.image_processor(images=images, return_tensors="np", **image_kwargs)
@@ -111,10 +120,7 @@ class PixtralTokenProcessor:
             ValueError: the text's placeholder count differs from the images'.
         """
         images = list(images or [])
-        pieces = text.split(self.image_token)
-        if len(pieces) - 1 != len(images):
-            raise ValueError(f"the text has {len(pieces) - 1} {self.image_token} tokens but {len(images)} images "
-                             f"were given")
+        pieces = _split_at(text, self.image_token, len(images))
         out: dict = {}
         if images:
             pixels = self.image_processor(images=images, return_tensors="np", **{**image_kwargs, "patch_size": self.patch})
