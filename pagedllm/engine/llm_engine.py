@@ -111,7 +111,8 @@ class LLMEngine:
             return None
         from pathlib import Path as _Path
 
-        from pagedllm.multimodal import MediaPolicy, MultiModalProcessor
+        from pagedllm.media import MediaPolicy
+        from pagedllm.multimodal import MultiModalProcessor
         policy = MediaPolicy(_Path(args.allowed_local_media_path) if args.allowed_local_media_path else None,
                              tuple(args.allowed_media_domains or ()))
         return MultiModalProcessor(self.model_dir, self.hf_config.image_token_id,

@@ -203,7 +203,7 @@ class Processor:
 
     @property
     def media_policy(self):
-        """Where image URLs may point (``multimodal.MediaPolicy``); ``None``: a text model."""
+        """Where image URLs may point (``media.MediaPolicy``); ``None``: a text model."""
         return None if self.multimodal is None else self.multimodal.policy
 
     def _prompt_ids(self, prompt, params: SamplingParams) -> tuple[list[int], list]:

@@ -50,7 +50,7 @@ def take_images(messages: list[dict], placeholder: str | None, policy=None) -> t
         ValueError: an image part for a text-only model (``placeholder`` is ``None``), or an image URL
             that is not a readable data URL (the part named).
     """
-    from pagedllm.multimodal import image_from_url
+    from pagedllm.media import image_from_url
     out, images = [], []
     for i, m in enumerate(messages):
         content = m.get("content") if isinstance(m, dict) else None

@@ -83,7 +83,7 @@ def _check_images(req: MessagesRequest, text_only: bool) -> None:
     Raises:
         APIError: 400 naming ``messages[i].content[j]`` (text-only model) or its ``.source``.
     """
-    from pagedllm.multimodal import image_from_url
+    from pagedllm.media import image_from_url
     for i, m in enumerate(req.messages):
         for j, b in enumerate(m.content if isinstance(m.content, list) else ()):
             if isinstance(b, ImageBlock) and text_only:

@@ -10,7 +10,8 @@ from __future__ import annotations
 from typing import AsyncIterator
 
 from pagedllm.entrypoints.chat_utils import prepare_messages
-from pagedllm.multimodal import MultiModalPrompt, image_from_url
+from pagedllm.media import image_from_url
+from pagedllm.multimodal import MultiModalPrompt
 from pagedllm.multimodal_embeds import embeds_from_base64
 from pagedllm.parsers import DeltaMessage, StreamingParser, make_parser
 from pagedllm.parsers.reasoning import REASONING_PARSERS

@@ -78,7 +78,7 @@ def _content_text(content: Any, where: str) -> str | list[dict]:
 
 def _image_part(part: dict, where: str) -> dict:
     """An ``input_image`` part as a chat ``image_url`` part (checked: see ``_content_text``)."""
-    from pagedllm.multimodal import image_from_url
+    from pagedllm.media import image_from_url
     if part.get("file_id") is not None:
         raise APIError(400, f"{where}.file_id: files are not served; send image_url as a data URL", f"{where}.file_id")
     if part.get("detail") not in (None, "auto"):
