@@ -118,6 +118,7 @@ def engine_args_from_cli(a: argparse.Namespace) -> EngineArgs:
                       enable_expert_parallel=getattr(a, "enable_expert_parallel", False),
                       limit_mm_per_prompt=getattr(a, "limit_mm_per_prompt", None),
                       mm_processor_kwargs=getattr(a, "mm_processor_kwargs", None),
+                      video_pruning_rate=getattr(a, "video_pruning_rate", 0.0),
                       enable_mm_embeds=getattr(a, "enable_mm_embeds", False),
                       allowed_local_media_path=getattr(a, "allowed_local_media_path", None),
                       allowed_media_domains=getattr(a, "allowed_media_domains", None),
@@ -138,7 +139,10 @@ def _runner(a: argparse.Namespace) -> str:
 def _add_media_flags(p: argparse.ArgumentParser) -> None:
     """The image-text models' flags (vLLM's names; llama-server's ``--mmproj``)."""
     p.add_argument("--limit-mm-per-prompt", type=_mm_limits, default=None,
-                   help='most images in one prompt, as JSON: \'{"image": 4}\' (default 999; image-text models)')
+                   help='most images and videos in one prompt, as JSON: \'{"image": 4, "video": 1}\' (default 999)')
+    p.add_argument("--video-pruning-rate", type=float, default=0.0,
+                   help="efficient video sampling: the fraction of video tokens dropped, those changing least "
+                        "from the previous frame (0: off; Qwen2-VL, Qwen2.5-VL)")
     p.add_argument("--mm-processor-kwargs", type=_json_object, default=None,
                    help='arguments for the model\'s image processor, as JSON: \'{"do_pan_and_scan": true}\' '
                         '(Gemma 3), \'{"max_pixels": 802816}\' (Qwen-VL); checked on a test image at start-up')
@@ -178,13 +182,13 @@ def _json_object(text: str) -> dict:
 
 
 def _mm_limits(text: str) -> dict[str, int]:
-    """``--limit-mm-per-prompt``'s JSON: ``{"image": N}`` with a count of at least 0.
+    """``--limit-mm-per-prompt``'s JSON: ``{"image": N, "video": M}`` (either) with counts of at least 0.
 
     Raises:
         argparse.ArgumentTypeError: not such an object (argparse names the flag).
     """
     value = _json(text)
-    if (not isinstance(value, dict) or set(value) - {"image"}
+    if (not isinstance(value, dict) or set(value) - {"image", "video"}
             or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value.values())):
-        raise argparse.ArgumentTypeError(f'expected {{"image": N}} with N >= 0, got {text!r}')
+        raise argparse.ArgumentTypeError(f'expected {{"image": N, "video": M}} with counts >= 0, got {text!r}')
     return value

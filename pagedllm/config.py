@@ -140,7 +140,10 @@ class EngineArgs:
             whole experts instead of slices of each (vLLM's ``--enable-expert-parallel``; the
             Transformers backend, ``models/moe.py``); a dense model or one rank is unaffected.
         limit_mm_per_prompt: most items of each modality in one prompt (vLLM's
-            ``--limit-mm-per-prompt``, ``{"image": N}``; default 999); an image-text model only.
+            ``--limit-mm-per-prompt``, ``{"image": N, "video": M}``; default 999); an image-text model only.
+        video_pruning_rate: efficient video sampling (vLLM's ``--video-pruning-rate``): the fraction of
+            each video's tokens dropped before the language model, those changing least from the previous
+            frame (``multimodal_video``); 0: off. In ``[0, 1)``; a video-text model only.
         mm_processor_kwargs: arguments for the model's image processor on every image (vLLM's
             ``--mm-processor-kwargs``: Gemma 3's ``do_pan_and_scan``, Qwen-VL's ``max_pixels``); checked
             on a test image when the engine starts (a bad one is a ``ValueError`` naming the flag).
@@ -214,6 +217,7 @@ class EngineArgs:
     enable_expert_parallel: bool = False
     limit_mm_per_prompt: dict | None = None
     mm_processor_kwargs: dict | None = None
+    video_pruning_rate: float = 0.0
     enable_mm_embeds: bool = False
     allowed_local_media_path: str | None = None
     allowed_media_domains: list[str] | None = None
@@ -239,6 +243,8 @@ class EngineArgs:
             raise ValueError(f"num_state_checkpoints must be >= 0, got {self.num_state_checkpoints}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if not 0 <= self.video_pruning_rate < 1:
+            raise ValueError(f"--video-pruning-rate (video_pruning_rate) must be in [0, 1), got {self.video_pruning_rate}")
         if not isinstance(self.data_parallel_size, int) or self.data_parallel_size < 1:
             raise ValueError("--data-parallel-size (data_parallel_size) must be an integer >= 1, "
                              f"got {self.data_parallel_size!r}")

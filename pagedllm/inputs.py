@@ -54,7 +54,7 @@ def parse_prompt(prompt: Any, where: str = "prompts") -> tuple[str | list[int], 
         ValueError: a dict with multimodal keys, or with neither or both of ``prompt`` and
             ``prompt_token_ids`` in a way vLLM does not accept.
     """
-    from pagedllm.multimodal import MultiModalPrompt, read_images
+    from pagedllm.multimodal import MultiModalPrompt, read_media
     if isinstance(prompt, str):
         return prompt, prompt, None
     if isinstance(prompt, MultiModalPrompt):  # already read (LLM.generate, then LLMEngine.add_request)
@@ -83,8 +83,8 @@ def parse_prompt(prompt: Any, where: str = "prompts") -> tuple[str | list[int], 
         if not isinstance(prompt["prompt"], str):
             raise TypeError(f"{where}.prompt: expected a str, got {type(prompt['prompt']).__name__}")
         if prompt.get("multi_modal_data") is not None:
-            images = read_images(prompt["multi_modal_data"], where)
-            return MultiModalPrompt(prompt["prompt"], images), prompt["prompt"], salt
+            images, videos = read_media(prompt["multi_modal_data"], where)
+            return MultiModalPrompt(prompt["prompt"], images, videos=videos), prompt["prompt"], salt
         return prompt["prompt"], prompt["prompt"], salt
     raise ValueError(f"{where}: a prompt dict needs 'prompt' (TextPrompt) or 'prompt_token_ids' (TokensPrompt), "
                      f"got keys {sorted(prompt)}")

@@ -27,7 +27,7 @@ import numpy as np
 from pagedllm.media import MediaPolicy
 from pagedllm.multimodal_embeds import STAND_IN_SIZES, check_embeds, embedded
 
-MODALITIES = ("image",)
+MODALITIES = ("image", "video")
 
 
 @dataclass(frozen=True)
@@ -39,11 +39,14 @@ class MultiModalPrompt:
         images: the images (``PIL.Image.Image``), in prompt order.
         add_special_tokens: the processor adds the tokenizer's special tokens (BOS); a rendered chat
             template has them already (False).
+        videos: the videos, ``(frames [F, H, W, 3] uint8, frames per second)`` each, in prompt order
+            (``multimodal_video``).
     """
 
     text: str
     images: tuple
     add_special_tokens: bool = True
+    videos: tuple = ()
 
 
 class MultiModalInput(msgspec.Struct, frozen=True):
@@ -69,6 +72,10 @@ class MultiModalInput(msgspec.Struct, frozen=True):
             (Gemma 3's pan-and-scan: the original, then its crops, each a run).
         embeds: ``data`` holds the image's embeddings, ``[rows, hidden]`` float32, given by the client
             (``image_embeds``; ``--enable-mm-embeds``): no encoder step.
+        modality: ``image``, or ``video`` (Qwen-VL's patches of frame pairs: ``extra`` holds its
+            ``video_grid_thw`` and ``second_per_grid_ts``).
+        pruned: rows the encoder gives beyond the placeholders, dropped by EVS
+            (``--video-pruning-rate``; ``multimodal_video.retained_index``).
     """
 
     hash: str
@@ -77,10 +84,12 @@ class MultiModalInput(msgspec.Struct, frozen=True):
     data: bytes
     shape: list[int]
     dtype: str = "float32"
-    extra: dict[str, list[int]] = {}
+    extra: dict[str, list] = {}
     runs: list[list[int]] = []
     views: bool = False
     embeds: bool = False
+    modality: str = "image"
+    pruned: int = 0
 
     @property
     def end(self) -> int:
@@ -122,34 +131,50 @@ def image_hash(image) -> str:
     return h.hexdigest()
 
 
-def read_images(data, where: str) -> tuple:
-    """The images of a prompt's ``multi_modal_data``.
+def read_media(data, where: str) -> tuple[tuple, tuple]:
+    """The images and videos of a prompt's ``multi_modal_data``.
 
     Args:
-        data: ``{"image": PIL.Image | list[PIL.Image]}``, or image embeddings (``--enable-mm-embeds``):
-            a float tensor ``[rows, hidden]`` per image or ``[images, rows, hidden]``.
+        data: ``{"image": PIL.Image | list[PIL.Image], "video": frames | list[frames]}`` (either key),
+            an image also as embeddings (``--enable-mm-embeds``): a float tensor ``[rows, hidden]``
+            per image or ``[images, rows, hidden]``; a video as ``[F, H, W, 3]`` uint8 frames or a list
+            of PIL frames, or vLLM's ``(frames, {"fps": ...})`` pair.
         where: the argument's name, for errors.
+    Returns:
+        ``(images, videos)``: ``videos`` as ``(frames, fps)`` pairs (``MultiModalPrompt.videos``).
     Raises:
         TypeError: not a dict, or an image that is neither a ``PIL.Image.Image`` nor a 2-D tensor.
-        ValueError: a modality other than ``image``, or no image.
+        ValueError: a modality other than ``image`` and ``video``, no item, or a video
+            ``multimodal_video.read_frames`` refuses.
     """
     from PIL import Image
+
+    from pagedllm.multimodal_video import DEFAULT_FPS, read_frames
     if not isinstance(data, dict):
         raise TypeError(f"{where}.multi_modal_data: expected a dict such as {{'image': PIL.Image}}")
     other = sorted(set(data) - set(MODALITIES))
     if other:
-        raise ValueError(f"{where}.multi_modal_data.{other[0]}: not supported (images only)")
+        raise ValueError(f"{where}.multi_modal_data.{other[0]}: not supported (images and videos only)")
     images = data.get("image")
     if _is_tensor(images) and images.dim() == 3:  # vLLM's [images, rows, hidden] embeddings
         images = list(images)
-    images = list(images) if isinstance(images, (list, tuple)) else [images]
+    images = [] if images is None else list(images) if isinstance(images, (list, tuple)) else [images]
     for i, img in enumerate(images):
         if not isinstance(img, Image.Image) and not (_is_tensor(img) and img.dim() == 2):
             raise TypeError(f"{where}.multi_modal_data.image[{i}]: expected a PIL.Image.Image or [rows, hidden] "
                             f"embeddings, got {type(img).__name__}")
-    if not images:
-        raise ValueError(f"{where}.multi_modal_data.image: no image")
-    return tuple(images)
+    videos = data.get("video")
+    one = videos is not None and (getattr(videos, "ndim", 0) == 4 or isinstance(videos, tuple) or (
+        isinstance(videos, list) and videos and isinstance(videos[0], Image.Image)))
+    videos = [] if videos is None else [videos] if one else list(videos)
+    read = []
+    for i, v in enumerate(videos):
+        frames, meta = v if isinstance(v, tuple) and len(v) == 2 and isinstance(v[1], dict) else (v, {})
+        fps = float(meta.get("fps") or DEFAULT_FPS)
+        read.append((read_frames(frames, f"{where}.multi_modal_data.video[{i}]"), fps))
+    if not images and not read:
+        raise ValueError(f"{where}.multi_modal_data: no image or video")
+    return tuple(images), tuple(read)
 
 
 def _is_tensor(x) -> bool:
@@ -217,6 +242,7 @@ class MultiModalProcessor:
             to the prompt's end and its hash takes the prompt's tokens (``_whole_prompt``).
         embeds_width: the language model's hidden size when image embeddings are accepted in place of
             images (``--enable-mm-embeds``; ``multimodal_embeds``), else ``None``.
+        video: how the model takes videos (``multimodal_video.VideoOptions``); ``None``: it takes none.
     Raises:
         ValueError: the directory has no processor ``transformers`` can load, or ``processor_kwargs``
             names no setting of it or fails on the test image (the flag and the key named).
@@ -225,8 +251,9 @@ class MultiModalProcessor:
     def __init__(self, model_dir: str | Path, image_token_id: int, limit_per_prompt: int,
                  policy: MediaPolicy | None = None, max_image_tokens: int | None = None,
                  model_type: str | None = None, processor_kwargs: dict | None = None, prefix_lm: bool = False,
-                 embeds_width: int | None = None) -> None:
+                 embeds_width: int | None = None, video=None) -> None:
         self.policy = policy or MediaPolicy()
+        self.video = video
         self.prefix_lm = prefix_lm
         self.embeds_width = embeds_width
         self._fixed: bool | None = None  # whether the placeholder count is the same for every image
@@ -276,11 +303,16 @@ class MultiModalProcessor:
         if len(images) > self.limit_per_prompt:
             raise ValueError(f"{where}: {len(images)} images, more than --limit-mm-per-prompt allows "
                              f"({self.limit_per_prompt})")
+        if prompt.videos:
+            self._check_videos(prompt.videos, where)
         given = {i: img for i, img in enumerate(images) if _is_tensor(img)}  # image embeddings
         if given:
             images = self._stand_ins(images, given, where)
-        out = self._process(prompt.text, images, prompt.add_special_tokens, where)
+        out = self._process(prompt.text, images, prompt.add_special_tokens, where, prompt.videos)
         ids = [int(t) for t in np.asarray(out["input_ids"])[0]]
+        videos = self._video_inputs(out, ids, prompt.videos, where) if prompt.videos else []
+        if not images:
+            return ids, videos
         pixels, extra, counts, views = self._per_image(out, images, where)
         groups = _group_runs(placeholder_runs(ids, self.image_token_id), counts, len(images))
         if groups is None:
@@ -298,6 +330,7 @@ class MultiModalProcessor:
                 raise ValueError(f"{where}: image {i}: {exc}") from None
         if self.prefix_lm:
             inputs[-1] = _whole_prompt(inputs[-1], ids)
+        inputs = sorted(inputs + videos, key=lambda m: m.offset)
         if self.max_image_tokens is not None and any(m.end - m.offset > self.max_image_tokens for m in inputs):
             raise ValueError(f"{where}: an image{' and its prompt' if self.prefix_lm else ''} takes "
                              f"{max(m.end - m.offset for m in inputs)} tokens, more than --max-num-batched-tokens "
@@ -325,10 +358,40 @@ class MultiModalProcessor:
                              f"send the image")
         return [Image.new("RGB", STAND_IN_SIZES[0]) if i in given else img for i, img in enumerate(images)]
 
-    def _process(self, text: str, images: list, add_special_tokens: bool, where: str) -> dict:
+    def _check_videos(self, videos: tuple, where: str) -> None:
+        """Raises ``ValueError`` when the model takes no video or there are more than the limit."""
+        if self.video is None:
+            raise ValueError(f"{where}.video: this model takes no video (video-text models: Qwen2-VL, Qwen2.5-VL)")
+        if len(videos) > self.video.limit:
+            raise ValueError(f"{where}: {len(videos)} videos, more than --limit-mm-per-prompt allows "
+                             f"({self.video.limit})")
+
+    def _video_inputs(self, out: dict, ids: list[int], videos: tuple, where: str) -> list[MultiModalInput]:
+        """One ``MultiModalInput`` per video (``modality`` ``video``) from the processor's output.
+
+        Raises:
+            ValueError: the text's video placeholder runs are not one per video.
+        """
+        from pagedllm.multimodal_patches import patch_rows
+        from pagedllm.multimodal_video import video_hash
+        runs = placeholder_runs(ids, self.video.token_id)
+        if len(runs) != len(videos):
+            raise ValueError(f"{where}: the text places {len(runs)} video runs for {len(videos)} videos (put "
+                             f"the model's video token once per video)")
+        grids = np.asarray(out["video_grid_thw"])
+        rows = patch_rows(np.ascontiguousarray(out["pixel_values_videos"], dtype=np.float32), grids)
+        full = out["video_rows"]  # rows each video's encoder output has, before EVS
+        return [MultiModalInput(video_hash(frames, fps), off, n, px.tobytes(), list(px.shape),
+                                extra={"video_grid_thw": grid.tolist(), "second_per_grid_ts": [float(sec)]},
+                                modality="video", pruned=int(whole) - n)
+                for (frames, fps), (off, n), px, grid, sec, whole in zip(videos, runs, rows, grids,
+                                                                         out["second_per_grid_ts"], full)]
+
+    def _process(self, text: str, images: list, add_special_tokens: bool, where: str, videos: tuple = ()) -> dict:
+        more = {} if not videos else {"videos": videos, "video_pruning_rate": self.video.pruning_rate}
         try:
             return self.processor(text=text, images=images, return_tensors="np", add_special_tokens=add_special_tokens,
-                                  **self.kwargs)
+                                  **more, **self.kwargs)
         except ValueError as exc:  # the processor's own count check, or a bad image
             raise ValueError(f"{where}: {exc}") from None
 

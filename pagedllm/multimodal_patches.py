@@ -22,6 +22,7 @@ import numpy as np
 # their chat template writes it; the token in it that the processor repeats once per image row)
 _QWEN = ("<|vision_start|><|image_pad|><|vision_end|>", "<|image_pad|>")
 PATCH_PROCESSOR_TOKENS = {"qwen2_vl": _QWEN, "qwen2_5_vl": _QWEN, "qwen3_vl": _QWEN}
+_VIDEO_PAD = "<|video_pad|>"  # Qwen-VL's video placeholder, repeated once per row of the video
 
 
 def _split_at(text: str, token: str, n_images: int) -> list[str]:
@@ -56,13 +57,20 @@ class PatchTokenProcessor:
         self.merge = int(getattr(self.image_processor, "merge_size", 2))
 
     def __call__(self, text: str, images: list | None = None, return_tensors: str = "np",
-                 add_special_tokens: bool = True, **image_kwargs) -> dict:
+                 add_special_tokens: bool = True, videos: tuple = (), video_pruning_rate: float = 0.0,
+                 **image_kwargs) -> dict:
         """``{"input_ids": [1, L] int64, "pixel_values": [patches, C * T * P * P] float32 (all images'
         patches, image after image), "image_grid_thw": [N, 3] int64}`` (the last two only with images);
         ``image_kwargs`` go to the image processor (``--mm-processor-kwargs``: ``max_pixels``).
 
+        With ``videos`` (``(frames [F, H, W, 3] uint8, fps)`` each; ``multimodal_video``) also
+        ``pixel_values_videos`` (all videos' patches), ``video_grid_thw`` ``[V, 3]``,
+        ``second_per_grid_ts`` ``[V]`` (seconds per temporal patch) and ``video_rows`` ``[V]`` (rows
+        of each video's encoder output); each video token becomes the rows EVS keeps at
+        ``video_pruning_rate`` (all at 0).
+
         Raises:
-            ValueError: the text's placeholder count differs from the images'.
+            ValueError: the text's placeholder count differs from the images' or the videos'.
         """
         images = list(images or [])
         pieces = _split_at(text, self.pad_token, len(images))
@@ -73,9 +81,24 @@ class PatchTokenProcessor:
             out["image_grid_thw"] = np.asarray(pixels["image_grid_thw"], dtype=np.int64)
             counts = out["image_grid_thw"].prod(-1) // self.merge**2
             text = pieces[0] + "".join(self.pad_token * int(c) + rest for c, rest in zip(counts, pieces[1:]))
+        if videos:
+            text = self._videos(text, videos, video_pruning_rate, out)
         ids = self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
         out["input_ids"] = np.asarray([ids], dtype=np.int64)
         return out
+
+    def _videos(self, text: str, videos: tuple, rate: float, out: dict) -> str:
+        """``text`` with each ``<|video_pad|>`` expanded to its video's kept rows; the videos' arrays
+        into ``out`` (``__call__``)."""
+        from pagedllm.multimodal_video import qwen_video_patches, retained_rows
+        pieces = _split_at(text, _VIDEO_PAD, len(videos))
+        patches = [qwen_video_patches(frames, self.image_processor) for frames, _ in videos]
+        out["pixel_values_videos"] = np.concatenate([p for p, _ in patches])
+        out["video_grid_thw"] = np.asarray([g for _, g in patches], dtype=np.int64)
+        out["second_per_grid_ts"] = np.asarray([self.image_processor.temporal_patch_size / fps for _, fps in videos])
+        out["video_rows"] = out["video_grid_thw"].prod(-1) // self.merge**2
+        counts = [retained_rows(g, self.merge, rate) for _, g in patches]
+        return pieces[0] + "".join(_VIDEO_PAD * c + rest for c, rest in zip(counts, pieces[1:]))
 
 
 def patch_rows(pixels: np.ndarray, grid: np.ndarray) -> list[np.ndarray]:

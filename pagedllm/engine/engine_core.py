@@ -179,6 +179,7 @@ class EngineCore:
         self.async_scheduling = args.async_scheduling
         self._in_flight = None  # (SchedulerOutput, StepHandle) issued but not yet applied
         self.num_prompt_tokens = self.num_generation_tokens = self.num_steps = self.max_num_running = 0
+        self.num_video_tokens_pruned = 0
         self.timer = StepTimer()
         # whether steps use the C CPU kernels, as chosen once at load with the attention backend
         # (reported in the stats: a served core logs in its own process)
@@ -260,6 +261,7 @@ class EngineCore:
             req.structured = self.structured_output_manager.submit(so)  # compiles off the step loop
         self.scheduler.add_request(req)
         self.num_prompt_tokens += req.num_prompt_tokens
+        self.num_video_tokens_pruned += sum(m.pruned for m in req.mm_inputs)
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
         """End requests (abort, or a stop string found by the front end); their blocks are freed now."""
@@ -384,6 +386,7 @@ class EngineCore:
                               num_blocks=self.num_blocks, num_preemptions=self.scheduler.num_preemptions,
                               prefix_cache_queries=kv.prefix_cache_queries, prefix_cache_hits=kv.prefix_cache_hits,
                               num_prompt_tokens=self.num_prompt_tokens,
+                              num_video_tokens_pruned=self.num_video_tokens_pruned,
                               num_generation_tokens=self.num_generation_tokens, num_steps=self.num_steps,
                               max_num_running=self.max_num_running, cpu_kernels=self.cpu_kernels,
                               weight_formats=self.weight_formats, weight_kernels=self.weight_kernels,

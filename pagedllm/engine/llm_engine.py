@@ -105,7 +105,8 @@ class LLMEngine:
         from pagedllm.models.transformers_vision import is_mm_prefix_model, is_prefix_lm, is_vision_model
         if not is_vision_model(self.hf_config):
             for flag, value in (("--mm-processor-kwargs", args.mm_processor_kwargs),
-                                ("--enable-mm-embeds", args.enable_mm_embeds)):
+                                ("--enable-mm-embeds", args.enable_mm_embeds),
+                                ("--video-pruning-rate", args.video_pruning_rate)):
                 if value:
                     raise ValueError(f"{flag}: this model reads text only")
             return None
@@ -113,12 +114,19 @@ class LLMEngine:
 
         from pagedllm.media import MediaPolicy
         from pagedllm.multimodal import MultiModalProcessor
+        from pagedllm.multimodal_video import VIDEO_MODEL_TYPES, VideoOptions
+        model_type = getattr(self.hf_config, "model_type", None)
+        limits = args.limit_mm_per_prompt or {}
+        if args.video_pruning_rate and model_type not in VIDEO_MODEL_TYPES:
+            raise ValueError("--video-pruning-rate: this model takes no video")
+        video = (VideoOptions(self.hf_config.video_token_id, limits.get("video", 999), args.video_pruning_rate)
+                 if model_type in VIDEO_MODEL_TYPES else None)
         policy = MediaPolicy(_Path(args.allowed_local_media_path) if args.allowed_local_media_path else None,
                              tuple(args.allowed_media_domains or ()))
         return MultiModalProcessor(self.model_dir, self.hf_config.image_token_id,
-                                   (args.limit_mm_per_prompt or {}).get("image", 999), policy,
+                                   limits.get("image", 999), policy,
                                    args.max_num_batched_tokens if is_mm_prefix_model(self.hf_config) else None,
-                                   model_type=getattr(self.hf_config, "model_type", None),
+                                   model_type=model_type, video=video,
                                    processor_kwargs=args.mm_processor_kwargs, prefix_lm=is_prefix_lm(self.hf_config),
                                    embeds_width=(self.hf_config.get_text_config().hidden_size
                                                  if args.enable_mm_embeds else None))

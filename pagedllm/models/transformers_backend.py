@@ -265,6 +265,8 @@ class TransformersCausalLM(VisionMixin, nn.Module):
             tokens = ({"input_ids": input_ids.unsqueeze(0)} if mm is None
                       else {"inputs_embeds": mm.embeds(self, input_ids).unsqueeze(0)})
             pos = positions.unsqueeze(0) if rope_positions is None else rope_positions.unsqueeze(1)
+            if mm is not None and mm.moves:  # videos pruned by EVS: their rows' positions, known after embeds
+                pos = mm.positions(pos)
             if mm is not None and mm.deepstack is not None:
                 return self._deepstack_logits(tokens["inputs_embeds"], pos, mm.deepstack, logits_indices, hidden_indices)
             out = self.hf(**tokens, position_ids=pos, use_cache=False,

@@ -1,7 +1,7 @@
 """The image side of the Transformers backend (issue 41): which ``transformers`` image-text models it
 serves and how (``VISION_MODEL_TYPES``, image-prefix attention, M-RoPE), and ``VisionMixin``, the
 model methods the runner's encoder step calls: the vision tower and projector as ``transformers``
-builds them (``encode_image``), the input embeddings the image rows are written over
+builds them (``encode_image``; Qwen-VL's videos too), the input embeddings the image rows are written over
 (``embed_tokens``), Qwen-VL's 3-D rotary positions (``rope_positions``) and Qwen3-VL's deepstack rows
 (``_deepstack_logits``).
 """
@@ -54,24 +54,54 @@ class VisionMixin:
         image (Qwen3-VL: ``[..., (1 + deepstack layers) * hidden]``, each row's deepstack rows after its
         embedding: ``MultiModalStep.deepstack``)."""
         p = next(self.hf.parameters())
-        extra = {k: v.to(p.device) for k, v in extra.items()}
-        if "image_grid_thw" in extra:  # Qwen2.5-VL reads all images' patches as one [patches, dim] array
+        extra = {k: v.to(p.device) for k, v in extra.items() if k != "second_per_grid_ts"}  # that one: positions
+        if "image_grid_thw" in extra or "video_grid_thw" in extra:  # Qwen-VL: all patches as one [patches, dim]
             pixel_values = pixel_values.flatten(0, 1)
-        out = self.hf.get_image_features(pixel_values=pixel_values.to(p.device, p.dtype), **extra)
+        if "video_grid_thw" in extra:  # videos (multimodal_video): Qwen-VL's own video path
+            out = self.hf.get_video_features(pixel_values_videos=pixel_values.to(p.device, p.dtype), **extra)
+        else:
+            out = self.hf.get_image_features(pixel_values=pixel_values.to(p.device, p.dtype), **extra)
         feats = _rows(getattr(out, "pooler_output", out))
         deep = getattr(out, "deepstack_features", None)  # Qwen3-VL: per early layer, carried beside each row
         return torch.cat([feats] + [_rows(d) for d in deep], dim=-1) if deep else feats
 
-    def rope_positions(self, prompt_ids: list[int], images) -> tuple[np.ndarray, int]:
-        """M-RoPE (``self.mrope``): the ``[3, n]`` int64 (temporal, height, width) positions of a
-        prompt's first ``n`` tokens, through its last image, and ``delta``: every later token ``p`` is
-        at ``p + delta`` on all three axes. ``images``: the prompt's ``MultiModalInput`` (their
-        ``image_grid_thw``). Source: transformers' ``get_rope_index`` on those ``n`` tokens."""
-        n = max(m.end for m in images)
-        ids = torch.tensor([prompt_ids[:n]])
-        grid = torch.tensor([m.extra["image_grid_thw"] for m in images])
-        pos, delta = self.hf.model.get_rope_index(ids, (ids == self.hf.config.image_token_id).int(), image_grid_thw=grid)
-        return pos[:, 0].numpy(), int(delta.reshape(-1)[0])
+    def rope_positions(self, prompt_ids: list[int], inputs) -> tuple[np.ndarray, int, dict]:
+        """M-RoPE (``self.mrope``) of a prompt with images or videos.
+
+        Args:
+            prompt_ids: the prompt's token ids.
+            inputs: its ``MultiModalInput`` (their ``image_grid_thw`` or ``video_grid_thw`` and
+                ``second_per_grid_ts``).
+        Returns:
+            ``(table, delta, whole)``: ``table`` ``[3, n]`` int64 (temporal, height, width) positions of
+            the ``n`` prompt tokens (every generated token ``p`` at ``p + delta`` on all three axes: the
+            text after a video continues from its spatial extent, generated tokens from its largest
+            position, as ``transformers`` places them); ``whole``: for each video pruned by EVS (``MultiModalInput.pruned``),
+            its offset -> ``[3, rows + pruned]`` the positions of all its rows, from which its kept
+            rows take theirs once its encoder step has chosen them (its ``table`` columns until then
+            are overwritten then).
+        Source: transformers' ``get_rope_index`` on the prompt with each pruned video whole again.
+        """
+        cfg = self.hf.config
+        ids, kinds = list(prompt_ids), [0] * len(prompt_ids)
+        for m in sorted(inputs, key=lambda m: -m.offset):  # from the back: earlier offsets stay valid
+            video = m.modality == "video"
+            ids[m.offset:m.end] = [cfg.video_token_id if video else cfg.image_token_id] * (m.length + m.pruned)
+            kinds[m.offset:m.end] = [2 if video else 1] * (m.length + m.pruned)
+        grids = {k: torch.tensor([m.extra[k] for m in inputs if k in m.extra]) for k in ("image_grid_thw", "video_grid_thw")}
+        seconds = [s for m in inputs for s in m.extra.get("second_per_grid_ts", ())]
+        pos, delta = self.hf.model.get_rope_index(
+            torch.tensor([ids]), torch.tensor([kinds]), **{k: v for k, v in grids.items() if len(v)},
+            **({"second_per_grid_ts": torch.tensor(seconds)} if seconds else {}))
+        pos = pos[:, 0].numpy()
+        keep, whole, shift = np.ones(pos.shape[1], dtype=bool), {}, 0
+        for m in sorted(inputs, key=lambda m: m.offset):
+            if m.pruned:
+                first = m.offset + shift
+                whole[m.offset] = pos[:, first:first + m.length + m.pruned].copy()
+                keep[first + m.length:first + m.length + m.pruned] = False
+                shift += m.pruned
+        return pos[:, keep], int(delta.reshape(-1)[0]) + shift, whole
 
     def _deepstack_logits(self, embeds: torch.Tensor, pos: torch.Tensor, deepstack, logits_indices: torch.Tensor,
                           hidden_indices: torch.Tensor | None = None):

@@ -62,6 +62,8 @@ _COUNTERS = (
     ("pagedllm:prefix_cache_queries", "prefix_cache_queries", "Prefix-cache lookups, in tokens."),
     ("pagedllm:prefix_cache_hits", "prefix_cache_hits", "Prefix-cache hits, in tokens."),
     ("pagedllm:num_preemptions", "num_preemptions", "Number of request preemptions."),
+    ("pagedllm:video_tokens_pruned", "num_video_tokens_pruned",
+     "Video tokens dropped by efficient video sampling (--video-pruning-rate)."),
     ("pagedllm:spec_decode_num_drafts", "spec_num_drafts", "Verified request steps that carried draft tokens."),
     ("pagedllm:spec_decode_num_draft_tokens", "spec_num_draft_tokens", "Draft tokens verified."),
     ("pagedllm:spec_decode_num_accepted_tokens", "spec_num_accepted_tokens", "Draft tokens accepted."),

@@ -19,14 +19,19 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from pagedllm.multimodal_video import retained_index
+
 
 class EncoderOutput:
-    """One image's embeddings, ``[length, hidden]`` (``value``; ``None`` until its encoder step runs)."""
+    """One image's or video's embeddings, ``[rows, hidden]`` (``value``; ``None`` until its encoder
+    step runs), and for a video pruned by EVS which rows of the whole video they are (``kept``:
+    ``[rows]`` int64, ascending)."""
 
-    __slots__ = ("value",)
+    __slots__ = ("value", "kept")
 
     def __init__(self) -> None:
         self.value: torch.Tensor | None = None
+        self.kept: torch.Tensor | None = None
 
 
 class MultiModalStep:
@@ -38,11 +43,14 @@ class MultiModalStep:
             ``first ..`` of the holder's embeddings.
         drop: ``(cache entries, hash, holder)``: entries to remove once the rows are written (no
             later step reads them), each only while it is still that holder.
+        moves: ``(row, holder, first, count, whole)``: the fills of videos pruned by EVS, whose rows take
+            the M-RoPE positions ``whole[:, holder.kept[first:first + count]]`` (``whole``: ``[3, n]``
+            int64, the whole video's positions in its request; ``positions``).
         deepstack: after ``embeds``, Qwen3-VL's per-layer image rows of the step (``_deepstack``).
     """
 
-    def __init__(self, encode: list, fills: list, drop: list) -> None:
-        self.encode, self.fills, self.drop = encode, fills, drop
+    def __init__(self, encode: list, fills: list, drop: list, moves: list | None = None) -> None:
+        self.encode, self.fills, self.drop, self.moves = encode, fills, drop, moves or []
         self.deepstack: tuple[torch.Tensor, torch.Tensor] | None = None  # set by embeds (_deepstack)
 
     def embeds(self, model, input_ids: torch.Tensor) -> torch.Tensor:
@@ -62,11 +70,14 @@ class MultiModalStep:
         for (_, names), items in groups.items():
             extra = {k: torch.tensor([m.extra[k] for _, m in items]) for k in names}
             out = model.encode_image(torch.cat([m.pixel_values() for _, m in items]), **extra)
-            lengths = [m.rows for _, m in items]
+            lengths = [m.rows + m.pruned for _, m in items]
             if out.shape[0] != sum(lengths):
                 raise RuntimeError(f"the vision tower gave {out.shape[0]} rows for {sum(lengths)} image placeholders")
-            for (holder, _), rows in zip(items, out.split(lengths)):
+            for (holder, m), rows in zip(items, out.split(lengths)):
                 holder.value = rows
+                if m.pruned:  # EVS: the rows that change most from the previous frame's
+                    holder.kept = retained_index(rows, m.extra["video_grid_thw"], m.rows)
+                    holder.value = rows.index_select(0, holder.kept)
         x = model.embed_tokens(input_ids)
         width = x.shape[1]
         for row, holder, first, count in self.fills:
@@ -76,6 +87,13 @@ class MultiModalStep:
             if entries.get(h) is holder:  # not re-encoded by a step planned since
                 del entries[h]
         return x
+
+    def positions(self, pos: torch.Tensor) -> torch.Tensor:
+        """``pos`` (``[3, 1, T]`` int64 M-RoPE positions of the step) with each pruned video's rows at
+        the positions they had in the whole video (``moves``; after ``embeds``, which picks them)."""
+        for row, holder, first, count, whole in self.moves:
+            pos[:, 0, row:row + count] = whole[:, holder.kept[first:first + count]]
+        return pos
 
     def _deepstack(self, x: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Qwen3-VL's deepstack: an image row wider than the embeddings carries, after its embedding,
@@ -99,14 +117,15 @@ class EncoderCache:
     Attributes:
         entries: image hash -> ``EncoderOutput``.
         images: request id -> its ``mm_inputs``.
-        rope: request id -> ``(positions [3, n] int64, delta)`` of a request with images (``rope_index``).
+        rope: request id -> ``(positions [3, n] int64, delta, whole)`` of a request with images
+            (``rope_index``; ``whole``: offset of each video pruned by EVS -> its whole positions).
     """
 
     def __init__(self, rope_index=None) -> None:
         self.entries: dict[str, EncoderOutput] = {}
         self.images: dict[str, tuple] = {}
         self.rope_index = rope_index
-        self.rope: dict[str, tuple[np.ndarray, int]] = {}
+        self.rope: dict[str, tuple[np.ndarray, int, dict]] = {}
 
     def update(self, so) -> None:
         """Apply a ``SchedulerOutput``'s frees, finished and new requests."""
@@ -137,7 +156,7 @@ class EncoderCache:
         row = 0
         for rid, s, k in zip(rids, start.tolist(), n.tolist()):
             if rid in self.rope:
-                table, delta = self.rope[rid]
+                table, delta, _ = self.rope[rid]
                 p = np.arange(s, s + k)
                 inside = p < table.shape[1]
                 out[:, row:row + k] = np.where(inside, table[:, np.minimum(p, table.shape[1] - 1)], p + delta)
@@ -173,8 +192,9 @@ class EncoderCache:
                 m = self.images[rid][i]
                 holder = self.entries[m.hash] = EncoderOutput()
                 encode.append((holder, m))
-        fills = []
+        fills, moves = [], []
         for i, rid in enumerate(rids):
+            whole = self.rope[rid][2] if rid in self.rope else {}
             for m in self.images.get(rid, ()):
                 done = 0  # rows of the image before this run (several runs: Idefics3's crops)
                 for a, count in m.row_runs():
@@ -182,6 +202,8 @@ class EncoderCache:
                     if lo < hi:
                         fills.append((int(qsl[i]) + lo - int(start[i]), self.entries[m.hash],
                                       done + lo - m.offset - a, hi - lo))
+                        if m.offset in whole:
+                            moves.append(fills[-1] + (torch.from_numpy(whole[m.offset]),))
                     done += count
         drop = [(self.entries, h, self.entries[h]) for h in so.free_encoder_after if h in self.entries]
-        return MultiModalStep(encode, fills, drop) if encode or fills else None
+        return MultiModalStep(encode, fills, drop, moves) if encode or fills else None

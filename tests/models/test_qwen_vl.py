@@ -50,15 +50,17 @@ def qwen_vl(request, tmp_path_factory, smollm2_dir):
     from transformers import AutoTokenizer, Qwen2VLImageProcessorPil
     config_cls, model_cls, vision, patch = FAMILIES[request.param]
     tok = AutoTokenizer.from_pretrained(smollm2_dir)
-    tok.add_special_tokens({"additional_special_tokens": ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"]})
-    start, pad, end = tok.convert_tokens_to_ids(["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"])
+    tok.add_special_tokens({"additional_special_tokens": ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>",
+                                                          "<|video_pad|>"]})
+    start, pad, end, video = tok.convert_tokens_to_ids(["<|vision_start|>", "<|image_pad|>", "<|vision_end|>",
+                                                        "<|video_pad|>"])
     text = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=16, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
                 pad_token_id=2, rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
                                                  "mrope_interleaved": request.param == "qwen3_vl"})
     cfg = getattr(transformers, config_cls)(vision_config=vision, text_config=text, image_token_id=pad,
-                                            vision_start_token_id=start, vision_end_token_id=end, bos_token_id=1,
-                                            eos_token_id=2)
+                                            video_token_id=video, vision_start_token_id=start,
+                                            vision_end_token_id=end, bos_token_id=1, eos_token_id=2)
     torch.manual_seed(0)
     model = getattr(transformers, model_cls)(cfg).eval()
     with torch.no_grad():  # sharper attention: at transformers' initial scale it barely depends on positions

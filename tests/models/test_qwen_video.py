@@ -1,0 +1,160 @@
+"""Video (issue 42, first part): Qwen2.5-VL and Qwen2-VL read a video as a grid of frame-pair patches
+with 3-D rotary positions whose temporal axis steps by the video's time (Qwen2.5-VL's
+``second_per_grid_ts``). The tiny random models of ``test_qwen_vl`` (with a ``<|video_pad|>`` token)
+through the Transformers backend give ``transformers``' greedy tokens and top-5 logprobs (float32) for
+a video, a video beside an image, and a text-only prompt, whole, chunked through the video and
+preempted; our video patches (``multimodal_video``: transformers' video processor needs torchvision)
+of a still video equal its image processor's patches of the still. With ``--video-pruning-rate``
+(EVS) the rows kept are the most changed ones, and the tokens equal a hand-run ``transformers``
+forward on those rows at their whole-video positions.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+from tests.models.test_qwen_vl import FAMILIES, IMAGE, MAX_NEW, _image
+
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=5)
+VIDEO = "<|vision_start|><|video_pad|><|vision_end|>"
+VIDEO_FAMILIES = [f for f in FAMILIES if f != "qwen3_vl"]  # Qwen3-VL's processor also writes timestamps
+
+
+@pytest.fixture(scope="module", params=VIDEO_FAMILIES)
+def qwen_vl(request, tmp_path_factory, smollm2_dir):
+    """The tiny random model of one video family (``test_qwen_vl.qwen_vl``'s)."""
+    from tests.models import test_qwen_vl
+    return test_qwen_vl.qwen_vl.__wrapped__(request, tmp_path_factory, smollm2_dir)
+
+
+def _video(seed: int, frames: int = 4, size=(56, 84)) -> np.ndarray:
+    """``[frames, H, W, 3]`` uint8: a random first frame, each later one a little changed."""
+    rng = np.random.default_rng(seed)
+    x = [rng.random((*size, 3))]
+    for _ in range(frames - 1):
+        x.append(np.clip(x[-1] + 0.3 * rng.random((*size, 3)) * (rng.random((*size, 1)) < 0.3), 0, 1))
+    return (np.stack(x) * 255).astype("uint8")
+
+
+def _inputs(qwen_vl, text, images, videos, rate=0.0):
+    from pagedllm.multimodal_patches import PATCH_PROCESSOR_TOKENS, PatchTokenProcessor
+    proc = PatchTokenProcessor(qwen_vl[0], PATCH_PROCESSOR_TOKENS[qwen_vl[1].config.model_type])
+    out = proc(text=text, images=images, videos=tuple((v, 2.0) for v in videos), video_pruning_rate=rate)
+    out = {k: torch.from_numpy(np.asarray(v)) for k, v in out.items()}
+    cfg = qwen_vl[1].config
+    out["mm_token_type_ids"] = ((out["input_ids"] == cfg.image_token_id).int()
+                                + 2 * (out["input_ids"] == cfg.video_token_id).int())
+    return out
+
+
+def _reference(qwen_vl, greedy_ref, text, images, videos):
+    inp = _inputs(qwen_vl, text, images, videos)
+    keys = ["mm_token_type_ids"] + (["pixel_values", "image_grid_thw"] if images else [])
+    keys += ["pixel_values_videos", "video_grid_thw"] if videos else []
+    if videos and qwen_vl[1].config.model_type == "qwen2_5_vl":  # Qwen2-VL's temporal step is one patch
+        keys.append("second_per_grid_ts")
+    return greedy_ref.hf_greedy(qwen_vl[1], inp["input_ids"][0].tolist(), MAX_NEW, **{k: inp[k] for k in keys})
+
+
+def _request(text, images, videos):
+    data = {k: v for k, v in (("image", images), ("video", videos)) if v}
+    return {"prompt": text, "multi_modal_data": data} if data else text
+
+
+def test_still_video_patches_equal_the_image_processors(qwen_vl):
+    """A video of one frame twice is cut as the image processor cuts that frame (which repeats an
+    image over the temporal patch): same patch order and values, same grid."""
+    from PIL import Image
+    from transformers import AutoImageProcessor
+
+    from pagedllm.multimodal_video import qwen_video_patches
+    still = _video(3, frames=1)
+    ip = AutoImageProcessor.from_pretrained(qwen_vl[0])
+    ours, grid = qwen_video_patches(np.concatenate([still, still]), ip)
+    theirs = ip(images=[Image.fromarray(still[0])], return_tensors="np")
+    assert grid == theirs["image_grid_thw"][0].tolist()
+    np.testing.assert_allclose(ours, theirs["pixel_values"], atol=1e-5)
+
+
+PROMPTS = [(f"What happens in {VIDEO}?", [], [_video(0)]),
+           (f"Does {IMAGE} appear in {VIDEO}?", [_image(1, (56, 84))], [_video(1, frames=3, size=(84, 56))]),
+           ("Tell me about the printing press.", [], [])]
+
+
+@pytest.mark.parametrize("budget,blocks", [(2048, 64), (4, 11)])
+def test_video_gives_transformers_tokens(qwen_vl, greedy_ref, assert_no_leaks, budget, blocks):
+    """Whole prompts; then chunks of 4 tokens (inside a video's 12 placeholders) in 11 blocks of 4
+    for prompts of 15-38 tokens with their output (preemption: the video is encoded again, its positions kept)."""
+    llm = LLM(str(qwen_vl[0]), num_kv_blocks=blocks, block_size=4, max_num_batched_tokens=budget)
+    outs = llm.generate([_request(*p) for p in PROMPTS], GREEDY, use_tqdm=False)
+    for (text, images, videos), out in zip(PROMPTS, outs):
+        ids, logits = _reference(qwen_vl, greedy_ref, text, images, videos)
+        greedy_ref.assert_greedy_match(list(out.outputs[0].token_ids), ids, logits, text)
+        greedy_ref.assert_logprobs(out.outputs[0], ids, logits, text)
+    if blocks == 11:
+        assert llm.llm_engine.get_stats().num_preemptions > 0
+    core = llm.engine.core
+    assert not core.scheduler.encoder.holders and not core.runner.encoder_cache.entries
+    assert_no_leaks(llm.engine)
+
+
+def test_retained_index_keeps_the_first_step_and_the_most_changed_rows():
+    from pagedllm.multimodal_video import retained_index, retained_rows
+    step = torch.randn(4, 8)
+    second = step.clone()
+    second[1] = torch.randn(8)  # one row changes, the rest stay
+    third = torch.randn(4, 8)  # all change
+    rows = torch.cat([step, second, third])
+    assert retained_rows([3, 4, 4], 2, 0.5) == 6 and retained_rows([3, 4, 4], 2, 0.9) == 4
+    assert retained_rows([3, 4, 4], 2, 0.0) == 12
+    kept = retained_index(rows, [3, 4, 4], 9)
+    assert kept.tolist() == [0, 1, 2, 3, 5, 8, 9, 10, 11]
+
+
+def _evs_reference(qwen_vl, text, video, rate):
+    """Greedy tokens and logits of ``transformers`` run by hand on a pruned video: the input embeddings
+    with the kept rows of the model's own video features over the placeholders, at their whole-video
+    M-RoPE positions (``get_rope_index`` on the unpruned prompt), generated tokens at ``p + delta``."""
+    from pagedllm.multimodal_video import retained_index
+    model, cfg = qwen_vl[1], qwen_vl[1].config
+    pruned, whole = _inputs(qwen_vl, text, [], [video], rate), _inputs(qwen_vl, text, [], [video])
+    grid = whole["video_grid_thw"]
+    with torch.no_grad():
+        feats = torch.cat(model.model.get_video_features(pixel_values_videos=whole["pixel_values_videos"],
+                                                        video_grid_thw=grid).pooler_output)
+        slots = (pruned["input_ids"][0] == cfg.video_token_id).nonzero()[:, 0]
+        kept = retained_index(feats, grid[0].tolist(), len(slots))
+        pos, delta = model.model.get_rope_index(whole["input_ids"], whole["mm_token_type_ids"], video_grid_thw=grid,
+                                                second_per_grid_ts=whole["second_per_grid_ts"])
+        first, n_whole = int(slots[0]), whole["input_ids"].shape[1]
+        cols = torch.cat([torch.arange(first), first + kept, torch.arange(first + len(feats), n_whole)])
+        pos = pos[:, :, cols]
+        emb = model.get_input_embeddings()(pruned["input_ids"])
+        emb[0, slots] = feats[kept]
+        ids, logits = [], []
+        for j in range(MAX_NEW):
+            out = model(inputs_embeds=emb, position_ids=pos).logits[0, -1].float()
+            ids.append(int(out.argmax()))
+            logits.append(out)
+            emb = torch.cat([emb, model.get_input_embeddings()(torch.tensor([[ids[-1]]]))], dim=1)
+            pos = torch.cat([pos, torch.full((3, 1, 1), n_whole + j) + delta.reshape(1, 1, 1)], dim=2)
+    return ids, torch.stack(logits), len(feats) - len(slots)
+
+
+@pytest.mark.parametrize("budget", [2048, 4])
+def test_video_pruning_gives_the_hand_run_reference(qwen_vl, greedy_ref, assert_no_leaks, budget):
+    """``--video-pruning-rate 0.5`` on a 6-frame video (3 temporal steps of 6 rows): 9 of 18 rows
+    kept, the first step whole; whole and in chunks of 4 (a chunk ends between kept rows of one video,
+    whose positions come from the encoder step of an earlier step); the pruned count is counted."""
+    text, video = f"What changes in {VIDEO} over time?", _video(5, frames=6)
+    ids, logits, n_pruned = _evs_reference(qwen_vl, text, video, 0.5)
+    assert n_pruned == 9
+    llm = LLM(str(qwen_vl[0]), num_kv_blocks=64, block_size=4, max_num_batched_tokens=budget, video_pruning_rate=0.5)
+    out = llm.generate([_request(text, [], [video])], GREEDY, use_tqdm=False)[0]
+    greedy_ref.assert_greedy_match(list(out.outputs[0].token_ids), ids, logits, "pruned video")
+    greedy_ref.assert_logprobs(out.outputs[0], ids, logits, "pruned video")
+    assert llm.llm_engine.get_stats().num_video_tokens_pruned == 9
+    assert_no_leaks(llm.engine)
