@@ -119,6 +119,7 @@ def engine_args_from_cli(a: argparse.Namespace) -> EngineArgs:
                       limit_mm_per_prompt=getattr(a, "limit_mm_per_prompt", None),
                       mm_processor_kwargs=getattr(a, "mm_processor_kwargs", None),
                       video_pruning_rate=getattr(a, "video_pruning_rate", 0.0),
+                      media_io_kwargs=getattr(a, "media_io_kwargs", None),
                       enable_mm_embeds=getattr(a, "enable_mm_embeds", False),
                       allowed_local_media_path=getattr(a, "allowed_local_media_path", None),
                       allowed_media_domains=getattr(a, "allowed_media_domains", None),
@@ -140,6 +141,9 @@ def _add_media_flags(p: argparse.ArgumentParser) -> None:
     """The image-text models' flags (vLLM's names; llama-server's ``--mmproj``)."""
     p.add_argument("--limit-mm-per-prompt", type=_mm_limits, default=None,
                    help='most images and videos in one prompt, as JSON: \'{"image": 4, "video": 1}\' (default 999)')
+    p.add_argument("--media-io-kwargs", type=_media_io, default=None,
+                   help='how video URLs are sampled, as JSON: \'{"video": {"num_frames": 16}}\' or '
+                        '\'{"video": {"fps": 1}}\' (default 2 frames per second)')
     p.add_argument("--video-pruning-rate", type=float, default=0.0,
                    help="efficient video sampling: the fraction of video tokens dropped, those changing least "
                         "from the previous frame (0: off; Qwen2-VL, Qwen2.5-VL)")
@@ -178,6 +182,21 @@ def _json_object(text: str) -> dict:
     value = _json(text)
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
+def _media_io(text: str) -> dict:
+    """``--media-io-kwargs``' JSON: ``{"video": {"num_frames": N}}`` or ``{"video": {"fps": F}}``, positive.
+
+    Raises:
+        argparse.ArgumentTypeError: another shape (argparse names the flag).
+    """
+    value = _json(text)
+    video = value.get("video") if isinstance(value, dict) and set(value) == {"video"} else None
+    if (not isinstance(video, dict) or not video or set(video) - {"num_frames", "fps"}
+            or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in video.values())):
+        raise argparse.ArgumentTypeError(f'expected {{"video": {{"num_frames": N}}}} or {{"video": {{"fps": F}}}} '
+                                         f'with positive values, got {text!r}')
     return value
 
 

@@ -144,6 +144,8 @@ class EngineArgs:
         video_pruning_rate: efficient video sampling (vLLM's ``--video-pruning-rate``): the fraction of
             each video's tokens dropped before the language model, those changing least from the previous
             frame (``multimodal_video``); 0: off. In ``[0, 1)``; a video-text model only.
+        media_io_kwargs: how video URLs are sampled (vLLM's ``--media-io-kwargs``):
+            ``{"video": {"num_frames": N}}`` or ``{"video": {"fps": F}}`` (default 2 frames per second).
         mm_processor_kwargs: arguments for the model's image processor on every image (vLLM's
             ``--mm-processor-kwargs``: Gemma 3's ``do_pan_and_scan``, Qwen-VL's ``max_pixels``); checked
             on a test image when the engine starts (a bad one is a ``ValueError`` naming the flag).
@@ -218,6 +220,7 @@ class EngineArgs:
     limit_mm_per_prompt: dict | None = None
     mm_processor_kwargs: dict | None = None
     video_pruning_rate: float = 0.0
+    media_io_kwargs: dict | None = None
     enable_mm_embeds: bool = False
     allowed_local_media_path: str | None = None
     allowed_media_domains: list[str] | None = None

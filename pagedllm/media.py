@@ -1,7 +1,8 @@
-"""Where images come from in API requests: ``data:`` URLs, and as the server's flags allow
+"""Where images and videos come from in API requests: ``data:`` URLs, and as the server's flags allow
 ``file://`` paths and http(s) hosts (vLLM's ``--allowed-local-media-path`` and
-``--allowed-media-domains``), each read with a size cap and decoded by Pillow under a pixel cap
-(a decompression bomb is refused, not decoded).
+``--allowed-media-domains``), each read with a size cap; images decoded by Pillow under a pixel cap
+(a decompression bomb is refused, not decoded), videos by PyAV, sampled as they decode
+(``--media-io-kwargs``) under a cap on frames and pixels.
 
 Every refusal is a ``ValueError`` naming the request field, which the servers answer as a 400.
 """
@@ -13,6 +14,9 @@ from pathlib import Path
 
 MAX_IMAGE_PIXELS = 64 * 2**20  # an image of more pixels is refused (a decompression bomb)
 MAX_IMAGE_BYTES = 32 * 2**20  # a data URL's decoded bytes at most
+MAX_VIDEO_BYTES = 256 * 2**20  # a video file's bytes at most
+MAX_VIDEO_FRAMES = 768  # frames sampled from one video at most (Qwen-VL's video processor's max_frames)
+MAX_VIDEO_PIXELS = 512 * 2**20  # pixels of one video's sampled frames at most (1.5 GiB of RGB)
 
 
 @dataclass(frozen=True)
@@ -24,15 +28,20 @@ class MediaPolicy:
         domains: ``--allowed-media-domains``: http(s) URLs of these hosts are fetched (none without
             the flag: unlike vLLM, which fetches any host unless the flag restricts it).
         timeout_s: seconds a fetch may take.
+        video: ``--media-io-kwargs``' ``video`` entry: frames sampled from a video URL, ``num_frames``
+            (evenly spread) or ``fps`` (per second of video; default ``multimodal_video.DEFAULT_FPS``).
     """
 
     local_path: Path | None = None
     domains: tuple[str, ...] = ()
     timeout_s: float = 10.0
+    video: dict | None = None
 
 
-def _url_bytes(url: str, where: str, policy: MediaPolicy | None) -> bytes:
-    """The bytes a ``data:``, ``file://`` or http(s) URL names (``image_from_url``'s first half)."""
+def _url_bytes(url: str, where: str, policy: MediaPolicy | None, cap: int = MAX_IMAGE_BYTES,
+               kind: str = "image") -> bytes:
+    """The bytes a ``data:``, ``file://`` or http(s) URL names, at most ``cap`` (``image_from_url``'s
+    and ``video_from_url``'s first half; ``kind`` names the medium in errors)."""
     import base64
     import binascii
     from urllib.parse import unquote, urlparse
@@ -41,9 +50,9 @@ def _url_bytes(url: str, where: str, policy: MediaPolicy | None) -> bytes:
     if url.startswith("data:"):
         head, _, payload = url.partition(",")
         if not head.endswith(";base64"):
-            raise ValueError(f"{where}: a data URL of an image must be base64 (data:image/png;base64,...)")
-        if len(payload) > MAX_IMAGE_BYTES * 4 // 3 + 4:
-            raise ValueError(f"{where}: the image is larger than {MAX_IMAGE_BYTES // 2**20} MiB")
+            raise ValueError(f"{where}: a data URL of an {kind} must be base64 (data:{kind}/...;base64,...)")
+        if len(payload) > cap * 4 // 3 + 4:
+            raise ValueError(f"{where}: the {kind} is larger than {cap // 2**20} MiB")
         try:
             return base64.b64decode(payload, validate=True)
         except (binascii.Error, ValueError):
@@ -56,30 +65,30 @@ def _url_bytes(url: str, where: str, policy: MediaPolicy | None) -> bytes:
         path = Path(unquote(u.path)).resolve()
         if not path.is_relative_to(Path(policy.local_path).resolve()) or not path.is_file():
             raise ValueError(f"{where}: not a file under --allowed-local-media-path")
-        if path.stat().st_size > MAX_IMAGE_BYTES:
-            raise ValueError(f"{where}: the image is larger than {MAX_IMAGE_BYTES // 2**20} MiB")
+        if path.stat().st_size > cap:
+            raise ValueError(f"{where}: the {kind} is larger than {cap // 2**20} MiB")
         return path.read_bytes()
     if u.scheme in ("http", "https"):
         if u.hostname not in policy.domains:
             raise ValueError(f"{where}: host {u.hostname!r} is not in --allowed-media-domains")
-        return _fetch(url, where, policy.timeout_s)
+        return _fetch(url, where, policy.timeout_s, cap, kind)
     raise ValueError(f"{where}: {u.scheme or 'no'} URLs are not read (data:, file:// and http(s) are)")
 
 
-def _fetch(url: str, where: str, timeout_s: float) -> bytes:
-    """GET ``url`` (no redirects: they could leave the allowed hosts), at most ``MAX_IMAGE_BYTES``."""
+def _fetch(url: str, where: str, timeout_s: float, cap: int, kind: str) -> bytes:
+    """GET ``url`` (no redirects: they could leave the allowed hosts), at most ``cap`` bytes."""
     import httpx
     out = bytearray()
     try:
         with httpx.stream("GET", url, timeout=timeout_s, follow_redirects=False) as r:
             if r.status_code != 200:
-                raise ValueError(f"{where}: fetching the image answered HTTP {r.status_code}")
+                raise ValueError(f"{where}: fetching the {kind} answered HTTP {r.status_code}")
             for chunk in r.iter_bytes():
                 out += chunk
-                if len(out) > MAX_IMAGE_BYTES:
-                    raise ValueError(f"{where}: the image is larger than {MAX_IMAGE_BYTES // 2**20} MiB")
+                if len(out) > cap:
+                    raise ValueError(f"{where}: the {kind} is larger than {cap // 2**20} MiB")
     except httpx.HTTPError as exc:
-        raise ValueError(f"{where}: fetching the image failed ({type(exc).__name__})") from None
+        raise ValueError(f"{where}: fetching the {kind} failed ({type(exc).__name__})") from None
     return bytes(out)
 
 
@@ -107,3 +116,55 @@ def image_from_url(url: str, where: str, policy: MediaPolicy | None = None):
             return image.convert("RGB")
     except (OSError, Image.DecompressionBombWarning, Image.DecompressionBombError, SyntaxError):
         raise ValueError(f"{where}: not an image this server can read") from None
+
+
+def video_from_url(url: str, where: str, policy: MediaPolicy | None = None):
+    """The video a URL names, decoded by PyAV and sampled as it decodes: ``(frames [F, H, W, 3] uint8,
+    frames per second of the sampled frames)`` (``MultiModalPrompt.videos``).
+
+    Frames are taken evenly over the video's time: ``policy.video``'s ``num_frames`` of them (when
+    the container knows its duration) or ``fps`` per second (default ``multimodal_video.DEFAULT_FPS``),
+    at most ``MAX_VIDEO_FRAMES`` and ``MAX_VIDEO_PIXELS`` pixels in all.
+
+    Raises:
+        ValueError: as ``image_from_url`` (``MAX_VIDEO_BYTES``), bytes PyAV cannot decode as a video,
+            no frame, or more than ``MAX_VIDEO_PIXELS`` sampled (``where`` named in each message).
+    """
+    import io
+
+    import av
+    import numpy as np
+
+    from pagedllm.multimodal_video import DEFAULT_FPS
+    raw = _url_bytes(url, where, policy, MAX_VIDEO_BYTES, "video")
+    opts = (policy.video if policy else None) or {}
+    try:
+        with av.open(io.BytesIO(raw)) as container:
+            stream = container.streams.video[0]
+            seconds = (float(stream.duration * stream.time_base) if stream.duration
+                       else container.duration / 1e6 if container.duration else None)
+            step = (seconds / int(opts["num_frames"]) if opts.get("num_frames") and seconds
+                    else 1.0 / float(opts.get("fps") or DEFAULT_FPS))
+            frames, due = [], 0.0
+            for i, f in enumerate(container.decode(video=0)):
+                t = f.time if f.time is not None else i / float(stream.average_rate or DEFAULT_FPS)
+                if t + 1e-6 < due:
+                    continue
+                frames.append(f.to_ndarray(format="rgb24"))
+                due += step * max(1, int((t + 1e-6 - due) // step) + 1)
+                if len(frames) * frames[0].shape[0] * frames[0].shape[1] > MAX_VIDEO_PIXELS:
+                    raise _TooLarge
+                if len(frames) == MAX_VIDEO_FRAMES:
+                    break
+    except _TooLarge:
+        raise ValueError(f"{where}: the sampled frames have more than {MAX_VIDEO_PIXELS} pixels in all (fewer "
+                         "frames: --media-io-kwargs '{\"video\": {\"num_frames\": N}}')") from None
+    except (av.error.FFmpegError, IndexError, ValueError):
+        raise ValueError(f"{where}: not a video this server can read") from None
+    if not frames:
+        raise ValueError(f"{where}: the video has no frames")
+    return np.stack(frames), 1.0 / step
+
+
+class _TooLarge(Exception):
+    """``video_from_url``'s frames passed ``MAX_VIDEO_PIXELS``."""

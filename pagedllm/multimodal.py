@@ -279,6 +279,11 @@ class MultiModalProcessor:
         if self.kwargs:
             self._check_kwargs()
 
+    @property
+    def video_placeholder(self) -> str | None:
+        """What a prompt writes where a video goes (``None``: the model takes no video)."""
+        return getattr(self.processor, "video_token", None) if self.video is not None else None
+
     def _check_kwargs(self) -> None:
         """``processor_kwargs`` name settings of the processor and work on a 64 x 48 test image."""
         from PIL import Image

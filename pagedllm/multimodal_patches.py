@@ -54,6 +54,7 @@ class PatchTokenProcessor:
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         self.image_processor = AutoImageProcessor.from_pretrained(str(model_dir))
         self.image_token, self.pad_token = tokens
+        self.video_token = self.image_token.replace(self.pad_token, _VIDEO_PAD)  # Qwen-VL's video placeholder
         self.merge = int(getattr(self.image_processor, "merge_size", 2))
 
     def __call__(self, text: str, images: list | None = None, return_tensors: str = "np",

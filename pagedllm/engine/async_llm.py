@@ -86,6 +86,11 @@ class AsyncLLM:
         return self.engine.processor.media_policy
 
     @property
+    def video_placeholder(self) -> str | None:
+        """The text standing for one video in a prompt (``Processor.video_placeholder``); ``None``: no video."""
+        return self.engine.processor.video_placeholder
+
+    @property
     def image_placeholder(self) -> str | None:
         """The text standing for one image in a prompt (``Processor.image_placeholder``); ``None``: text only."""
         return self.engine.processor.image_placeholder

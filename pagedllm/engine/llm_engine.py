@@ -106,7 +106,8 @@ class LLMEngine:
         if not is_vision_model(self.hf_config):
             for flag, value in (("--mm-processor-kwargs", args.mm_processor_kwargs),
                                 ("--enable-mm-embeds", args.enable_mm_embeds),
-                                ("--video-pruning-rate", args.video_pruning_rate)):
+                                ("--video-pruning-rate", args.video_pruning_rate),
+                                ("--media-io-kwargs", args.media_io_kwargs)):
                 if value:
                     raise ValueError(f"{flag}: this model reads text only")
             return None
@@ -122,7 +123,7 @@ class LLMEngine:
         video = (VideoOptions(self.hf_config.video_token_id, limits.get("video", 999), args.video_pruning_rate)
                  if model_type in VIDEO_MODEL_TYPES else None)
         policy = MediaPolicy(_Path(args.allowed_local_media_path) if args.allowed_local_media_path else None,
-                             tuple(args.allowed_media_domains or ()))
+                             tuple(args.allowed_media_domains or ()), video=(args.media_io_kwargs or {}).get("video"))
         return MultiModalProcessor(self.model_dir, self.hf_config.image_token_id,
                                    limits.get("image", 999), policy,
                                    args.max_num_batched_tokens if is_mm_prefix_model(self.hf_config) else None,

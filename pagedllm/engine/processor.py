@@ -202,8 +202,14 @@ class Processor:
         return None if self.multimodal is None else self.multimodal.processor.image_token
 
     @property
+    def video_placeholder(self) -> str | None:
+        """The text that stands for one video (Qwen-VL's ``<|vision_start|><|video_pad|><|vision_end|>``);
+        ``None``: the model takes no video."""
+        return None if self.multimodal is None else self.multimodal.video_placeholder
+
+    @property
     def media_policy(self):
-        """Where image URLs may point (``media.MediaPolicy``); ``None``: a text model."""
+        """Where image and video URLs may point (``media.MediaPolicy``); ``None``: a text model."""
         return None if self.multimodal is None else self.multimodal.policy
 
     def _prompt_ids(self, prompt, params: SamplingParams) -> tuple[list[int], list]:

@@ -39,35 +39,44 @@ def prepare_messages(messages: list[dict]) -> list[dict]:
     return out
 
 
-def take_images(messages: list[dict], placeholder: str | None, policy=None) -> tuple[list[dict], tuple]:
-    """The messages with their image parts replaced by the model's image placeholder (on a line of
-    its own before the text, as the chat API renders them), and the images in order.
+def take_images(messages: list[dict], placeholder: str | None, policy=None,
+                video: str | None = None) -> tuple[list[dict], tuple, tuple]:
+    """The messages with their image and video parts replaced by the model's placeholders (each on a
+    line of its own before the text, in the parts' order, as the chat API renders them), the images
+    and the videos in order.
 
     Image parts: OpenAI's ``{"type": "image_url", "image_url": {"url": "data:..."}}`` and vLLM's
-    ``{"type": "image_pil", "image_pil": PIL.Image}``.
+    ``{"type": "image_pil", "image_pil": PIL.Image}``; video parts: vLLM's ``{"type": "video_url",
+    "video_url": {"url": ...}}`` (``media.video_from_url``: ``(frames, fps)``), for a model with a
+    ``video`` placeholder.
 
     Raises:
-        ValueError: an image part for a text-only model (``placeholder`` is ``None``), or an image URL
-            that is not a readable data URL (the part named).
+        ValueError: an image part for a text-only model (``placeholder`` is ``None``), a video part for
+            a model without ``video``, or a URL that is not readable (the part named).
     """
-    from pagedllm.media import image_from_url
-    out, images = [], []
+    from pagedllm.media import image_from_url, video_from_url
+    out, images, videos = [], [], []
     for i, m in enumerate(messages):
         content = m.get("content") if isinstance(m, dict) else None
         if not isinstance(content, list):
             out.append(m)
             continue
-        texts, n = [], 0
+        texts, marks = [], []
         for j, p in enumerate(content):
             kind = p.get("type") if isinstance(p, dict) else None
-            if kind not in ("image_url", "image_pil"):
+            if kind not in ("image_url", "image_pil", "video_url"):
                 texts.append(p)
                 continue
-            if placeholder is None:
-                raise ValueError(f"messages[{i}].content[{j}]: this model reads text only")
-            url = (p.get("image_url") or {}).get("url") if kind == "image_url" else None
-            images.append(image_from_url(url, f"messages[{i}].content[{j}].image_url", policy) if kind == "image_url"
-                          else p.get("image_pil"))
-            n += 1
-        out.append({**m, "content": ([{"type": "text", "text": placeholder + "\n"}] * n) + texts} if n else m)
-    return out, tuple(images)
+            mark = video if kind == "video_url" else placeholder
+            if mark is None:
+                raise ValueError(f"messages[{i}].content[{j}]: this model "
+                                 f"{'takes no video' if placeholder is not None else 'reads text only'}")
+            url = (p.get(kind) or {}).get("url") if kind != "image_pil" else None
+            if kind == "video_url":
+                videos.append(video_from_url(url, f"messages[{i}].content[{j}].video_url", policy))
+            else:
+                images.append(image_from_url(url, f"messages[{i}].content[{j}].image_url", policy)
+                              if kind == "image_url" else p.get("image_pil"))
+            marks.append({"type": "text", "text": mark + "\n"})
+        out.append({**m, "content": marks + texts} if marks else m)
+    return out, tuple(images), tuple(videos)

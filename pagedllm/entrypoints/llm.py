@@ -138,13 +138,13 @@ class LLM:
         if documents is not None:
             kwargs["documents"] = documents
         items = []
-        placeholder = self.engine.processor.image_placeholder
+        proc = self.engine.processor
         for conv, sp in zip(convs, self._params_per_item(sampling_params, len(convs))):
-            conv, images = take_images(conv, placeholder, self.engine.processor.media_policy)
+            conv, images, videos = take_images(conv, proc.image_placeholder, proc.media_policy, proc.video_placeholder)
             text = tok.apply_chat_template(prepare_messages(conv), tools=tools, tokenize=False,
                                            chat_template=chat_template, add_generation_prompt=add_generation_prompt,
                                            continue_final_message=continue_final_message, **kwargs)
-            prompt = (MultiModalPrompt(text, images, add_special_tokens=False) if images
+            prompt = (MultiModalPrompt(text, images, add_special_tokens=False, videos=videos) if images or videos
                       else tok.encode(text, add_special_tokens=False))
             items.append((prompt, sp, text, None))
         return self._run(items, use_tqdm)

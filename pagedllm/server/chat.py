@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import AsyncIterator
 
 from pagedllm.entrypoints.chat_utils import prepare_messages
-from pagedllm.media import image_from_url
+from pagedllm.media import image_from_url, video_from_url
 from pagedllm.multimodal import MultiModalPrompt
 from pagedllm.multimodal_embeds import embeds_from_base64
 from pagedllm.parsers import DeltaMessage, StreamingParser, make_parser
@@ -114,12 +114,12 @@ class OpenAIServingChat(OpenAIServingBase):
         Raises:
             APIError: 400 as ``render_chat``, or for images the processor refuses.
         """
-        images = self.images(body)
-        if not images:
+        images, videos = self.images(body), self.videos(body)
+        if not images and not videos:
             return self.render_chat(body)
         try:
-            return self.llm.engine.processor.multimodal(MultiModalPrompt(self.render_text(body), images, False),
-                                                        "messages")[0]
+            return self.llm.engine.processor.multimodal(
+                MultiModalPrompt(self.render_text(body), images, False, videos), "messages")[0]
         except ValueError as e:
             raise APIError(400, str(e), "messages", code="invalid_value") from None
 
@@ -131,10 +131,11 @@ class OpenAIServingChat(OpenAIServingBase):
         """
         raw = []
         placeholder = getattr(self.llm, "image_placeholder", None)
+        video = getattr(self.llm, "video_placeholder", None)
         for i, m in enumerate(body.messages):
             d = m.model_dump(exclude_none=True)
             try:
-                d["content"] = m.text(placeholder)
+                d["content"] = m.text(placeholder, video)
             except ValueError as e:
                 raise APIError(400, f"messages[{i}].content: {e}", f"messages[{i}].content",
                                code="invalid_value") from None
@@ -174,6 +175,23 @@ class OpenAIServingChat(OpenAIServingBase):
                 try:
                     out.append(image_from_url(part.image_url.url, where, getattr(self.llm, "media_policy", None))
                                if part.type == "image_url" else embeds_from_base64(part.image_embeds, where))
+                except ValueError as e:
+                    raise APIError(400, str(e), where, code="invalid_value") from None
+        return tuple(out)
+
+    def videos(self, body: ChatCompletionRequest) -> tuple:
+        """The videos of the conversation's ``video_url`` parts, decoded and sampled
+        (``media.video_from_url``: ``(frames, fps)`` each), in order.
+
+        Raises:
+            APIError: 400 naming the part for a URL that is not allowed or not a readable video.
+        """
+        out = []
+        for i, m in enumerate(body.messages):
+            for j, part in m.video_parts():
+                where = f"messages[{i}].content[{j}].video_url"
+                try:
+                    out.append(video_from_url(part.video_url.url, where, getattr(self.llm, "media_policy", None)))
                 except ValueError as e:
                     raise APIError(400, str(e), where, code="invalid_value") from None
         return tuple(out)
@@ -243,8 +261,8 @@ class OpenAIServingChat(OpenAIServingBase):
 
         def prepare() -> Prepared:  # on the tokenizer thread
             text = self.render_text(body)
-            images = self.images(body)
-            prompt = (MultiModalPrompt(text, images, body.add_special_tokens) if images
+            images, videos = self.images(body), self.videos(body)
+            prompt = (MultiModalPrompt(text, images, body.add_special_tokens, videos) if images or videos
                       else self.ctx.encode(text, "messages", add_special_tokens=body.add_special_tokens))
             reqs = self.fan_out(rid, [prompt], params, "messages", body.cache_salt, rename)
             return Prepared(reqs, self._parser_args(body, text, use_tools, structured))

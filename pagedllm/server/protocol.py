@@ -15,7 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field, Strict, model_serializer, mod
 from pydantic_core import PydanticCustomError
 
 from pagedllm.sampling_params import SamplingParamError, SamplingParams
-from pagedllm.server.protocol_parts import ContentPart, ImageEmbedsPart, ImageUrlPart, MessagePart  # noqa: F401  (re-exported)
+from pagedllm.server.protocol_parts import (ContentPart, ImageEmbedsPart, ImageUrlPart, MessagePart,  # noqa: F401
+                                            VideoUrlPart)  # (re-exported)
 from pagedllm.server.refused import (REFUSED_CHAT_FIELDS, REFUSED_COMPLETION_FIELDS, REFUSED_FIELDS,
                                      refuse_unsupported)
 from pagedllm.server.guards import (MAX_MESSAGES, MAX_STOP_STRINGS, MAX_TOKEN_ID_ENTRIES, MAX_TOOLS,
@@ -84,24 +85,33 @@ class ChatMessage(BaseModel):
     tool_call_id: str | None = None
     reasoning_content: str | None = None
 
-    def text(self, image: str | None = None) -> str:
-        """The content as plain text: text parts joined, each image part as ``image`` (the model's
-        image placeholder, on a line of its own before the text, as vLLM renders a string template).
+    def text(self, image: str | None = None, video: str | None = None) -> str:
+        """The content as plain text: text parts joined, each image part as ``image`` and each video
+        part as ``video`` (the model's placeholders, each on a line of its own before the text in the
+        parts' order, as vLLM renders a string template).
 
         Raises:
-            ValueError: an image part and ``image`` is ``None`` (a text-only model).
+            ValueError: an image part and ``image`` is ``None`` (a text-only model), or a video part
+                and ``video`` is ``None``.
         """
         if not isinstance(self.content, list):
             return self.content or ""
-        images = [p for p in self.content if isinstance(p, (ImageUrlPart, ImageEmbedsPart))]
-        if images and image is None:
-            raise ValueError(f"{images[0].type}: this model reads text only")
+        media = [p for p in self.content if isinstance(p, (ImageUrlPart, ImageEmbedsPart, VideoUrlPart))]
+        for p in media:
+            if (video if isinstance(p, VideoUrlPart) else image) is None:
+                raise ValueError(f"{p.type}: this model reads text only" if image is None
+                                 else f"{p.type}: this model takes no video")
         text = "".join(p.text for p in self.content if isinstance(p, ContentPart))
-        return "".join(f"{image}\n" for _ in images) + text
+        return "".join(f"{video if isinstance(p, VideoUrlPart) else image}\n" for p in media) + text
 
     def image_parts(self) -> list[tuple[int, ImageUrlPart | ImageEmbedsPart]]:
         """``(index in content, part)`` of its image and image-embeddings parts, in order."""
         return [(j, p) for j, p in enumerate(self.content) if isinstance(p, (ImageUrlPart, ImageEmbedsPart))] \
+            if isinstance(self.content, list) else []
+
+    def video_parts(self) -> list[tuple[int, VideoUrlPart]]:
+        """``(index in content, part)`` of its video parts, in order."""
+        return [(j, p) for j, p in enumerate(self.content) if isinstance(p, VideoUrlPart)] \
             if isinstance(self.content, list) else []
 
 

@@ -1,5 +1,6 @@
 """The parts of a chat message's content (OpenAI's chat API): text, and images (or their embeddings:
-vLLM's ``image_embeds``) for an image-text model (issue 41). ``MessagePart`` picks the part's class by its ``type`` (any other type is checked as text,
+vLLM's ``image_embeds``) for an image-text model (issue 41), videos (``video_url``) for a video-text
+model (issue 42). ``MessagePart`` picks the part's class by its ``type`` (any other type is checked as text,
 so its 400 names ``type``)."""
 
 from __future__ import annotations
@@ -39,7 +40,21 @@ class ImageEmbedsPart(BaseModel):
     image_embeds: str
 
 
-_PART_TAGS = {"image_url": "ImageUrlPart", "image_embeds": "ImageEmbedsPart"}
+class VideoUrl(BaseModel):
+    """``video_url`` of a video part: a ``data:video/...;base64,`` URL, or a ``file://`` / http(s) URL
+    as ``--allowed-local-media-path`` / ``--allowed-media-domains`` allow."""
+
+    url: str
+
+
+class VideoUrlPart(BaseModel):
+    """A video part (vLLM's ``video_url``), for a video-text model (Qwen2-VL, Qwen2.5-VL)."""
+
+    type: Literal["video_url"]
+    video_url: VideoUrl
+
+
+_PART_TAGS = {"image_url": "ImageUrlPart", "image_embeds": "ImageEmbedsPart", "video_url": "VideoUrlPart"}
 
 
 def _part_kind(value: Any) -> str:
@@ -50,4 +65,5 @@ def _part_kind(value: Any) -> str:
 
 
 MessagePart = Annotated[Annotated[ContentPart, Tag("ContentPart")] | Annotated[ImageUrlPart, Tag("ImageUrlPart")]
-                        | Annotated[ImageEmbedsPart, Tag("ImageEmbedsPart")], Discriminator(_part_kind)]
+                        | Annotated[ImageEmbedsPart, Tag("ImageEmbedsPart")]
+                        | Annotated[VideoUrlPart, Tag("VideoUrlPart")], Discriminator(_part_kind)]

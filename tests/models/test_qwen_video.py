@@ -158,3 +158,29 @@ def test_video_pruning_gives_the_hand_run_reference(qwen_vl, greedy_ref, assert_
     greedy_ref.assert_logprobs(out.outputs[0], ids, logits, "pruned video")
     assert llm.llm_engine.get_stats().num_video_tokens_pruned == 9
     assert_no_leaks(llm.engine)
+
+
+def _mp4_data_url(frames: np.ndarray, fps: int = 8) -> str:
+    """``frames`` encoded as an MPEG-4 file by PyAV, as a base64 data URL."""
+    import base64
+    import io
+
+    import av
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="mp4") as out:
+        stream = out.add_stream("mpeg4", rate=fps)
+        stream.width, stream.height, stream.pix_fmt = frames.shape[2], frames.shape[1], "yuv420p"
+        for f in frames:
+            out.mux(stream.encode(av.VideoFrame.from_ndarray(f, format="rgb24")))
+        out.mux(stream.encode())
+    return "data:video/mp4;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def test_a_video_to_an_image_only_model_is_refused(tiny_llava):
+    """LLaVA takes images only: a video is refused naming ``multi_modal_data``, and so is the flag."""
+    from pagedllm.sampling_params import SamplingParamError
+    llm = LLM(str(tiny_llava[0]), num_kv_blocks=16, block_size=4)
+    with pytest.raises(SamplingParamError, match="takes no video"):
+        llm.generate({"prompt": "USER: what?", "multi_modal_data": {"video": _video(0)}}, use_tqdm=False)
+    with pytest.raises(ValueError, match="--video-pruning-rate"):
+        LLM(str(tiny_llava[0]), num_kv_blocks=16, block_size=4, video_pruning_rate=0.5)
