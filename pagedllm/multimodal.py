@@ -193,22 +193,26 @@ def _whole_prompt(m: MultiModalInput, ids: list[int]) -> MultiModalInput:
 def _group_runs(runs: list[tuple[int, int]], counts: list[int] | None,
                 n_images: int) -> list[list[tuple[int, int]]] | None:
     """The prompt's placeholder runs per image: one each (``counts`` ``None``), all of them for a
-    single image (``[-1]``), or consecutive runs adding up to each image's count; ``None`` when they do
-    not fit."""
+    single image (``[-1]``), or consecutive placeholders adding up to each image's count (a run split
+    where images' placeholders touch: ``<image><image>``); ``None`` when they do not fit."""
     if counts is None:
         return [[r] for r in runs] if len(runs) == n_images else None
     if counts == [-1]:
         return [list(runs)] if runs and n_images == 1 else None
-    groups, it = [], iter(runs)
+    groups, rest = [], list(runs)
     for want in counts:
         group, got = [], 0
-        while got < want and (r := next(it, None)) is not None:
-            group.append(r)
-            got += r[1]
+        while got < want and rest:
+            start, n = rest.pop(0)
+            take = min(n, want - got)
+            group.append((start, take))
+            got += take
+            if take < n:
+                rest.insert(0, (start + take, n - take))
         if got != want:
             return None
         groups.append(group)
-    return groups if next(it, None) is None else None
+    return groups if not rest else None
 
 
 def placeholder_runs(ids: list[int], token_id: int) -> list[tuple[int, int]]:
@@ -319,7 +323,10 @@ class MultiModalProcessor:
         if not images:
             return ids, videos
         pixels, extra, counts, views = self._per_image(out, images, where)
-        groups = _group_runs(placeholder_runs(ids, self.image_token_id), counts, len(images))
+        runs = placeholder_runs(ids, self.image_token_id)
+        groups = _group_runs(runs, counts, len(images))
+        if groups is None and counts is None and len(images) > 1:  # touching images' placeholders: one run
+            groups = _group_runs(runs, self._counts_alone(images, where), len(images))
         if groups is None:
             raise ValueError(f"{where}: the text places {len(placeholder_runs(ids, self.image_token_id))} image "
                              f"runs for {len(images)} images (put the model's image token once per image)")
@@ -341,6 +348,11 @@ class MultiModalProcessor:
                              f"{max(m.end - m.offset for m in inputs)} tokens, more than --max-num-batched-tokens "
                              f"({self.max_image_tokens}); this model computes it in one step")
         return ids, inputs
+
+    def _counts_alone(self, images: list, where: str) -> list[int]:
+        """Each image's placeholder count, from the processor run on it alone."""
+        return [int((np.asarray(self._process(self.processor.image_token, [img], False, where)["input_ids"])
+                     == self.image_token_id).sum()) for img in images]
 
     def _stand_ins(self, images: list, given: dict, where: str) -> list:
         """``images`` with a blank stand-in for each of the ``given`` embeddings (checked:

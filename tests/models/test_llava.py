@@ -69,6 +69,17 @@ def test_llava_gives_transformers_tokens(llava, greedy_ref, assert_no_leaks, bud
     assert_no_leaks(llm.engine)
 
 
+def test_touching_image_tokens_are_two_images(llava, greedy_ref, assert_no_leaks):
+    """``<image><image>``: the two images' placeholders make one run, split by each image's count."""
+    text, images = "USER: <image><image>\nWhich is brighter?", [_image(4), _image(5, (30, 30))]
+    llm = LLM(str(llava[0]), num_kv_blocks=64, block_size=4)
+    out = llm.generate([_request(text, images)], GREEDY, use_tqdm=False)[0]
+    ids, logits = _reference(llava, greedy_ref, text, images)
+    greedy_ref.assert_greedy_match(list(out.outputs[0].token_ids), ids, logits, "touching images")
+    assert llm.engine.core.scheduler.encoder.num_encoded == 2
+    assert_no_leaks(llm.engine)
+
+
 def test_same_image_hits_the_prefix_cache_and_runs_no_encoder(llava, assert_no_leaks):
     llm = LLM(str(llava[0]), num_kv_blocks=64, block_size=4)
     enc = llm.engine.core.scheduler.encoder
