@@ -44,7 +44,7 @@ def _url_bytes(url: str, where: str, policy: MediaPolicy | None, cap: int = MAX_
     and ``video_from_url``'s first half; ``kind`` names the medium in errors)."""
     import base64
     import binascii
-    from urllib.parse import unquote, urlparse
+    from urllib.parse import unquote
     if not isinstance(url, str):
         raise ValueError(f"{where}: expected a URL string")
     if url.startswith("data:"):
@@ -56,7 +56,25 @@ def _url_bytes(url: str, where: str, policy: MediaPolicy | None, cap: int = MAX_
         try:
             return base64.b64decode(payload, validate=True)
         except (binascii.Error, ValueError):
-            raise ValueError(f"{where}: the data URL is not valid base64") from None
+            raise ValueError(f"{where}: the {kind}'s base64 data is not valid base64") from None
+    policy = policy or MediaPolicy()
+    u = check_url(url, where, policy)
+    if u.scheme == "file":
+        path = Path(unquote(u.path)).resolve()
+        if path.stat().st_size > cap:
+            raise ValueError(f"{where}: the {kind} is larger than {cap // 2**20} MiB")
+        return path.read_bytes()
+    return _fetch(url, where, policy.timeout_s, cap, kind)
+
+
+def check_url(url: str, where: str, policy: MediaPolicy | None):
+    """A ``file://`` or http(s) URL's parts when ``policy`` lets it be read (nothing is read).
+
+    Raises:
+        ValueError: another scheme, a file not under ``--allowed-local-media-path``, a host not in
+            ``--allowed-media-domains`` (``where`` named).
+    """
+    from urllib.parse import unquote, urlparse
     policy = policy or MediaPolicy()
     u = urlparse(url)
     if u.scheme == "file":
@@ -65,13 +83,11 @@ def _url_bytes(url: str, where: str, policy: MediaPolicy | None, cap: int = MAX_
         path = Path(unquote(u.path)).resolve()
         if not path.is_relative_to(Path(policy.local_path).resolve()) or not path.is_file():
             raise ValueError(f"{where}: not a file under --allowed-local-media-path")
-        if path.stat().st_size > cap:
-            raise ValueError(f"{where}: the {kind} is larger than {cap // 2**20} MiB")
-        return path.read_bytes()
+        return u
     if u.scheme in ("http", "https"):
         if u.hostname not in policy.domains:
             raise ValueError(f"{where}: host {u.hostname!r} is not in --allowed-media-domains")
-        return _fetch(url, where, policy.timeout_s, cap, kind)
+        return u
     raise ValueError(f"{where}: {u.scheme or 'no'} URLs are not read (data:, file:// and http(s) are)")
 
 

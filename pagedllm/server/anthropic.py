@@ -75,24 +75,24 @@ def _parts(content: str | list) -> list:
     return content if isinstance(content, list) else [{"type": "text", "text": content}]
 
 
-def _check_images(req: MessagesRequest, text_only: bool) -> None:
-    """Refuse ``image`` blocks for a text-only model, and decode every base64 one once here, so a bad
-    one is a 400 naming its own field (a URL source is read with the chat request, as
-    ``--allowed-media-domains`` allows).
+def _check_images(req: MessagesRequest, text_only: bool, policy=None) -> None:
+    """Refuse ``image`` blocks for a text-only model, decode every base64 one once here and check every
+    URL one against ``policy`` (``media.MediaPolicy``), so a bad one is a 400 naming its own field (a
+    URL source is read with the chat request).
 
     Raises:
         APIError: 400 naming ``messages[i].content[j]`` (text-only model) or its ``.source``.
     """
-    from pagedllm.media import image_from_url
+    from pagedllm.media import check_url, image_from_url
     for i, m in enumerate(req.messages):
         for j, b in enumerate(m.content if isinstance(m.content, list) else ()):
             if isinstance(b, ImageBlock) and text_only:
                 where = f"messages[{i}].content[{j}]"
                 raise APIError(400, f"{where}: this model reads text only", where)
-            if isinstance(b, ImageBlock) and b.data_url().startswith("data:"):  # URLs: fetched with the chat
-                where = f"messages[{i}].content[{j}].source"
-                try:
-                    image_from_url(b.data_url(), where)
+            if isinstance(b, ImageBlock):
+                where, url = f"messages[{i}].content[{j}].source", b.data_url()
+                try:  # a URL is only checked: fetched with the chat request
+                    image_from_url(url, where) if url.startswith("data:") else check_url(url, where, policy)
                 except ValueError as e:
                     raise APIError(400, str(e), where) from None
 
@@ -194,18 +194,19 @@ def _output_format(req: MessagesRequest, prefill: bool) -> tuple[OutputFormat, s
     return fmt, field
 
 
-def to_chat(req: MessagesRequest, text_only: bool = False) -> ChatCompletionRequest:
+def to_chat(req: MessagesRequest, text_only: bool = False, policy=None) -> ChatCompletionRequest:
     """The equivalent ``ChatCompletionRequest`` (messages, tools, tool_choice, sampling, the text
     format as ``response_format``, ``effort`` as ``reasoning_effort``); a final assistant message is
     continued (Anthropic's prefill: ``continue_final_message``).
 
-    ``text_only``: the served model reads no images (its ``image`` blocks are refused here).
+    ``text_only``: the served model reads no images (its ``image`` blocks are refused here);
+    ``policy``: where its image URLs may point (``media.MediaPolicy``; checked here).
 
     Raises:
         APIError: 400 for the ``tool_choice``, ``strict`` and format conflicts above, and a final
             assistant message holding ``tool_use`` blocks (there is nothing to continue).
     """
-    _check_images(req, text_only)
+    _check_images(req, text_only, policy)
     msgs = _chat_messages(req)
     prefill = req.messages[-1].role == "assistant"
     if prefill and msgs[-1].get("tool_calls"):

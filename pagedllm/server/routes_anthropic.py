@@ -47,7 +47,8 @@ def anthropic_router(ctx: ServingContext, chat_serving: OpenAIServingChat) -> AP
     @router.post("/v1/messages")
     async def messages(request: Request):
         """Anthropic's Messages API over the chat handler (``server/anthropic.py``); SSE with ``stream``."""
-        body = anthropic.to_chat(anthropic.parse(await read_json_body(request)), text_only)
+        body = anthropic.to_chat(anthropic.parse(await read_json_body(request)), text_only,
+                                 getattr(ctx.llm, "media_policy", None))
         return await reply(request, chat_serving.chat(body), lambda result: anthropic.message_of(result, model_name),
                            lambda chunks: anthropic.stream_of(chunks, model_name))
 
@@ -55,7 +56,7 @@ def anthropic_router(ctx: ServingContext, chat_serving: OpenAIServingChat) -> AP
     async def count_tokens(request: Request):
         """``{"input_tokens": n}``: the prompt a Messages request would have, rendered as chat renders it."""
         body = anthropic.to_chat(anthropic.parse(await read_json_body(request), anthropic.CountTokensRequest),
-                                 text_only)
+                                 text_only, getattr(ctx.llm, "media_policy", None))
         ctx.check_model(body.model)
         ids = await ctx.offload(lambda: chat_serving.prompt_ids(body))
         return JSONResponse({"input_tokens": len(ids)})

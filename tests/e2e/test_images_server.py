@@ -158,6 +158,10 @@ def test_anthropic_sdk_sends_an_image_block(llava_server):
         client.messages.create(model="tiny-llava", max_tokens=2, messages=[{"role": "user", "content": [
             {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "@@@"}}]}])
     assert ei.value.body["type"] == "error" and "messages[0].content[0].source" in ei.value.body["error"]["message"]
+    with pytest.raises(anthropic.BadRequestError) as ei:  # a URL the server does not read: named as its source
+        client.messages.create(model="tiny-llava", max_tokens=2, messages=[{"role": "user", "content": [
+            {"type": "image", "source": {"type": "url", "url": "https://example.com/cat.png"}}]}])
+    assert "messages[0].content[0].source: host 'example.com'" in ei.value.body["error"]["message"]
 
 
 def test_responses_input_image(llava_server):
