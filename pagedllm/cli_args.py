@@ -201,13 +201,14 @@ def _media_io(text: str) -> dict:
 
 
 def _mm_limits(text: str) -> dict[str, int]:
-    """``--limit-mm-per-prompt``'s JSON: ``{"image": N, "video": M}`` (either) with counts of at least 0.
+    """``--limit-mm-per-prompt``'s JSON: ``{"image": N, "video": M, "audio": K}`` (any) with counts of at least 0.
 
     Raises:
         argparse.ArgumentTypeError: not such an object (argparse names the flag).
     """
     value = _json(text)
-    if (not isinstance(value, dict) or set(value) - {"image", "video"}
+    if (not isinstance(value, dict) or set(value) - {"image", "video", "audio"}
             or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value.values())):
-        raise argparse.ArgumentTypeError(f'expected {{"image": N, "video": M}} with counts >= 0, got {text!r}')
+        raise argparse.ArgumentTypeError(f'expected {{"image": N, "video": M, "audio": K}} with counts >= 0, '
+                                         f'got {text!r}')
     return value

@@ -83,8 +83,8 @@ def parse_prompt(prompt: Any, where: str = "prompts") -> tuple[str | list[int], 
         if not isinstance(prompt["prompt"], str):
             raise TypeError(f"{where}.prompt: expected a str, got {type(prompt['prompt']).__name__}")
         if prompt.get("multi_modal_data") is not None:
-            images, videos = read_media(prompt["multi_modal_data"], where)
-            return MultiModalPrompt(prompt["prompt"], images, videos=videos), prompt["prompt"], salt
+            images, videos, audios = read_media(prompt["multi_modal_data"], where)
+            return MultiModalPrompt(prompt["prompt"], images, videos=videos, audios=audios), prompt["prompt"], salt
         return prompt["prompt"], prompt["prompt"], salt
     raise ValueError(f"{where}: a prompt dict needs 'prompt' (TextPrompt) or 'prompt_token_ids' (TokensPrompt), "
                      f"got keys {sorted(prompt)}")

@@ -184,3 +184,77 @@ def video_from_url(url: str, where: str, policy: MediaPolicy | None = None):
 
 class _TooLarge(Exception):
     """``video_from_url``'s frames passed ``MAX_VIDEO_PIXELS``."""
+
+
+MAX_AUDIO_BYTES = 64 * 2**20  # an audio file's bytes at most
+MAX_AUDIO_SECONDS = 30 * 60  # seconds of decoded audio at most
+
+
+def _resampled(frames, rate: int, resampler) -> list:
+    """``[channels, n]`` float32 blocks of PyAV audio ``frames`` (``None`` flushes) at ``rate``."""
+    return [o.to_ndarray() for o in resampler.resample(frames)]
+
+
+def decode_audio(raw: bytes, where: str, rate: int):
+    """Audio file bytes (wav, mp3, flac, ogg: what PyAV's FFmpeg reads) as ``[samples]`` float32 mono at
+    ``rate`` Hz: channels averaged (as ``transformers``' ``load_audio`` does), resampled by FFmpeg.
+
+    Raises:
+        ValueError: bytes PyAV cannot decode as audio, no samples, more than ``MAX_AUDIO_SECONDS``.
+    """
+    import io
+
+    import av
+    import numpy as np
+    blocks, total = [], 0
+    try:
+        with av.open(io.BytesIO(raw)) as container:
+            stream = container.streams.audio[0]
+            resampler = av.AudioResampler(format="fltp", layout=stream.layout.name, rate=rate)
+            for frame in container.decode(audio=0):
+                blocks += _resampled(frame, rate, resampler)
+                total += frame.samples * rate / (frame.sample_rate or rate)
+                if total > MAX_AUDIO_SECONDS * rate:
+                    raise _TooLarge
+            blocks += _resampled(None, rate, resampler)
+    except _TooLarge:
+        raise ValueError(f"{where}: the audio is longer than {MAX_AUDIO_SECONDS} s") from None
+    except (av.error.FFmpegError, IndexError, ValueError):
+        raise ValueError(f"{where}: not audio this server can read") from None
+    if not blocks or not sum(b.shape[1] for b in blocks):
+        raise ValueError(f"{where}: the audio has no samples")
+    return np.ascontiguousarray(np.concatenate(blocks, axis=1).mean(axis=0), dtype=np.float32)
+
+
+def resample_audio(wave, rate_in: int, rate_out: int):
+    """``[samples]`` float32 mono audio at ``rate_in`` Hz resampled to ``rate_out`` by FFmpeg (PyAV)."""
+    import av
+    import numpy as np
+    wave = np.ascontiguousarray(wave, dtype=np.float32)
+    if rate_in == rate_out:
+        return wave
+    frame = av.AudioFrame.from_ndarray(wave[None], format="flt", layout="mono")
+    frame.sample_rate = rate_in
+    resampler = av.AudioResampler(format="flt", layout="mono", rate=rate_out)
+    return np.concatenate(_resampled(frame, rate_out, resampler) + _resampled(None, rate_out, resampler), axis=1)[0]
+
+
+def audio_from_url(url: str, where: str, policy: MediaPolicy | None, rate: int):
+    """The audio a URL names (``data:audio/...;base64,``, or ``file://`` / http(s) as ``policy``
+    allows), decoded as ``decode_audio`` does at ``rate`` Hz.
+
+    Raises:
+        ValueError: as ``_url_bytes`` (``MAX_AUDIO_BYTES``) and ``decode_audio``.
+    """
+    return decode_audio(_url_bytes(url, where, policy, MAX_AUDIO_BYTES, "audio"), where, rate)
+
+
+def audio_from_base64(data: str, where: str, rate: int):
+    """OpenAI's ``input_audio.data`` (base64 of a wav / mp3 / flac file) decoded at ``rate`` Hz.
+
+    Raises:
+        ValueError: not base64, more than ``MAX_AUDIO_BYTES``, or as ``decode_audio``.
+    """
+    if not isinstance(data, str):
+        raise ValueError(f"{where}: expected base64 text")
+    return audio_from_url("data:audio/*;base64," + data, where, None, rate)

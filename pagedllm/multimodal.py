@@ -27,7 +27,7 @@ import numpy as np
 from pagedllm.media import MediaPolicy
 from pagedllm.multimodal_embeds import STAND_IN_SIZES, check_embeds, embedded
 
-MODALITIES = ("image", "video")
+MODALITIES = ("image", "video", "audio")
 
 
 @dataclass(frozen=True)
@@ -41,12 +41,15 @@ class MultiModalPrompt:
             template has them already (False).
         videos: the videos, ``(frames [F, H, W, 3] uint8, frames per second)`` each, in prompt order
             (``multimodal_video``).
+        audios: the audio clips, ``(samples, sampling rate)`` each, in prompt order
+            (``multimodal_audio.read_clip``).
     """
 
     text: str
     images: tuple
     add_special_tokens: bool = True
     videos: tuple = ()
+    audios: tuple = ()
 
 
 class MultiModalInput(msgspec.Struct, frozen=True):
@@ -73,7 +76,8 @@ class MultiModalInput(msgspec.Struct, frozen=True):
         embeds: ``data`` holds the image's embeddings, ``[rows, hidden]`` float32, given by the client
             (``image_embeds``; ``--enable-mm-embeds``): no encoder step.
         modality: ``image``, or ``video`` (Qwen-VL's patches of frame pairs: ``extra`` holds its
-            ``video_grid_thw`` and ``second_per_grid_ts``).
+            ``video_grid_thw`` and ``second_per_grid_ts``), or ``audio`` (Whisper features ``[mel
+            bins, frames]``: ``extra`` holds ``audio_feature_lengths``, its frames that are audio).
         pruned: rows the encoder gives beyond the placeholders, dropped by EVS
             (``--video-pruning-rate``; ``multimodal_video.retained_index``).
     """
@@ -131,17 +135,19 @@ def image_hash(image) -> str:
     return h.hexdigest()
 
 
-def read_media(data, where: str) -> tuple[tuple, tuple]:
-    """The images and videos of a prompt's ``multi_modal_data``.
+def read_media(data, where: str) -> tuple[tuple, tuple, tuple]:
+    """The images, videos and audio clips of a prompt's ``multi_modal_data``.
 
     Args:
         data: ``{"image": PIL.Image | list[PIL.Image], "video": frames | list[frames]}`` (either key),
             an image also as embeddings (``--enable-mm-embeds``): a float tensor ``[rows, hidden]``
             per image or ``[images, rows, hidden]``; a video as ``[F, H, W, 3]`` uint8 frames or a list
-            of PIL frames, or vLLM's ``(frames, {"fps": ...})`` pair.
+            of PIL frames, or vLLM's ``(frames, {"fps": ...})`` pair; a clip (``"audio"``) as vLLM's
+            ``(samples, sampling_rate)`` pair, or a list of them.
         where: the argument's name, for errors.
     Returns:
-        ``(images, videos)``: ``videos`` as ``(frames, fps)`` pairs (``MultiModalPrompt.videos``).
+        ``(images, videos, audios)``: ``videos`` as ``(frames, fps)`` pairs (``MultiModalPrompt.videos``),
+        ``audios`` as given (resampled by the model's processor: ``multimodal_audio.read_clip``).
     Raises:
         TypeError: not a dict, or an image that is neither a ``PIL.Image.Image`` nor a 2-D tensor.
         ValueError: a modality other than ``image`` and ``video``, no item, or a video
@@ -154,7 +160,7 @@ def read_media(data, where: str) -> tuple[tuple, tuple]:
         raise TypeError(f"{where}.multi_modal_data: expected a dict such as {{'image': PIL.Image}}")
     other = sorted(set(data) - set(MODALITIES))
     if other:
-        raise ValueError(f"{where}.multi_modal_data.{other[0]}: not supported (images and videos only)")
+        raise ValueError(f"{where}.multi_modal_data.{other[0]}: not supported (images, videos and audio only)")
     images = data.get("image")
     if _is_tensor(images) and images.dim() == 3:  # vLLM's [images, rows, hidden] embeddings
         images = list(images)
@@ -172,9 +178,11 @@ def read_media(data, where: str) -> tuple[tuple, tuple]:
         frames, meta = v if isinstance(v, tuple) and len(v) == 2 and isinstance(v[1], dict) else (v, {})
         fps = float(meta.get("fps") or DEFAULT_FPS)
         read.append((read_frames(frames, f"{where}.multi_modal_data.video[{i}]"), fps))
-    if not images and not read:
-        raise ValueError(f"{where}.multi_modal_data: no image or video")
-    return tuple(images), tuple(read)
+    audios = data.get("audio")
+    audios = [] if audios is None else list(audios) if isinstance(audios, list) else [audios]
+    if not images and not read and not audios:
+        raise ValueError(f"{where}.multi_modal_data: no image, video or audio")
+    return tuple(images), tuple(read), tuple(audios)
 
 
 def _is_tensor(x) -> bool:
@@ -247,17 +255,18 @@ class MultiModalProcessor:
         embeds_width: the language model's hidden size when image embeddings are accepted in place of
             images (``--enable-mm-embeds``; ``multimodal_embeds``), else ``None``.
         video: how the model takes videos (``multimodal_video.VideoOptions``); ``None``: it takes none.
+        audio: how the model takes audio clips (``multimodal_audio.AudioOptions``); ``None``: none.
     Raises:
         ValueError: the directory has no processor ``transformers`` can load, or ``processor_kwargs``
             names no setting of it or fails on the test image (the flag and the key named).
     """
 
-    def __init__(self, model_dir: str | Path, image_token_id: int, limit_per_prompt: int,
+    def __init__(self, model_dir: str | Path, image_token_id: int | None, limit_per_prompt: int,
                  policy: MediaPolicy | None = None, max_image_tokens: int | None = None,
                  model_type: str | None = None, processor_kwargs: dict | None = None, prefix_lm: bool = False,
-                 embeds_width: int | None = None, video=None) -> None:
+                 embeds_width: int | None = None, video=None, audio=None) -> None:
         self.policy = policy or MediaPolicy()
-        self.video = video
+        self.video, self.audio = video, audio
         self.prefix_lm = prefix_lm
         self.embeds_width = embeds_width
         self._fixed: bool | None = None  # whether the placeholder count is the same for every image
@@ -282,6 +291,11 @@ class MultiModalProcessor:
         self.kwargs = dict(processor_kwargs or {})
         if self.kwargs:
             self._check_kwargs()
+
+    @property
+    def image_placeholder(self) -> str | None:
+        """What a prompt writes where an image goes (``None``: the model takes no image)."""
+        return getattr(self.processor, "image_token", None) if self.image_token_id is not None else None
 
     @property
     def video_placeholder(self) -> str | None:
@@ -312,16 +326,20 @@ class MultiModalProcessor:
         if len(images) > self.limit_per_prompt:
             raise ValueError(f"{where}: {len(images)} images, more than --limit-mm-per-prompt allows "
                              f"({self.limit_per_prompt})")
+        if images and self.image_token_id is None:
+            raise ValueError(f"{where}.image: this model takes no image")
         if prompt.videos:
             self._check_videos(prompt.videos, where)
+        clips = self._clips(prompt.audios, where) if prompt.audios else ()
         given = {i: img for i, img in enumerate(images) if _is_tensor(img)}  # image embeddings
         if given:
             images = self._stand_ins(images, given, where)
-        out = self._process(prompt.text, images, prompt.add_special_tokens, where, prompt.videos)
+        out = self._process(prompt.text, images, prompt.add_special_tokens, where, prompt.videos, clips)
         ids = [int(t) for t in np.asarray(out["input_ids"])[0]]
-        videos = self._video_inputs(out, ids, prompt.videos, where) if prompt.videos else []
+        media = self._video_inputs(out, ids, prompt.videos, where) if prompt.videos else []
+        media += self._audio_inputs(out, ids, clips, where) if clips else []
         if not images:
-            return ids, videos
+            return ids, sorted(media, key=lambda m: m.offset)
         pixels, extra, counts, views = self._per_image(out, images, where)
         runs = placeholder_runs(ids, self.image_token_id)
         groups = _group_runs(runs, counts, len(images))
@@ -342,7 +360,7 @@ class MultiModalProcessor:
                 raise ValueError(f"{where}: image {i}: {exc}") from None
         if self.prefix_lm:
             inputs[-1] = _whole_prompt(inputs[-1], ids)
-        inputs = sorted(inputs + videos, key=lambda m: m.offset)
+        inputs = sorted(inputs + media, key=lambda m: m.offset)
         if self.max_image_tokens is not None and any(m.end - m.offset > self.max_image_tokens for m in inputs):
             raise ValueError(f"{where}: an image{' and its prompt' if self.prefix_lm else ''} takes "
                              f"{max(m.end - m.offset for m in inputs)} tokens, more than --max-num-batched-tokens "
@@ -404,10 +422,47 @@ class MultiModalProcessor:
                 for (frames, fps), (off, n), px, grid, sec, whole in zip(videos, runs, rows, grids,
                                                                          out["second_per_grid_ts"], full)]
 
-    def _process(self, text: str, images: list, add_special_tokens: bool, where: str, videos: tuple = ()) -> dict:
+    def _clips(self, audios: tuple, where: str) -> tuple:
+        """The prompt's clips as ``[samples]`` float32 at the feature extractor's rate.
+
+        Raises:
+            ValueError: the model takes no audio, more clips than the limit, or a clip ``read_clip`` refuses.
+        """
+        from pagedllm.multimodal_audio import read_clip
+        if self.audio is None:
+            raise ValueError(f"{where}.audio: this model takes no audio (audio-text models: Qwen2-Audio)")
+        if len(audios) > self.audio.limit:
+            raise ValueError(f"{where}: {len(audios)} audio clips, more than --limit-mm-per-prompt allows "
+                             f"({self.audio.limit})")
+        rate = int(self.processor.feature_extractor.sampling_rate)
+        return tuple(read_clip(a, rate, f"{where}.audio[{i}]") for i, a in enumerate(audios))
+
+    def _audio_inputs(self, out: dict, ids: list[int], clips: tuple, where: str) -> list[MultiModalInput]:
+        """One ``MultiModalInput`` per clip (``modality`` ``audio``) from the processor's output.
+
+        Raises:
+            ValueError: the text's audio placeholder runs are not one per clip.
+        """
+        from pagedllm.multimodal_audio import clip_hash
+        runs = placeholder_runs(ids, self.audio.token_id)
+        if len(runs) != len(clips):
+            raise ValueError(f"{where}: the text places {len(runs)} audio runs for {len(clips)} clips (put "
+                             f"{self.audio.placeholder} once per clip)")
+        feats = np.ascontiguousarray(out["input_features"], dtype=np.float32)
+        lengths = np.asarray(out["feature_attention_mask"]).sum(-1)
+        return [MultiModalInput(clip_hash(c), off, n, f.tobytes(), list(f.shape),
+                                extra={"audio_feature_lengths": [int(k)]}, modality="audio")
+                for c, (off, n), f, k in zip(clips, runs, feats, lengths)]
+
+    def _process(self, text: str, images: list, add_special_tokens: bool, where: str, videos: tuple = (),
+                 clips: tuple = ()) -> dict:
         more = {} if not videos else {"videos": videos, "video_pruning_rate": self.video.pruning_rate}
+        if images:
+            more["images"] = images
+        if clips:
+            more.update(audio=list(clips), sampling_rate=int(self.processor.feature_extractor.sampling_rate))
         try:
-            return self.processor(text=text, images=images, return_tensors="np", add_special_tokens=add_special_tokens,
+            return self.processor(text=text, return_tensors="np", add_special_tokens=add_special_tokens,
                                   **more, **self.kwargs)
         except ValueError as exc:  # the processor's own count check, or a bad image
             raise ValueError(f"{where}: {exc}") from None

@@ -91,6 +91,16 @@ class AsyncLLM:
         return self.engine.processor.video_placeholder
 
     @property
+    def audio_placeholder(self) -> str | None:
+        """The text standing for one audio clip (``Processor.audio_placeholder``); ``None``: no audio."""
+        return self.engine.processor.audio_placeholder
+
+    @property
+    def audio_rate(self) -> int | None:
+        """Samples per second clips are decoded at (``Processor.audio_rate``)."""
+        return self.engine.processor.audio_rate
+
+    @property
     def image_placeholder(self) -> str | None:
         """The text standing for one image in a prompt (``Processor.image_placeholder``); ``None``: text only."""
         return self.engine.processor.image_placeholder

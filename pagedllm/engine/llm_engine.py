@@ -102,8 +102,8 @@ class LLMEngine:
 
     def _multimodal_processor(self, args: EngineArgs):
         """An image-text model's processor (``multimodal.MultiModalProcessor``), else ``None``."""
-        from pagedllm.models.transformers_vision import is_mm_prefix_model, is_prefix_lm, is_vision_model
-        if not is_vision_model(self.hf_config):
+        from pagedllm.models.transformers_vision import is_mm_prefix_model, is_multimodal_model, is_prefix_lm
+        if not is_multimodal_model(self.hf_config):
             for flag, value in (("--mm-processor-kwargs", args.mm_processor_kwargs),
                                 ("--enable-mm-embeds", args.enable_mm_embeds),
                                 ("--video-pruning-rate", args.video_pruning_rate),
@@ -115,6 +115,7 @@ class LLMEngine:
 
         from pagedllm.media import MediaPolicy
         from pagedllm.multimodal import MultiModalProcessor
+        from pagedllm.multimodal_audio import AUDIO_PLACEHOLDERS, AudioOptions
         from pagedllm.multimodal_video import VIDEO_MODEL_TYPES, VideoOptions
         model_type = getattr(self.hf_config, "model_type", None)
         limits = args.limit_mm_per_prompt or {}
@@ -122,12 +123,14 @@ class LLMEngine:
             raise ValueError("--video-pruning-rate: this model takes no video")
         video = (VideoOptions(self.hf_config.video_token_id, limits.get("video", 999), args.video_pruning_rate)
                  if model_type in VIDEO_MODEL_TYPES else None)
+        audio = (AudioOptions(self.hf_config.audio_token_id, limits.get("audio", 999), AUDIO_PLACEHOLDERS[model_type][0])
+                 if model_type in AUDIO_PLACEHOLDERS else None)
         policy = MediaPolicy(_Path(args.allowed_local_media_path) if args.allowed_local_media_path else None,
                              tuple(args.allowed_media_domains or ()), video=(args.media_io_kwargs or {}).get("video"))
-        return MultiModalProcessor(self.model_dir, self.hf_config.image_token_id,
+        return MultiModalProcessor(self.model_dir, getattr(self.hf_config, "image_token_id", None),
                                    limits.get("image", 999), policy,
                                    args.max_num_batched_tokens if is_mm_prefix_model(self.hf_config) else None,
-                                   model_type=model_type, video=video,
+                                   model_type=model_type, video=video, audio=audio,
                                    processor_kwargs=args.mm_processor_kwargs, prefix_lm=is_prefix_lm(self.hf_config),
                                    embeds_width=(self.hf_config.get_text_config().hidden_size
                                                  if args.enable_mm_embeds else None))

@@ -199,13 +199,25 @@ class Processor:
     @property
     def image_placeholder(self) -> str | None:
         """The text that stands for one image in a prompt (LLaVA's ``<image>``); ``None``: a text model."""
-        return None if self.multimodal is None else self.multimodal.processor.image_token
+        return None if self.multimodal is None else self.multimodal.image_placeholder
 
     @property
     def video_placeholder(self) -> str | None:
         """The text that stands for one video (Qwen-VL's ``<|vision_start|><|video_pad|><|vision_end|>``);
         ``None``: the model takes no video."""
         return None if self.multimodal is None else self.multimodal.video_placeholder
+
+    @property
+    def audio_placeholder(self) -> str | None:
+        """The text that stands for one audio clip (Qwen2-Audio's ``<|audio_bos|><|AUDIO|><|audio_eos|>``);
+        ``None``: the model takes no audio."""
+        return None if self.multimodal is None or self.multimodal.audio is None else self.multimodal.audio.placeholder
+
+    @property
+    def audio_rate(self) -> int | None:
+        """Samples per second the model's clips are decoded at (``None``: no audio)."""
+        mm = self.multimodal
+        return None if mm is None or mm.audio is None else int(mm.processor.feature_extractor.sampling_rate)
 
     @property
     def media_policy(self):

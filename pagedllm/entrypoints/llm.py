@@ -10,7 +10,7 @@ from tqdm import tqdm
 
 from pagedllm.config import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
-from pagedllm.entrypoints.chat_utils import prepare_messages, take_images
+from pagedllm.entrypoints.chat_utils import prepare_messages, take_media
 from pagedllm.inputs import PromptType, parse_prompt
 from pagedllm.multimodal import MultiModalPrompt
 from pagedllm.outputs import (ClassificationOutput, ClassificationRequestOutput, PoolingRequestOutput, RequestOutput,
@@ -140,12 +140,13 @@ class LLM:
         items = []
         proc = self.engine.processor
         for conv, sp in zip(convs, self._params_per_item(sampling_params, len(convs))):
-            conv, images, videos = take_images(conv, proc.image_placeholder, proc.media_policy, proc.video_placeholder)
+            conv, media = take_media(conv, {"image": proc.image_placeholder, "video": proc.video_placeholder,
+                                            "audio": proc.audio_placeholder}, proc.media_policy, proc.audio_rate)
             text = tok.apply_chat_template(prepare_messages(conv), tools=tools, tokenize=False,
                                            chat_template=chat_template, add_generation_prompt=add_generation_prompt,
                                            continue_final_message=continue_final_message, **kwargs)
-            prompt = (MultiModalPrompt(text, images, add_special_tokens=False, videos=videos) if images or videos
-                      else tok.encode(text, add_special_tokens=False))
+            prompt = (MultiModalPrompt(text, media["image"], False, media["video"], media["audio"])
+                      if any(media.values()) else tok.encode(text, add_special_tokens=False))
             items.append((prompt, sp, text, None))
         return self._run(items, use_tqdm)
 

@@ -22,6 +22,8 @@ Reference: transformers' "Attention interface" documentation.
 
 from __future__ import annotations
 
+import inspect
+
 import logging
 from dataclasses import dataclass
 
@@ -32,8 +34,8 @@ from pagedllm.attention.backend import AttentionBackend
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.state import StateBatch
 from pagedllm.models.decode_stack import one_sequence
-from pagedllm.models.transformers_vision import (MROPE_MODEL_TYPES, VisionMixin, is_mm_prefix_model, is_prefix_lm,
-                                                 is_vision_model)
+from pagedllm.models.transformers_vision import (AUDIO_MODEL_TYPES, MROPE_MODEL_TYPES, VisionMixin, is_mm_prefix_model,
+                                                 is_multimodal_model, is_prefix_lm, is_vision_model)
 from pagedllm.models.hf_config import num_kv_heads
 from pagedllm.models.hybrid import (attention_layer_indices, hybrid_family, install_mixers, layer_kinds,
                                     state_cache_spec)
@@ -114,16 +116,21 @@ def _text_config(config):
 
 
 def _auto_class(config):
-    """``transformers``' auto class for ``config``: image-text-to-text for ``VISION_MODEL_TYPES``."""
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
-    return AutoModelForImageTextToText if is_vision_model(config) else AutoModelForCausalLM
+    """``transformers``' auto class for ``config``: image-text-to-text for ``VISION_MODEL_TYPES``,
+    multimodal-LM for ``AUDIO_MODEL_TYPES`` (Qwen2-Audio)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForMultimodalLM
+    if is_vision_model(config):
+        return AutoModelForImageTextToText
+    return AutoModelForMultimodalLM if is_multimodal_model(config) else AutoModelForCausalLM
 
 
 def _attn_implementation(config):
-    """Our attention for the language model; a vision tower keeps ``sdpa`` (bidirectional, no KV cache)."""
-    if not is_vision_model(config):
+    """Our attention for the language model; a vision tower or audio encoder keeps ``sdpa``
+    (bidirectional, no KV cache)."""
+    if not is_multimodal_model(config):
         return ATTN_NAME
-    return {"text_config": ATTN_NAME, "vision_config": "sdpa", "": ATTN_NAME}
+    top = "sdpa" if config.model_type in AUDIO_MODEL_TYPES else ATTN_NAME  # Qwen2-Audio's class takes no other
+    return {"text_config": ATTN_NAME, "vision_config": "sdpa", "audio_config": "sdpa", "": top}
 
 
 def check_supported(config) -> type:
@@ -144,7 +151,11 @@ def check_supported(config) -> type:
                          f"model_type {config.model_type!r}") from None
     text = _text_config(config)
     fam = hybrid_family(text)
-    if not (getattr(cls, "_supports_attention_backend", False) or (fam is not None and fam.vouches_attention)):
+    # an audio-text model's own class has no attention of its own: its language model's class is what runs ours
+    from transformers import AutoModelForCausalLM
+    lm = (AutoModelForCausalLM._model_mapping.get(type(text), cls) if config.model_type in AUDIO_MODEL_TYPES
+          else cls)
+    if not (getattr(lm, "_supports_attention_backend", False) or (fam is not None and fam.vouches_attention)):
         raise ValueError(f"{cls.__name__} does not take a custom attention implementation "
                          f"(_supports_attention_backend is False), so the Transformers backend cannot serve it")
     bidirectional = getattr(text, "is_causal", True) is False or getattr(text, "use_bidirectional_attention", False)
@@ -163,7 +174,7 @@ def _check_modules(hf: nn.Module, backend: AttentionBackend) -> None:
     backend does not implement.
 
     Raises:
-        ValueError: a module with a ``layer_idx`` (the decoder's attention) has
+        ValueError: a module with a ``layer_idx`` on our attention (the decoder's) has
             ``is_causal=False`` (e.g. BERT without ``is_decoder``; a prefix-LM's are allowed: its two
             ways are the runner's prompt span, ``is_prefix_lm``), or a ``sinks`` tensor (gpt-oss)
             where ``backend.supports_sinks`` is False.
@@ -172,6 +183,8 @@ def _check_modules(hf: nn.Module, backend: AttentionBackend) -> None:
     for name, mod in hf.named_modules():
         if not hasattr(mod, "layer_idx"):
             continue
+        if getattr(getattr(mod, "config", None), "_attn_implementation", ATTN_NAME) != ATTN_NAME:
+            continue  # an encoder on its own attention (Qwen2-Audio's audio tower: sdpa), not ours
         if getattr(mod, "is_causal", True) is False and not prefix_lm:
             raise ValueError(f"{type(hf).__name__}: {name} is bidirectional (is_causal=False), not a causal LM; "
                              f"pagedllm attention is causal")
@@ -207,7 +220,8 @@ class TransformersCausalLM(VisionMixin, nn.Module):
         self.num_kv_layers = len(attn)
         self._state_spec = state_cache_spec(cfg)
         self.decode_stack = None  # set by ``load_transformers_model`` where the C stack applies
-        self.is_multimodal = is_vision_model(hf_model.config)  # images: encode_image, forward(mm=...)
+        self.is_multimodal = is_multimodal_model(hf_model.config)  # images, audio: encode_image, forward(mm=...)
+        self.keeps_logits = "logits_to_keep" in inspect.signature(type(hf_model).forward).parameters
         self.mrope = getattr(hf_model.config, "model_type", None) in MROPE_MODEL_TYPES  # rope_positions
         self.mm_prefix_attention = is_mm_prefix_model(hf_model.config)  # within an image: both ways
         self.prefix_lm = is_prefix_lm(hf_model.config)  # the whole prompt both ways (PaliGemma)
@@ -269,6 +283,8 @@ class TransformersCausalLM(VisionMixin, nn.Module):
                 pos = mm.positions(pos)
             if mm is not None and mm.deepstack is not None:
                 return self._deepstack_logits(tokens["inputs_embeds"], pos, mm.deepstack, logits_indices, hidden_indices)
+            if not self.keeps_logits:  # a forward without logits_to_keep (Qwen2-Audio's): the rows by hand
+                return self._selected_logits(tokens, pos, logits_indices, hidden_indices)
             out = self.hf(**tokens, position_ids=pos, use_cache=False,
                           logits_to_keep=logits_indices, return_dict=True, output_hidden_states=want_hidden)
         finally:

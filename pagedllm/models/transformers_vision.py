@@ -24,6 +24,9 @@ PREFIX_LM_MODEL_TYPES = ("paligemma",)
 # those whose rotary positions are 3-D (temporal, height, width) over images: M-RoPE (Qwen2-VL, Qwen2.5-VL,
 # Qwen3-VL)
 MROPE_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+# audio-text models served through the backend (issue 42): the language model on our paged attention,
+# the audio encoder and projector as transformers builds them
+AUDIO_MODEL_TYPES = ("qwen2_audio",)
 
 
 def is_mm_prefix_model(config) -> bool:
@@ -42,6 +45,11 @@ def is_vision_model(config) -> bool:
     return getattr(config, "model_type", None) in VISION_MODEL_TYPES
 
 
+def is_multimodal_model(config) -> bool:
+    """Whether ``config`` is an image-, video- or audio-text model the backend serves with its encoder."""
+    return getattr(config, "model_type", None) in VISION_MODEL_TYPES + AUDIO_MODEL_TYPES
+
+
 
 class VisionMixin:
     """Image methods of ``TransformersCausalLM`` (its ``hf`` model: ``AutoModelForImageTextToText``)."""
@@ -54,6 +62,8 @@ class VisionMixin:
         image (Qwen3-VL: ``[..., (1 + deepstack layers) * hidden]``, each row's deepstack rows after its
         embedding: ``MultiModalStep.deepstack``)."""
         p = next(self.hf.parameters())
+        if "audio_feature_lengths" in extra:  # audio clips (multimodal_audio): Whisper features [N, mels, frames]
+            return self.encode_audio(pixel_values.to(p.device, p.dtype), extra["audio_feature_lengths"].reshape(-1))
         extra = {k: v.to(p.device) for k, v in extra.items() if k != "second_per_grid_ts"}  # that one: positions
         if "image_grid_thw" in extra or "video_grid_thw" in extra:  # Qwen-VL: all patches as one [patches, dim]
             pixel_values = pixel_values.flatten(0, 1)
@@ -64,6 +74,22 @@ class VisionMixin:
         feats = _rows(getattr(out, "pooler_output", out))
         deep = getattr(out, "deepstack_features", None)  # Qwen3-VL: per early layer, carried beside each row
         return torch.cat([feats] + [_rows(d) for d in deep], dim=-1) if deep else feats
+
+    def encode_audio(self, features: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """Clips' embeddings in the language model's space: ``features`` ``[N, mels, frames]`` (Whisper's,
+        padded), ``lengths`` ``[N]`` int64 frames that are audio; returns ``[sum of rows, hidden]``, clip
+        after clip, each clip's rows those its length gives (its placeholder count).
+        Source: transformers' ``Qwen2AudioModel.forward`` (its audio path, which has no method of its own)."""
+        from transformers.masking_utils import create_bidirectional_mask
+        model = self.hf.model
+        tower = model.audio_tower
+        feat_lengths, out_lengths = tower._get_feat_extract_output_lengths(lengths.to(features.device))
+        steps = (features.shape[-1] - 2) // 2 + 1
+        keep = torch.arange(steps, device=features.device)[None] < feat_lengths[:, None]
+        mask = create_bidirectional_mask(config=tower.config, inputs_embeds=features.new_zeros(len(features), steps, 1),
+                                         attention_mask=keep.long())
+        rows = model.multi_modal_projector(tower(features, attention_mask=mask).last_hidden_state)
+        return rows[torch.arange(rows.shape[1], device=rows.device)[None] < out_lengths[:, None]]
 
     def rope_positions(self, prompt_ids: list[int], inputs) -> tuple[np.ndarray, int, dict]:
         """M-RoPE (``self.mrope``) of a prompt with images or videos.
@@ -112,6 +138,15 @@ class VisionMixin:
         layers = [e.contiguous() for e in extra.split(embeds.shape[-1], dim=-1)]
         hidden = self.hf.model.language_model(inputs_embeds=embeds, position_ids=pos, visual_pos_masks=mask[None],
                                               deepstack_visual_embeds=layers, use_cache=False).last_hidden_state[0]
+        logits = self.hf.lm_head(hidden.index_select(0, logits_indices)).float()
+        return logits if hidden_indices is None else (logits, hidden.index_select(0, hidden_indices).float())
+
+    def _selected_logits(self, tokens: dict, pos: torch.Tensor, logits_indices: torch.Tensor,
+                         hidden_indices: torch.Tensor | None = None):
+        """The language model's hidden states, then the LM head on the ``logits_indices`` rows only: for
+        a model whose forward takes no ``logits_to_keep`` (Qwen2-Audio's projects every row). Returns as
+        ``forward``."""
+        hidden = self.hf.model(**tokens, position_ids=pos, use_cache=False).last_hidden_state[0]
         logits = self.hf.lm_head(hidden.index_select(0, logits_indices)).float()
         return logits if hidden_indices is None else (logits, hidden.index_select(0, hidden_indices).float())
 

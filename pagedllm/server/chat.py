@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import AsyncIterator
 
 from pagedllm.entrypoints.chat_utils import prepare_messages
-from pagedllm.media import image_from_url, video_from_url
+from pagedllm.media import audio_from_base64, audio_from_url, image_from_url, video_from_url
 from pagedllm.multimodal import MultiModalPrompt
 from pagedllm.multimodal_embeds import embeds_from_base64
 from pagedllm.parsers import DeltaMessage, StreamingParser, make_parser
@@ -114,12 +114,12 @@ class OpenAIServingChat(OpenAIServingBase):
         Raises:
             APIError: 400 as ``render_chat``, or for images the processor refuses.
         """
-        images, videos = self.images(body), self.videos(body)
-        if not images and not videos:
+        images, videos, audios = self.images(body), self.videos(body), self.audios(body)
+        if not images and not videos and not audios:
             return self.render_chat(body)
         try:
             return self.llm.engine.processor.multimodal(
-                MultiModalPrompt(self.render_text(body), images, False, videos), "messages")[0]
+                MultiModalPrompt(self.render_text(body), images, False, videos, audios), "messages")[0]
         except ValueError as e:
             raise APIError(400, str(e), "messages", code="invalid_value") from None
 
@@ -132,10 +132,11 @@ class OpenAIServingChat(OpenAIServingBase):
         raw = []
         placeholder = getattr(self.llm, "image_placeholder", None)
         video = getattr(self.llm, "video_placeholder", None)
+        audio = getattr(self.llm, "audio_placeholder", None)
         for i, m in enumerate(body.messages):
             d = m.model_dump(exclude_none=True)
             try:
-                d["content"] = m.text(placeholder, video)
+                d["content"] = m.text(placeholder, video, audio)
             except ValueError as e:
                 raise APIError(400, f"messages[{i}].content: {e}", f"messages[{i}].content",
                                code="invalid_value") from None
@@ -194,6 +195,30 @@ class OpenAIServingChat(OpenAIServingBase):
                     out.append(video_from_url(part.video_url.url, where, getattr(self.llm, "media_policy", None)))
                 except ValueError as e:
                     raise APIError(400, str(e), where, code="invalid_value") from None
+        return tuple(out)
+
+    def audios(self, body: ChatCompletionRequest) -> tuple:
+        """The clips of the conversation's ``input_audio`` and ``audio_url`` parts, decoded at the model's
+        rate (``media.audio_from_base64`` / ``audio_from_url``: ``(samples, rate)`` each), in order.
+
+        Raises:
+            APIError: 400 naming the part for data that is not base64 of a readable audio file, or a
+                URL that is not allowed or readable.
+        """
+        out = []
+        rate = getattr(self.llm, "audio_rate", None)
+        for i, m in enumerate(body.messages):
+            for j, part in m.audio_parts():
+                where = f"messages[{i}].content[{j}].{part.type}"
+                try:
+                    if rate is None:
+                        raise ValueError(f"{where}: this model takes no audio")
+                    wave = (audio_from_base64(part.input_audio.data, where, rate) if part.type == "input_audio"
+                            else audio_from_url(part.audio_url.url, where, getattr(self.llm, "media_policy", None),
+                                                rate))
+                except ValueError as e:
+                    raise APIError(400, str(e), where, code="invalid_value") from None
+                out.append((wave, rate))
         return tuple(out)
 
     def _tool_mode(self, body: ChatCompletionRequest) -> bool:
@@ -261,8 +286,9 @@ class OpenAIServingChat(OpenAIServingBase):
 
         def prepare() -> Prepared:  # on the tokenizer thread
             text = self.render_text(body)
-            images, videos = self.images(body), self.videos(body)
-            prompt = (MultiModalPrompt(text, images, body.add_special_tokens, videos) if images or videos
+            images, videos, audios = self.images(body), self.videos(body), self.audios(body)
+            prompt = (MultiModalPrompt(text, images, body.add_special_tokens, videos, audios)
+                      if images or videos or audios
                       else self.ctx.encode(text, "messages", add_special_tokens=body.add_special_tokens))
             reqs = self.fan_out(rid, [prompt], params, "messages", body.cache_salt, rename)
             return Prepared(reqs, self._parser_args(body, text, use_tools, structured))

@@ -15,8 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field, Strict, model_serializer, mod
 from pydantic_core import PydanticCustomError
 
 from pagedllm.sampling_params import SamplingParamError, SamplingParams
-from pagedllm.server.protocol_parts import (ContentPart, ImageEmbedsPart, ImageUrlPart, MessagePart,  # noqa: F401
-                                            VideoUrlPart)  # (re-exported)
+from pagedllm.server.protocol_parts import (AUDIO_PARTS, ContentPart, ImageEmbedsPart,  # noqa: F401
+                                            ImageUrlPart, MessagePart, VideoUrlPart)  # (re-exported)
 from pagedllm.server.refused import (REFUSED_CHAT_FIELDS, REFUSED_COMPLETION_FIELDS, REFUSED_FIELDS,
                                      refuse_unsupported)
 from pagedllm.server.guards import (MAX_MESSAGES, MAX_STOP_STRINGS, MAX_TOKEN_ID_ENTRIES, MAX_TOOLS,
@@ -85,24 +85,25 @@ class ChatMessage(BaseModel):
     tool_call_id: str | None = None
     reasoning_content: str | None = None
 
-    def text(self, image: str | None = None, video: str | None = None) -> str:
-        """The content as plain text: text parts joined, each image part as ``image`` and each video
-        part as ``video`` (the model's placeholders, each on a line of its own before the text in the
+    def text(self, image: str | None = None, video: str | None = None, audio: str | None = None) -> str:
+        """The content as plain text: text parts joined, each image, video and audio part as ``image``,
+        ``video``, ``audio`` (the model's placeholders, each on a line of its own before the text in the
         parts' order, as vLLM renders a string template).
 
         Raises:
-            ValueError: an image part and ``image`` is ``None`` (a text-only model), or a video part
-                and ``video`` is ``None``.
+            ValueError: a part whose placeholder is ``None`` (the model takes no such input).
         """
         if not isinstance(self.content, list):
             return self.content or ""
-        media = [p for p in self.content if isinstance(p, (ImageUrlPart, ImageEmbedsPart, VideoUrlPart))]
-        for p in media:
-            if (video if isinstance(p, VideoUrlPart) else image) is None:
-                raise ValueError(f"{p.type}: this model reads text only" if image is None
-                                 else f"{p.type}: this model takes no video")
+        marks = [(p, video if isinstance(p, VideoUrlPart) else audio if isinstance(p, AUDIO_PARTS) else image)
+                 for p in self.content if not isinstance(p, ContentPart)]
+        for p, mark in marks:
+            if mark is None:
+                noun = "video" if isinstance(p, VideoUrlPart) else "audio" if isinstance(p, AUDIO_PARTS) else "image"
+                raise ValueError(f"{p.type}: this model reads text only" if image is video is audio is None
+                                 else f"{p.type}: this model takes no {noun}")
         text = "".join(p.text for p in self.content if isinstance(p, ContentPart))
-        return "".join(f"{video if isinstance(p, VideoUrlPart) else image}\n" for p in media) + text
+        return "".join(f"{mark}\n" for _, mark in marks) + text
 
     def image_parts(self) -> list[tuple[int, ImageUrlPart | ImageEmbedsPart]]:
         """``(index in content, part)`` of its image and image-embeddings parts, in order."""
@@ -112,6 +113,11 @@ class ChatMessage(BaseModel):
     def video_parts(self) -> list[tuple[int, VideoUrlPart]]:
         """``(index in content, part)`` of its video parts, in order."""
         return [(j, p) for j, p in enumerate(self.content) if isinstance(p, VideoUrlPart)] \
+            if isinstance(self.content, list) else []
+
+    def audio_parts(self) -> list[tuple[int, Any]]:
+        """``(index in content, part)`` of its audio parts (``input_audio``, ``audio_url``), in order."""
+        return [(j, p) for j, p in enumerate(self.content) if isinstance(p, AUDIO_PARTS)] \
             if isinstance(self.content, list) else []
 
 

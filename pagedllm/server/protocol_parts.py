@@ -1,6 +1,6 @@
 """The parts of a chat message's content (OpenAI's chat API): text, and images (or their embeddings:
 vLLM's ``image_embeds``) for an image-text model (issue 41), videos (``video_url``) for a video-text
-model (issue 42). ``MessagePart`` picks the part's class by its ``type`` (any other type is checked as text,
+model, audio (``input_audio``, ``audio_url``) for an audio-text model (issue 42). ``MessagePart`` picks the part's class by its ``type`` (any other type is checked as text,
 so its 400 names ``type``)."""
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ class ImageEmbedsPart(BaseModel):
 
 
 class VideoUrl(BaseModel):
-    """``video_url`` of a video part: a ``data:video/...;base64,`` URL, or a ``file://`` / http(s) URL
-    as ``--allowed-local-media-path`` / ``--allowed-media-domains`` allow."""
+    """``video_url`` (``audio_url``) of a video (audio) part: a ``data:...;base64,`` URL, or a
+    ``file://`` / http(s) URL as ``--allowed-local-media-path`` / ``--allowed-media-domains`` allow."""
 
     url: str
 
@@ -54,7 +54,32 @@ class VideoUrlPart(BaseModel):
     video_url: VideoUrl
 
 
-_PART_TAGS = {"image_url": "ImageUrlPart", "image_embeds": "ImageEmbedsPart", "video_url": "VideoUrlPart"}
+class InputAudio(BaseModel):
+    """``input_audio`` of an audio part: base64 of an audio file, and its format."""
+
+    data: str
+    format: Literal["wav", "mp3", "flac", "ogg", "m4a", "webm"] | None = None
+
+
+class InputAudioPart(BaseModel):
+    """An audio part (OpenAI's ``input_audio``), for an audio-text model (Qwen2-Audio); the file is
+    decoded by PyAV whatever ``format`` says."""
+
+    type: Literal["input_audio"]
+    input_audio: InputAudio
+
+
+class AudioUrlPart(BaseModel):
+    """An audio part given by URL (vLLM's ``audio_url``: ``data:``, or ``file://`` / http(s) as the
+    media flags allow)."""
+
+    type: Literal["audio_url"]
+    audio_url: VideoUrl
+
+
+AUDIO_PARTS = (InputAudioPart, AudioUrlPart)
+_PART_TAGS = {"image_url": "ImageUrlPart", "image_embeds": "ImageEmbedsPart", "video_url": "VideoUrlPart",
+              "input_audio": "InputAudioPart", "audio_url": "AudioUrlPart"}
 
 
 def _part_kind(value: Any) -> str:
@@ -66,4 +91,5 @@ def _part_kind(value: Any) -> str:
 
 MessagePart = Annotated[Annotated[ContentPart, Tag("ContentPart")] | Annotated[ImageUrlPart, Tag("ImageUrlPart")]
                         | Annotated[ImageEmbedsPart, Tag("ImageEmbedsPart")]
-                        | Annotated[VideoUrlPart, Tag("VideoUrlPart")], Discriminator(_part_kind)]
+                        | Annotated[VideoUrlPart, Tag("VideoUrlPart")] | Annotated[InputAudioPart, Tag("InputAudioPart")]
+                        | Annotated[AudioUrlPart, Tag("AudioUrlPart")], Discriminator(_part_kind)]

@@ -146,8 +146,10 @@ def test_llm_chat_with_image_parts(llava, greedy_ref):
     ids, logits = greedy_ref.hf_greedy(model, inp["input_ids"][0].tolist(), MAX_NEW, pixel_values=inp["pixel_values"])
     for out in outs:
         greedy_ref.assert_greedy_match(list(out.outputs[0].token_ids), ids, logits, "LLM.chat with an image")
-    with pytest.raises(ValueError, match=r"messages\[0\]\.content: 'input_audio' parts"):
+    with pytest.raises(ValueError, match=r"messages\[0\]\.content\[0\]: this model takes no audio"):
         llm.chat([{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match=r"messages\[0\]\.content: 'input_file' parts"):
+        llm.chat([{"role": "user", "content": [{"type": "input_file", "input_file": {}}]}], GREEDY, use_tqdm=False)
 
 
 def test_images_reach_a_core_process(llava):
