@@ -3,7 +3,7 @@ function that reads any accepted prompt shape.
 
 A prompt is a string, a list of token ids, ``{"prompt": str}`` or ``{"prompt_token_ids": [int]}``
 (either dict may carry ``cache_salt``); a ``TextPrompt`` may carry ``multi_modal_data`` (images, for
-an image-text model: ``multimodal.MultiModalPrompt``).
+an image-text model: ``multimodal_inputs.MultiModalPrompt``).
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def parse_prompt(prompt: Any, where: str = "prompts") -> tuple[str | list[int], 
         ValueError: a dict with multimodal keys, or with neither or both of ``prompt`` and
             ``prompt_token_ids`` in a way vLLM does not accept.
     """
-    from pagedllm.multimodal import MultiModalPrompt, read_media
+    from pagedllm.multimodal_inputs import MultiModalPrompt, read_media
     if isinstance(prompt, str):
         return prompt, prompt, None
     if isinstance(prompt, MultiModalPrompt):  # already read (LLM.generate, then LLMEngine.add_request)

@@ -1,239 +1,29 @@
-"""Images in prompts (issue 41, first part): the types a prompt's images travel in, their content
-hash, and the model's own ``transformers`` processor that turns a text and its images into token ids
-with the image placeholders expanded and one ``MultiModalInput`` per image.
+"""A model's own processor over a prompt with images, videos and audio clips (issues 41, 42): it turns
+a ``MultiModalPrompt`` into token ids with the placeholders expanded and one ``MultiModalInput`` per
+item (``multimodal_inputs``).
 
-The front end runs the processor (``engine/processor.py``); the core schedules each image's encoder
+The front end runs the processor (``engine/processor.py``); the core schedules each item's encoder
 step and keys its encoder cache and the KV blocks holding its placeholders by ``MultiModalInput.hash``
-(``core/encoder_cache.py``, ``core/hashing.py``); the runner runs the model's vision tower on
-``pixel_values`` and writes the image's embeddings over its placeholder rows
-(``worker/multimodal_step.py``).
+(``core/encoder_cache.py``, ``core/hashing.py``); the runner runs the model's vision tower or audio
+encoder and writes the embeddings over the placeholder rows (``worker/multimodal_step.py``).
 
 vLLM's offline shape is followed: ``{"prompt": text, "multi_modal_data": {"image": PIL.Image | [..]}}``
-with the model's image token (LLaVA's ``<image>``) in the text once per image.
+with the model's image token (LLaVA's ``<image>``) in the text once per image; videos and clips alike.
 
-Source: vLLM's multimodal inputs (``multi_modal_data``, placeholder ranges, the content hash as the
-cache key) as documented; the processors are ``transformers``'.
+Source: vLLM's multimodal inputs as documented; the processors are ``transformers``' (or
+``multimodal_patches``' where theirs needs torchvision).
 """
 
 from __future__ import annotations
 
-import hashlib
-from dataclasses import dataclass
 from pathlib import Path
 
-import msgspec
 import numpy as np
 
 from pagedllm.media import MediaPolicy
 from pagedllm.multimodal_embeds import STAND_IN_SIZES, check_embeds, embedded
-
-MODALITIES = ("image", "video", "audio")
-
-
-@dataclass(frozen=True)
-class MultiModalPrompt:
-    """A text prompt with images (what ``inputs.parse_prompt`` makes of ``multi_modal_data``).
-
-    Attributes:
-        text: the prompt, with the model's image token where each image goes.
-        images: the images (``PIL.Image.Image``), in prompt order.
-        add_special_tokens: the processor adds the tokenizer's special tokens (BOS); a rendered chat
-            template has them already (False).
-        videos: the videos, ``(frames [F, H, W, 3] uint8, frames per second)`` each, in prompt order
-            (``multimodal_video``).
-        audios: the audio clips, ``(samples, sampling rate)`` each, in prompt order
-            (``multimodal_audio.read_clip``).
-    """
-
-    text: str
-    images: tuple
-    add_special_tokens: bool = True
-    videos: tuple = ()
-    audios: tuple = ()
-
-
-class MultiModalInput(msgspec.Struct, frozen=True):
-    """One image of a request, as the core and the runner see it.
-
-    Attributes:
-        hash: hex SHA-256 of the image's content (mode, size, pixels): the encoder cache's key and
-            part of the hash of every KV block that holds its placeholders.
-        offset: position of its first placeholder token in the prompt.
-        length: tokens from its first placeholder through its last (= rows of its embeddings, unless
-            ``runs``).
-        data: its processor output ``pixel_values`` as raw bytes; shape, dtype: theirs
-            (``[C, H, W]``, ``float32``; LLaVA-NeXT: ``[patches, C, H, W]``, padded to the most
-            patches of the images processed with it).
-        extra: its rows of the processor's other per-image outputs the vision tower reads
-            (``PER_IMAGE_KEYS``: LLaVA-NeXT's ``image_sizes``, ``[height, width]`` in pixels;
-            Qwen2.5-VL's ``image_grid_thw``, its ``[t, h, w]`` patches, whose pixels are then
-            ``[t * h * w, C * T * P * P]``).
-        runs: ``[start, count]`` of each run of its placeholders, ``start`` from ``offset``, when they
-            are several runs with other tokens between (Idefics3: one run per crop, each after its
-            ``<row_i_col_j>`` text); empty: one run of ``length``.
-        views: its pixels' first dimension is several views the tower takes as separate images
-            (Gemma 3's pan-and-scan: the original, then its crops, each a run).
-        embeds: ``data`` holds the image's embeddings, ``[rows, hidden]`` float32, given by the client
-            (``image_embeds``; ``--enable-mm-embeds``): no encoder step.
-        modality: ``image``, or ``video`` (Qwen-VL's patches of frame pairs: ``extra`` holds its
-            ``video_grid_thw`` and ``second_per_grid_ts``), or ``audio`` (Whisper features ``[mel
-            bins, frames]``: ``extra`` holds ``audio_feature_lengths``, its frames that are audio).
-        pruned: rows the encoder gives beyond the placeholders, dropped by EVS
-            (``--video-pruning-rate``; ``multimodal_video.retained_index``).
-    """
-
-    hash: str
-    offset: int
-    length: int
-    data: bytes
-    shape: list[int]
-    dtype: str = "float32"
-    extra: dict[str, list] = {}
-    runs: list[list[int]] = []
-    views: bool = False
-    embeds: bool = False
-    modality: str = "image"
-    pruned: int = 0
-
-    @property
-    def end(self) -> int:
-        """One past its last placeholder position."""
-        return self.offset + self.length
-
-    @property
-    def rows(self) -> int:
-        """Rows of its embeddings: its placeholder tokens."""
-        return sum(n for _, n in self.runs) if self.runs else self.length
-
-    def row_runs(self) -> list[tuple[int, int]]:
-        """``(start from offset, count)`` of each run of its placeholders, in order."""
-        return [(int(a), int(n)) for a, n in self.runs] if self.runs else [(0, self.length)]
-
-    def pixel_values(self):
-        """``[1, *shape]`` torch tensor of its pixels (a copy); ``shape`` itself for ``views`` and
-        ``embeds`` (then the embeddings)."""
-        import torch
-        t = torch.from_numpy(np.frombuffer(self.data, dtype=self.dtype).reshape(self.shape).copy())
-        return t if self.views or self.embeds else t.unsqueeze(0)
-
-    def group_key(self) -> tuple:
-        """Images with equal keys run the vision tower as one batch: pixel shape and extras' names."""
-        return tuple(self.shape), tuple(sorted(self.extra))
-
-
-# the processors' per-image outputs other than pixel_values that get_image_features reads, one row per
-# image (LLaVA-NeXT: each image's original [height, width], which picks its patch grid; Qwen2.5-VL:
-# its patch grid [t, h, w], which also gives its M-RoPE positions)
-PER_IMAGE_KEYS = ("image_sizes", "image_grid_thw")
-
-
-def image_hash(image) -> str:
-    """Hex SHA-256 of a PIL image's mode, size and pixel bytes (equal images, equal hashes; the file
-    format and metadata do not count)."""
-    h = hashlib.sha256(f"{image.mode}:{image.size[0]}x{image.size[1]}:".encode())
-    h.update(image.tobytes())
-    return h.hexdigest()
-
-
-def read_media(data, where: str) -> tuple[tuple, tuple, tuple]:
-    """The images, videos and audio clips of a prompt's ``multi_modal_data``.
-
-    Args:
-        data: ``{"image": PIL.Image | list[PIL.Image], "video": frames | list[frames]}`` (either key),
-            an image also as embeddings (``--enable-mm-embeds``): a float tensor ``[rows, hidden]``
-            per image or ``[images, rows, hidden]``; a video as ``[F, H, W, 3]`` uint8 frames or a list
-            of PIL frames, or vLLM's ``(frames, {"fps": ...})`` pair; a clip (``"audio"``) as vLLM's
-            ``(samples, sampling_rate)`` pair, or a list of them.
-        where: the argument's name, for errors.
-    Returns:
-        ``(images, videos, audios)``: ``videos`` as ``(frames, fps)`` pairs (``MultiModalPrompt.videos``),
-        ``audios`` as given (resampled by the model's processor: ``multimodal_audio.read_clip``).
-    Raises:
-        TypeError: not a dict, or an image that is neither a ``PIL.Image.Image`` nor a 2-D tensor.
-        ValueError: a modality other than ``image`` and ``video``, no item, or a video
-            ``multimodal_video.read_frames`` refuses.
-    """
-    from PIL import Image
-
-    from pagedllm.multimodal_video import DEFAULT_FPS, read_frames
-    if not isinstance(data, dict):
-        raise TypeError(f"{where}.multi_modal_data: expected a dict such as {{'image': PIL.Image}}")
-    other = sorted(set(data) - set(MODALITIES))
-    if other:
-        raise ValueError(f"{where}.multi_modal_data.{other[0]}: not supported (images, videos and audio only)")
-    images = data.get("image")
-    if _is_tensor(images) and images.dim() == 3:  # vLLM's [images, rows, hidden] embeddings
-        images = list(images)
-    images = [] if images is None else list(images) if isinstance(images, (list, tuple)) else [images]
-    for i, img in enumerate(images):
-        if not isinstance(img, Image.Image) and not (_is_tensor(img) and img.dim() == 2):
-            raise TypeError(f"{where}.multi_modal_data.image[{i}]: expected a PIL.Image.Image or [rows, hidden] "
-                            f"embeddings, got {type(img).__name__}")
-    videos = data.get("video")
-    one = videos is not None and (getattr(videos, "ndim", 0) == 4 or isinstance(videos, tuple) or (
-        isinstance(videos, list) and videos and isinstance(videos[0], Image.Image)))
-    videos = [] if videos is None else [videos] if one else list(videos)
-    read = []
-    for i, v in enumerate(videos):
-        frames, meta = v if isinstance(v, tuple) and len(v) == 2 and isinstance(v[1], dict) else (v, {})
-        fps = float(meta.get("fps") or DEFAULT_FPS)
-        read.append((read_frames(frames, f"{where}.multi_modal_data.video[{i}]"), fps))
-    audios = data.get("audio")
-    audios = [] if audios is None else list(audios) if isinstance(audios, list) else [audios]
-    if not images and not read and not audios:
-        raise ValueError(f"{where}.multi_modal_data: no image, video or audio")
-    return tuple(images), tuple(read), tuple(audios)
-
-
-def _is_tensor(x) -> bool:
-    import torch
-    return isinstance(x, torch.Tensor)
-
-
-def _whole_prompt(m: MultiModalInput, ids: list[int]) -> MultiModalInput:
-    """A prefix-LM's last image extended to the prompt's end: its placeholders become its only run, its
-    span (scheduled in one step, hashed into every block it covers) the rest of the prompt, and its hash
-    takes every prompt token, since each prompt token's K/V depends on the whole prompt."""
-    digest = hashlib.sha256(m.hash.encode() + np.asarray(ids, dtype=np.int64).tobytes()).hexdigest()
-    return msgspec.structs.replace(m, hash=digest, length=len(ids) - m.offset, runs=[list(r) for r in m.row_runs()])
-
-
-def _group_runs(runs: list[tuple[int, int]], counts: list[int] | None,
-                n_images: int) -> list[list[tuple[int, int]]] | None:
-    """The prompt's placeholder runs per image: one each (``counts`` ``None``), all of them for a
-    single image (``[-1]``), or consecutive placeholders adding up to each image's count (a run split
-    where images' placeholders touch: ``<image><image>``); ``None`` when they do not fit."""
-    if counts is None:
-        return [[r] for r in runs] if len(runs) == n_images else None
-    if counts == [-1]:
-        return [list(runs)] if runs and n_images == 1 else None
-    groups, rest = [], list(runs)
-    for want in counts:
-        group, got = [], 0
-        while got < want and rest:
-            start, n = rest.pop(0)
-            take = min(n, want - got)
-            group.append((start, take))
-            got += take
-            if take < n:
-                rest.insert(0, (start + take, n - take))
-        if got != want:
-            return None
-        groups.append(group)
-    return groups if not rest else None
-
-
-def placeholder_runs(ids: list[int], token_id: int) -> list[tuple[int, int]]:
-    """``(offset, length)`` of every maximal run of ``token_id`` in ``ids``."""
-    runs: list[tuple[int, int]] = []
-    for i, t in enumerate(ids):
-        if t != token_id:
-            continue
-        if runs and runs[-1][0] + runs[-1][1] == i:
-            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-        else:
-            runs.append((i, 1))
-    return runs
+from pagedllm.multimodal_inputs import (PER_IMAGE_KEYS, MultiModalInput, MultiModalPrompt, group_runs, is_tensor,
+                                        whole_prompt, image_hash, placeholder_runs)
 
 
 class MultiModalProcessor:
@@ -251,7 +41,7 @@ class MultiModalProcessor:
         processor_kwargs: ``--mm-processor-kwargs``, passed on every call; each key must be a setting
             of the processor or its image processor, and they are tried once on a test image.
         prefix_lm: the whole prompt attends both ways (PaliGemma): the last image's input is extended
-            to the prompt's end and its hash takes the prompt's tokens (``_whole_prompt``).
+            to the prompt's end and its hash takes the prompt's tokens (``whole_prompt``).
         embeds_width: the language model's hidden size when image embeddings are accepted in place of
             images (``--enable-mm-embeds``; ``multimodal_embeds``), else ``None``.
         video: how the model takes videos (``multimodal_video.VideoOptions``); ``None``: it takes none.
@@ -331,7 +121,7 @@ class MultiModalProcessor:
         if prompt.videos:
             self._check_videos(prompt.videos, where)
         clips = self._clips(prompt.audios, where) if prompt.audios else ()
-        given = {i: img for i, img in enumerate(images) if _is_tensor(img)}  # image embeddings
+        given = {i: img for i, img in enumerate(images) if is_tensor(img)}  # image embeddings
         if given:
             images = self._stand_ins(images, given, where)
         out = self._process(prompt.text, images, prompt.add_special_tokens, where, prompt.videos, clips)
@@ -342,9 +132,9 @@ class MultiModalProcessor:
             return ids, sorted(media, key=lambda m: m.offset)
         pixels, extra, counts, views = self._per_image(out, images, where)
         runs = placeholder_runs(ids, self.image_token_id)
-        groups = _group_runs(runs, counts, len(images))
+        groups = group_runs(runs, counts, len(images))
         if groups is None and counts is None and len(images) > 1:  # touching images' placeholders: one run
-            groups = _group_runs(runs, self._counts_alone(images, where), len(images))
+            groups = group_runs(runs, self._counts_alone(images, where), len(images))
         if groups is None:
             raise ValueError(f"{where}: the text places {len(placeholder_runs(ids, self.image_token_id))} image "
                              f"runs for {len(images)} images (put the model's image token once per image)")
@@ -359,7 +149,7 @@ class MultiModalProcessor:
             except ValueError as exc:
                 raise ValueError(f"{where}: image {i}: {exc}") from None
         if self.prefix_lm:
-            inputs[-1] = _whole_prompt(inputs[-1], ids)
+            inputs[-1] = whole_prompt(inputs[-1], ids)
         inputs = sorted(inputs + media, key=lambda m: m.offset)
         if self.max_image_tokens is not None and any(m.end - m.offset > self.max_image_tokens for m in inputs):
             raise ValueError(f"{where}: an image{' and its prompt' if self.prefix_lm else ''} takes "
@@ -487,9 +277,3 @@ class MultiModalProcessor:
         pixels = [np.ascontiguousarray(np.asarray(o["pixel_values"], dtype=np.float32)) for o in alone]
         return [p[0] if p.ndim == 5 else p for p in pixels], {
             k: [np.asarray(o[k]).tolist()[0] for o in alone] for k in extra}, counts, all(p.ndim == 4 for p in pixels)
-
-
-def block_keys(mm_inputs, start: int, end: int) -> tuple[str, ...]:
-    """The hashes of the images whose placeholders overlap token positions ``[start, end)`` (the extra
-    keys of that KV block's hash), in prompt order."""
-    return tuple(m.hash for m in mm_inputs if m.offset < end and m.end > start)

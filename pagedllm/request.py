@@ -54,7 +54,7 @@ class Request:
         spec_token_ids: draft tokens scheduled after its decode token by the step in flight
             (empty when none); spec_num_draft_tokens, spec_num_accepted_tokens: its drafts so far
             and how many were kept.
-        mm_inputs: its images (``multimodal.MultiModalInput``, in prompt order; empty for text).
+        mm_inputs: its images (``multimodal_inputs.MultiModalInput``, in prompt order; empty for text).
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,

@@ -59,11 +59,11 @@ def extend_block_hashes(hashes: list[bytes], token_ids: list[int], block_size: i
                         mm_inputs=()) -> None:
     """Append the hashes of every newly full block of ``token_ids`` to ``hashes`` (in place).
 
-    ``mm_inputs``: the request's images (``multimodal.MultiModalInput``); a block holding any of an
+    ``mm_inputs``: the request's images (``multimodal_inputs.MultiModalInput``); a block holding any of an
     image's placeholder tokens gets that image's content hash among its extra keys, so equal
     placeholder tokens of different images never share a block (vLLM's multimodal prefix caching).
     """
-    from pagedllm.multimodal import block_keys
+    from pagedllm.multimodal_inputs import block_keys
     n_full = len(token_ids) // block_size
     for i in range(len(hashes), n_full):
         parent = hashes[i - 1] if i else ROOT_HASH

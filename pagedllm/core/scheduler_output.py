@@ -29,7 +29,7 @@ class NewRequestData:
         pooling_params: set for a pooling request (it samples nothing: its final hidden states are
             pooled once its prompt is computed).
         state_slot: the request's recurrent-state slot (hybrid models, ``core/state_pool.py``), or -1.
-        mm_inputs: its images (``multimodal.MultiModalInput``; empty for text).
+        mm_inputs: its images (``multimodal_inputs.MultiModalInput``; empty for text).
     """
 
     req_id: str

@@ -10,7 +10,7 @@ from __future__ import annotations
 import msgspec
 
 from pagedllm.core.scheduler_output import EngineCoreOutput
-from pagedllm.multimodal import MultiModalInput
+from pagedllm.multimodal_inputs import MultiModalInput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.stats import SchedulerStats

@@ -14,7 +14,7 @@ from collections import OrderedDict
 from dataclasses import replace
 
 from pagedllm.engine.messages import EngineCoreRequest
-from pagedllm.multimodal import MultiModalPrompt
+from pagedllm.multimodal_inputs import MultiModalPrompt
 from pagedllm.pooling_params import PoolerConfig, PoolingParams
 from pagedllm.sampling_params import SamplingParamError, SamplingParams
 from pagedllm.structured_output.params import StructuredOutputError

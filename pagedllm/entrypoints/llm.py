@@ -12,7 +12,7 @@ from pagedllm.config import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.chat_utils import prepare_messages, take_media
 from pagedllm.inputs import PromptType, parse_prompt
-from pagedllm.multimodal import MultiModalPrompt
+from pagedllm.multimodal_inputs import MultiModalPrompt
 from pagedllm.outputs import (ClassificationOutput, ClassificationRequestOutput, PoolingRequestOutput, RequestOutput,
                               ScoringOutput, ScoringRequestOutput)
 from pagedllm.pooling_params import PoolingParams, cosine, pair_texts

@@ -57,7 +57,7 @@ class VisionMixin:
     def encode_image(self, pixel_values: torch.Tensor, **extra: torch.Tensor) -> torch.Tensor:
         """Images' embeddings in the language model's space: the model's own vision tower and
         projector (``get_image_features``) on their processor's ``pixel_values`` ``[N, C, H, W]``
-        (LLaVA-NeXT: ``[N, patches, C, H, W]``) and per-image ``extra`` (``multimodal.PER_IMAGE_KEYS``:
+        (LLaVA-NeXT: ``[N, patches, C, H, W]``) and per-image ``extra`` (``multimodal_inputs.PER_IMAGE_KEYS``:
         ``image_sizes`` ``[N, 2]`` int64); returns ``[sum of placeholder tokens, hidden]``, image after
         image (Qwen3-VL: ``[..., (1 + deepstack layers) * hidden]``, each row's deepstack rows after its
         embedding: ``MultiModalStep.deepstack``)."""

@@ -11,7 +11,7 @@ from typing import AsyncIterator
 
 from pagedllm.entrypoints.chat_utils import prepare_messages
 from pagedllm.media import audio_from_base64, audio_from_url, image_from_url, video_from_url
-from pagedllm.multimodal import MultiModalPrompt
+from pagedllm.multimodal_inputs import MultiModalPrompt
 from pagedllm.multimodal_embeds import embeds_from_base64
 from pagedllm.parsers import DeltaMessage, StreamingParser, make_parser
 from pagedllm.parsers.reasoning import REASONING_PARSERS

@@ -131,7 +131,7 @@ def test_an_image_longer_than_the_token_budget_is_refused(gemma3, assert_no_leak
 def test_whole_images_stop_a_chunk_before_an_image():
     """``EncoderScheduler.fit`` with ``whole_images``: a chunk that would end inside an image stops
     before it; one that starts at the image and holds it whole keeps its length."""
-    from pagedllm.multimodal import MultiModalInput
+    from pagedllm.multimodal_inputs import MultiModalInput
 
     class Req:
         request_id, num_computed_tokens = "r", 0
@@ -169,7 +169,8 @@ def test_pan_and_scan_crops_attend_within_each_crop(gemma3, greedy_ref, assert_n
     """``--mm-processor-kwargs '{"do_pan_and_scan": true, ...}'``: a wide image becomes the original
     plus crops, each a run of its own between text; the tokens of each run attend to each other both
     ways (transformers' masks); transformers' tokens and logprobs with the same processor settings."""
-    from pagedllm.multimodal import MultiModalProcessor, MultiModalPrompt
+    from pagedllm.multimodal import MultiModalProcessor
+    from pagedllm.multimodal_inputs import MultiModalPrompt
     path, model, proc = gemma3
     text, images = f"Describe {IMAGE} please.", [_image(5, (30, 90))]
     _, mm = MultiModalProcessor(path, model.config.image_token_id, 4, processor_kwargs=PAN_AND_SCAN)(

@@ -82,7 +82,8 @@ def _reference(idefics3, greedy_ref, text, images):
 
 
 def test_an_image_is_several_runs(idefics3):
-    from pagedllm.multimodal import MultiModalProcessor, MultiModalPrompt
+    from pagedllm.multimodal import MultiModalProcessor
+    from pagedllm.multimodal_inputs import MultiModalPrompt
     path, model, _ = idefics3
     ids, mm = MultiModalProcessor(path, model.config.image_token_id, 8, model_type=model.config.model_type)(
         MultiModalPrompt(*PROMPTS[1]))

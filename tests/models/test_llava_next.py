@@ -1,7 +1,7 @@
 """LLaVA-NeXT (issue 41): images cut into a grid of patches picked by their size ("anyres"), so two
 images of different shapes take different numbers of placeholder tokens and the processor pads their
 ``pixel_values`` to the most patches; the vision tower reads each image's ``image_sizes`` beside its
-pixels (``multimodal.PER_IMAGE_KEYS``). A tiny random LLaVA-NeXT (a CLIP tower at 32 px, grids up to
+pixels (``multimodal_inputs.PER_IMAGE_KEYS``). A tiny random LLaVA-NeXT (a CLIP tower at 32 px, grids up to
 2 x 2, a 2-layer Llama with SmolLM2's vocabulary) through the Transformers backend gives
 ``transformers``' greedy tokens (float32) for one and two images per prompt beside a text-only prompt,
 whole, chunked through an image and preempted; the same image again hits the prefix cache.

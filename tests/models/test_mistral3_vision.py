@@ -80,7 +80,8 @@ def test_expansion_follows_transformers_rule(mistral3):
     which cannot be imported here: its module needs torchvision); an image's runs are its rows."""
     from transformers import AutoTokenizer
 
-    from pagedllm.multimodal import MultiModalProcessor, MultiModalPrompt
+    from pagedllm.multimodal import MultiModalProcessor
+    from pagedllm.multimodal_inputs import MultiModalPrompt
     path, model = mistral3
     inp = _inputs(mistral3, *PROMPTS[1])
     assert inp["image_sizes"].tolist() == [[48, 64], [64, 32]]
