@@ -144,19 +144,21 @@ def _evs_reference(qwen_vl, text, video, rate):
     return ids, torch.stack(logits), len(feats) - len(slots)
 
 
-@pytest.mark.parametrize("budget", [2048, 4])
-def test_video_pruning_gives_the_hand_run_reference(qwen_vl, greedy_ref, assert_no_leaks, budget):
+@pytest.mark.parametrize("budget,rate,frames,pruned", [(2048, 0.5, 6, 9), (4, 0.5, 6, 9), (2048, 0.75, 12, 27)])
+def test_video_pruning_gives_the_hand_run_reference(qwen_vl, greedy_ref, assert_no_leaks, budget, rate, frames,
+                                                    pruned):
     """``--video-pruning-rate 0.5`` on a 6-frame video (3 temporal steps of 6 rows): 9 of 18 rows
     kept, the first step whole; whole and in chunks of 4 (a chunk ends between kept rows of one video,
-    whose positions come from the encoder step of an earlier step); the pruned count is counted."""
-    text, video = f"What changes in {VIDEO} over time?", _video(5, frames=6)
-    ids, logits, n_pruned = _evs_reference(qwen_vl, text, video, 0.5)
-    assert n_pruned == 9
-    llm = LLM(str(qwen_vl[0]), num_kv_blocks=64, block_size=4, max_num_batched_tokens=budget, video_pruning_rate=0.5)
+    whose positions come from the encoder step of an earlier step); 0.75 on 12 frames: 9 of 36 kept.
+    The pruned count is counted."""
+    text, video = f"What changes in {VIDEO} over time?", _video(5, frames=frames)
+    ids, logits, n_pruned = _evs_reference(qwen_vl, text, video, rate)
+    assert n_pruned == pruned
+    llm = LLM(str(qwen_vl[0]), num_kv_blocks=64, block_size=4, max_num_batched_tokens=budget, video_pruning_rate=rate)
     out = llm.generate([_request(text, [], [video])], GREEDY, use_tqdm=False)[0]
     greedy_ref.assert_greedy_match(list(out.outputs[0].token_ids), ids, logits, "pruned video")
     greedy_ref.assert_logprobs(out.outputs[0], ids, logits, "pruned video")
-    assert llm.llm_engine.get_stats().num_video_tokens_pruned == 9
+    assert llm.llm_engine.get_stats().num_video_tokens_pruned == pruned
     assert_no_leaks(llm.engine)
 
 
