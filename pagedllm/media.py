@@ -130,7 +130,10 @@ def image_from_url(url: str, where: str, policy: MediaPolicy | None = None):
                 raise ValueError(f"{where}: the image has {image.size[0]} x {image.size[1]} pixels, more than "
                                  f"{MAX_IMAGE_PIXELS} allowed")
             return image.convert("RGB")
-    except (OSError, Image.DecompressionBombWarning, Image.DecompressionBombError, SyntaxError):
+    except (Image.DecompressionBombWarning, Image.DecompressionBombError):
+        raise ValueError(f"{where}: the image has more pixels than the {MAX_IMAGE_PIXELS} allowed (a decompression "
+                         f"bomb is refused before it is decoded)") from None
+    except (OSError, SyntaxError):
         raise ValueError(f"{where}: not an image this server can read") from None
 
 

@@ -2,7 +2,7 @@
 ``image_url`` part (a base64 data URL) to a tiny random LLaVA served in process and get
 ``transformers``' greedy answer; the Responses API's ``input_image`` and Anthropic's ``image`` block
 give the same, and so does an ``image_embeds`` part with the tower's output (``--enable-mm-embeds``);
-``file://`` and http(s) URLs are read as the flags allow; undecodable base64, a file
+``file://`` and http(s) URLs are read as the flags allow; undecodable base64, a decompression bomb, a file
 that is no image, a URL the server does not read, a ``detail`` it does not implement and more images
 than ``--limit-mm-per-prompt`` allows are each a 400 naming the field, and the next request is
 served with nothing leaked."""
@@ -23,6 +23,18 @@ def _data_url(seed: int) -> tuple[str, object]:
     buf = io.BytesIO()
     img.save(buf, format="PNG")
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode(), img
+
+
+def _bomb_url(side: int = 20000) -> str:
+    """A data URL of a 100-byte PNG whose header claims ``side`` x ``side`` pixels (a decompression bomb)."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+    png = (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", side, side, 8, 2, 0, 0, 0))
+           + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b""))
+    return "data:image/png;base64," + base64.b64encode(png).decode()
 
 
 @pytest.fixture(scope="module")
@@ -87,6 +99,8 @@ def test_openai_sdk_sends_an_image_and_gets_transformers_answer(llava_server, ti
     (_content("data:image/png;base64," + base64.b64encode(b"plain text, no image").decode()),
      "messages[0].content[1].image_url"),
     (_content("https://example.com/cat.png"), "messages[0].content[1].image_url"),
+    (_content(_bomb_url()), "messages[0].content[1].image_url"),
+    (_content(_bomb_url(9000)), "messages[0].content[1].image_url"),
     (_content("file:///etc/passwd"), "messages[0].content[1].image_url"),
     ([{"type": "image_url", "image_url": {"url": "data:,", "detail": "high"}}], "messages[0].content[0].image_url.detail"),
     (_content(_data_url(1)[0]) + [{"type": "image_url", "image_url": {"url": _data_url(2)[0]}}], "messages"),
