@@ -140,7 +140,8 @@ def _runner(a: argparse.Namespace) -> str:
 def _add_media_flags(p: argparse.ArgumentParser) -> None:
     """The image-text models' flags (vLLM's names; llama-server's ``--mmproj``)."""
     p.add_argument("--limit-mm-per-prompt", type=_mm_limits, default=None,
-                   help='most images and videos in one prompt, as JSON: \'{"image": 4, "video": 1}\' (default 999)')
+                   help='most images, videos and audio clips in one prompt, as JSON: \'{"image": 4, "video": 1, '
+                        '"audio": 2}\' (default 999 each)')
     p.add_argument("--media-io-kwargs", type=_media_io, default=None,
                    help='how video URLs are sampled, as JSON: \'{"video": {"num_frames": 16}}\' or '
                         '\'{"video": {"fps": 1}}\' (default 2 frames per second)')
@@ -153,9 +154,9 @@ def _add_media_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-mm-embeds", action="store_true",
                    help="accept image embeddings in place of images (multi_modal_data tensors, image_embeds parts)")
     p.add_argument("--allowed-local-media-path", default=None,
-                   help="image URLs may be file:// paths under this directory (trusted deployments only)")
+                   help="image, video and audio URLs may be file:// paths under this directory (trusted deployments only)")
     p.add_argument("--allowed-media-domains", nargs="+", default=None,
-                   help="image URLs may be http(s) URLs of these hosts (none by default)")
+                   help="image, video and audio URLs may be http(s) URLs of these hosts (none by default)")
     p.add_argument("--mmproj", default=None,
                    help="llama.cpp's vision projector GGUF for a GGUF language model (llama-server's flag; Gemma 3)")
 

@@ -24,7 +24,7 @@ from pagedllm.server.logprobs import chat_logprobs, prompt_logprobs_out
 from pagedllm.server.structured import StructuredRequest, structured_request
 from pagedllm.server.protocol import (ChatChunkChoice, ChatCompletionChoice, ChatCompletionChunk,
                                       ChatCompletionRequest, ChatCompletionResponse, ChatResponseMessage,
-                                      DeltaMessageOut, NamedToolChoice, UsageInfo, now, random_id)
+                                      DeltaMessageOut, NamedToolChoice, PartRefused, UsageInfo, now, random_id)
 
 
 def keeps_special_tokens(reasoning_parser: str | None, tool_parser: str | None) -> bool:
@@ -138,8 +138,8 @@ class OpenAIServingChat(OpenAIServingBase):
             try:
                 d["content"] = m.text(placeholder, video, audio)
             except ValueError as e:
-                raise APIError(400, f"messages[{i}].content: {e}", f"messages[{i}].content",
-                               code="invalid_value") from None
+                where = f"messages[{i}].content" + (f"[{e.index}]" if isinstance(e, PartRefused) else "")
+                raise APIError(400, f"{where}: {e}", where, code="invalid_value") from None
             raw.append(d)
         try:
             msgs = prepare_messages(raw)

@@ -74,6 +74,14 @@ class ToolCallMessage(BaseModel):
     function: FunctionCall
 
 
+class PartRefused(ValueError):
+    """A content part the served model takes no input of; ``index``: its place in ``content``."""
+
+    def __init__(self, index: int, message: str) -> None:
+        super().__init__(message)
+        self.index = index
+
+
 class ChatMessage(BaseModel):
     """One message of a conversation (tool results: role ``tool`` with ``tool_call_id``)."""
 
@@ -91,19 +99,19 @@ class ChatMessage(BaseModel):
         parts' order, as vLLM renders a string template).
 
         Raises:
-            ValueError: a part whose placeholder is ``None`` (the model takes no such input).
+            PartRefused: a part whose placeholder is ``None`` (the model takes no such input).
         """
         if not isinstance(self.content, list):
             return self.content or ""
-        marks = [(p, video if isinstance(p, VideoUrlPart) else audio if isinstance(p, AUDIO_PARTS) else image)
-                 for p in self.content if not isinstance(p, ContentPart)]
-        for p, mark in marks:
+        marks = [(j, p, video if isinstance(p, VideoUrlPart) else audio if isinstance(p, AUDIO_PARTS) else image)
+                 for j, p in enumerate(self.content) if not isinstance(p, ContentPart)]
+        for j, p, mark in marks:
             if mark is None:
                 noun = "video" if isinstance(p, VideoUrlPart) else "audio" if isinstance(p, AUDIO_PARTS) else "image"
-                raise ValueError(f"{p.type}: this model reads text only" if image is video is audio is None
-                                 else f"{p.type}: this model takes no {noun}")
+                raise PartRefused(j, f"{p.type}: this model reads text only" if image is video is audio is None
+                                  else f"{p.type}: this model takes no {noun}")
         text = "".join(p.text for p in self.content if isinstance(p, ContentPart))
-        return "".join(f"{mark}\n" for _, mark in marks) + text
+        return "".join(f"{mark}\n" for _, _, mark in marks) + text
 
     def image_parts(self) -> list[tuple[int, ImageUrlPart | ImageEmbedsPart]]:
         """``(index in content, part)`` of its image and image-embeddings parts, in order."""

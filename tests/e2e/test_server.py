@@ -180,13 +180,13 @@ BAD_REQUESTS = {
     "missing_messages": ({"messages": openai.Omit()}, "messages"),
     "unknown_role": ({"messages": [{"role": "wizard", "content": "Hi"}]}, "messages[0].role"),
     "content_type": ({"messages": [{"role": "user", "content": 7}]}, "messages[0].content"),
-    "content_part_type": ({"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]},
+    "content_part_type": ({"messages": [{"role": "user", "content": [{"type": "input_file", "input_file": {}}]}]},
                           "messages[0].content[0].type"),
     "image_url_without_url": ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
                               "messages[0].content[0].image_url.url"),
     # an image for a text-only model (SmolLM2)
     "image_for_text_model": ({"messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]}]}, "messages[0].content"),
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]}]}, "messages[0].content[0]"),
     "content_part_text": ({"messages": [{"role": "user", "content": [{"type": "text"}]}]},
                           "messages[0].content[0].text"),
     "max_tokens_type": ({"max_tokens": "abc"}, "max_tokens"),
