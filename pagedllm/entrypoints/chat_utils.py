@@ -54,7 +54,9 @@ def _read_part(kind: str, part: dict, where: str, policy, rate: int | None):
     url = (part.get(kind) or {}).get("url")
     if kind == "image_url":
         return image_from_url(url, where, policy)
-    return video_from_url(url, where, policy) if kind == "video_url" else (audio_from_url(url, where, policy, rate), rate)
+    if kind == "video_url":
+        return video_from_url(url, where, policy)
+    return audio_from_url(url, where, policy, rate), rate
 
 
 def take_media(messages: list[dict], placeholders: dict, policy=None,

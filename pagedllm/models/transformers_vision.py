@@ -102,7 +102,8 @@ class VisionMixin:
             ``(table, delta, whole)``: ``table`` ``[3, n]`` int64 (temporal, height, width) positions of
             the ``n`` prompt tokens (every generated token ``p`` at ``p + delta`` on all three axes: the
             text after a video continues from its spatial extent, generated tokens from its largest
-            position, as ``transformers`` places them); ``whole``: for each video pruned by EVS (``MultiModalInput.pruned``),
+            position, as ``transformers`` places them); ``whole``: for each video pruned by EVS
+            (``MultiModalInput.pruned``),
             its offset -> ``[3, rows + pruned]`` the positions of all its rows, from which its kept
             rows take theirs once its encoder step has chosen them (its ``table`` columns until then
             are overwritten then).
@@ -114,7 +115,8 @@ class VisionMixin:
             video = m.modality == "video"
             ids[m.offset:m.end] = [cfg.video_token_id if video else cfg.image_token_id] * (m.length + m.pruned)
             kinds[m.offset:m.end] = [2 if video else 1] * (m.length + m.pruned)
-        grids = {k: torch.tensor([m.extra[k] for m in inputs if k in m.extra]) for k in ("image_grid_thw", "video_grid_thw")}
+        grids = {k: torch.tensor([m.extra[k] for m in inputs if k in m.extra])
+                 for k in ("image_grid_thw", "video_grid_thw")}
         seconds = [s for m in inputs for s in m.extra.get("second_per_grid_ts", ())]
         pos, delta = self.hf.model.get_rope_index(
             torch.tensor([ids]), torch.tensor([kinds]), **{k: v for k, v in grids.items() if len(v)},

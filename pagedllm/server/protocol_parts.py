@@ -1,7 +1,7 @@
 """The parts of a chat message's content (OpenAI's chat API): text, and images (or their embeddings:
 vLLM's ``image_embeds``) for an image-text model (issue 41), videos (``video_url``) for a video-text
-model, audio (``input_audio``, ``audio_url``) for an audio-text model (issue 42). ``MessagePart`` picks the part's class by its ``type`` (any other type is checked as text,
-so its 400 names ``type``)."""
+model, audio (``input_audio``, ``audio_url``) for an audio-text model (issue 42). ``MessagePart`` picks
+the part's class by its ``type`` (any other type is checked as text, so its 400 names ``type``)."""
 
 from __future__ import annotations
 
@@ -91,5 +91,6 @@ def _part_kind(value: Any) -> str:
 
 MessagePart = Annotated[Annotated[ContentPart, Tag("ContentPart")] | Annotated[ImageUrlPart, Tag("ImageUrlPart")]
                         | Annotated[ImageEmbedsPart, Tag("ImageEmbedsPart")]
-                        | Annotated[VideoUrlPart, Tag("VideoUrlPart")] | Annotated[InputAudioPart, Tag("InputAudioPart")]
+                        | Annotated[VideoUrlPart, Tag("VideoUrlPart")]
+                        | Annotated[InputAudioPart, Tag("InputAudioPart")]
                         | Annotated[AudioUrlPart, Tag("AudioUrlPart")], Discriminator(_part_kind)]
