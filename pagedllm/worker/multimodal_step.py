@@ -91,8 +91,8 @@ class MultiModalStep:
     def positions(self, pos: torch.Tensor) -> torch.Tensor:
         """``pos`` (``[3, 1, T]`` int64 M-RoPE positions of the step) with each pruned video's rows at
         the positions they had in the whole video (``moves``; after ``embeds``, which picks them)."""
-        for row, holder, first, count, whole in self.moves:
-            pos[:, 0, row:row + count] = whole[:, holder.kept[first:first + count]]
+        for row, holder, first, count, whole in self.moves:  # whole on the CPU, kept beside the rows (a GPU)
+            pos[:, 0, row:row + count] = whole[:, holder.kept[first:first + count].cpu()].to(pos.device)
         return pos
 
     def _deepstack(self, x: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor] | None:
