@@ -302,8 +302,11 @@ class OpenAIServingBase:
         except PromptTooLongError as e:  # OpenAI's code for this case
             param, msg = rename(prompt_param if e.param == "prompt" else e.param, str(e))
             raise APIError(400, msg, param, code="context_length_exceeded") from None
-        except SamplingParamError as e:  # the prompt's fields (its images too) are the request's prompt field
-            param, msg = rename(prompt_param if e.param in ("prompt", "multi_modal_data") else e.param, str(e))
+        except SamplingParamError as e:  # the prompt's fields (its media too) are the request's prompt field
+            text = str(e)
+            if e.param == "multi_modal_data" and text.startswith("multi_modal_data"):  # the offline API's name
+                text = prompt_param + text[len("multi_modal_data"):]
+            param, msg = rename(prompt_param if e.param in ("prompt", "multi_modal_data") else e.param, text)
             raise APIError(400, msg, param, code="invalid_value") from None
 
     def fan_out(self, rid: str, prompts: list[list[int]], params: SamplingParams, prompt_param: str,

@@ -85,6 +85,7 @@ def test_bad_audio_is_a_400_naming_the_field(audio_server, assert_no_leaks, cont
         client.chat.completions.create(model="tiny-qwen2-audio", messages=[{"role": "user", "content": content}],
                                        max_tokens=2)
     assert ei.value.body["param"] == param, ei.value.body
+    assert "multi_modal_data" not in ei.value.body["message"]  # the offline API's name, not the chat API's
     ok = client.chat.completions.create(model="tiny-qwen2-audio", max_tokens=2, messages=[
         {"role": "user", "content": _content(_wav_b64(clip(0.4, 500)))}])
     assert ok.choices[0].finish_reason == "length"

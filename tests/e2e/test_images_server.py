@@ -112,6 +112,7 @@ def test_bad_images_are_a_400_naming_the_field(llava_server, assert_no_leaks, co
         client.chat.completions.create(model="tiny-llava", messages=[{"role": "user", "content": content}],
                                        max_tokens=2)
     assert ei.value.body["param"] == param, ei.value.body
+    assert "multi_modal_data" not in ei.value.body["message"]  # the offline API's name, not the chat API's
     ok = client.chat.completions.create(model="tiny-llava", messages=[{"role": "user", "content": _content(
         _data_url(3)[0])}], max_tokens=2)
     assert ok.choices[0].finish_reason == "length"

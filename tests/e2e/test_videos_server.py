@@ -75,6 +75,7 @@ def test_bad_videos_are_a_400_naming_the_field(video_server, assert_no_leaks, co
         client.chat.completions.create(model="tiny-qwen-vl", messages=[{"role": "user", "content": content}],
                                        max_tokens=2)
     assert ei.value.body["param"] == param, ei.value.body
+    assert "multi_modal_data" not in ei.value.body["message"]  # the offline API's name, not the chat API's
     ok = client.chat.completions.create(model="tiny-qwen-vl", max_tokens=2, messages=[
         {"role": "user", "content": _video_content(_mp4_data_url(_video(2)))}])
     assert ok.choices[0].finish_reason == "length"
