@@ -43,6 +43,9 @@ VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
                          "force a lower kernel build: generic, avx2, avxvnni or avx512vnni"),
     "PAGEDLLM_INT8_ACTIVATIONS": (_on_unless_zero("PAGEDLLM_INT8_ACTIVATIONS"),
                                   "0: packed weights multiply float32 activations (no int8 quantization)"),
+    "PAGEDLLM_INT8_ONE_LEVEL": (_on_unless_zero("PAGEDLLM_INT8_ONE_LEVEL"),
+                                "0: prefill-sized packed products on AVX2 / AVX-VNNI keep two activation "
+                                "levels (or the dequantized product) instead of one"),
     "PAGEDLLM_PREFILL_BF16": (lambda: os.environ.get("PAGEDLLM_PREFILL_BF16"),
                               "1 / 0: force bfloat16 / float32 for large dequantized products (default: AMX)"),
     "PAGEDLLM_API_SERVER_NICE": (lambda: int(os.environ.get("PAGEDLLM_API_SERVER_NICE", "7")),

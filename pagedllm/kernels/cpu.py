@@ -42,7 +42,7 @@ _SIGNATURES = {
     "pl_write_kv": [_P, _L, _L, _P, _L, _L, _P, _P, _P, _L, _L, _L, _L],
     "pl_silu_mul": [_P, _P, _L, _L, _I],
     "pl_gemv": [_P, _P, _P, _P, _L, _L, _I],
-    "pl_moe_experts": [_L, _L, _P, _P, _P, _P, _L, _L, _P, _L, _I, _I],
+    "pl_moe_experts": [_L, _L, _P, _P, _P, _P, _L, _L, _P, _L, _I, _I, _I],
     "pl_gemm16": [_P, _L, _P, _I, _P, _P, _L, _L, _I],
     "pl_decode_stack": [_L, _L, _P, _P, _P, _L, _L, _L, _L, _L, _F, _P, _P, _L, _L, _P, _L, _F, _I, _F, _I],
     "pl_decode_attention": [_P, _L, _L, _P, _P, _L, _P, _P, _P, _L, _L, _L, _L, _L, _L, _F, _L, _F, _P, _P, _I],
@@ -137,6 +137,36 @@ def int8_max_rows() -> int:
 
 _max_rows_cache: tuple[tuple, int] | None = None
 
+# From this many rows (a prefill chunk, a big verification batch; for a MoE layer, its tokens) the
+# AVX2 and AVX-VNNI builds quantize activations in one level (quant_common.h Q_LV1: llama.cpp's
+# precision, int8 per 32-block): half the byte products of two levels, which is what bounds prefill
+# there (issue 40: Qwen3-30B-A3B's shapes at 512 tokens ran at 0.58x llama.cpp's pp512 on a Zen 3 in
+# two levels); fewer rows keep two. AVX-512 VNNI keeps two levels at every size.
+ONE_LEVEL_ROWS = 64
+ONE_LEVEL_ISAS = ("avx2", "avxvnni")
+Q_LV1 = 16  # OR-ed into a layout code: one-level activations (quant_common.h)
+
+
+def one_level(rows: int) -> bool:
+    """True when a packed product (or a MoE layer's experts) over ``rows`` input rows quantizes them
+    in one int8 level (``ONE_LEVEL_ROWS``, ``ONE_LEVEL_ISAS``; ``PAGEDLLM_INT8_ONE_LEVEL=0`` never)."""
+    global _one_level_cache
+    if rows < ONE_LEVEL_ROWS:
+        return False
+    if _one_level_cache is None or _one_level_cache[0] is not _lib:  # computed once per library
+        _one_level_cache = (_lib, int8_activations() and isa() in ONE_LEVEL_ISAS and envs.PAGEDLLM_INT8_ONE_LEVEL)
+    return _one_level_cache[1]
+
+
+def set_one_level(on: bool) -> None:
+    """Allow or forbid one-level activations for this process (tests, benchmarks; see ``one_level``)."""
+    global _one_level_cache
+    envs.set_var("PAGEDLLM_INT8_ONE_LEVEL", "1" if on else "0")
+    _one_level_cache = None
+
+
+_one_level_cache: tuple[ctypes.CDLL, bool] | None = None
+
 
 def six_bit_tiles() -> bool:
     """Whether Q6_K weights are tiled in 6 bits (``U6H``, 0.83 bytes per weight, the file's size)
@@ -149,9 +179,9 @@ def six_bit_tiles() -> bool:
 
 def set_int8_activations(on: bool) -> None:
     """Turn the int8-activation path on or off for this process (tests; see ``int8_activations``)."""
-    global _int8_cache
+    global _int8_cache, _one_level_cache
     envs.set_var("PAGEDLLM_INT8_ACTIVATIONS", "1" if on else "0")
-    _int8_cache = None
+    _int8_cache = _one_level_cache = None
     if available():
         _lib.pl_set_int8_activations(int(on))
 
@@ -214,10 +244,12 @@ def qgemm(fmt: int, x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch
             scales and mins (``m`` only for ``U4M`` and ``S8M``); bias: ``[N]`` float32 or ``None``.
         n: output features ``N``.
     Returns:
-        ``[M, N]`` float32.
+        ``[M, N]`` float32; with int8 activations, in one level from ``ONE_LEVEL_ROWS`` rows
+        (``one_level``), else two.
     """
     rows, k = x.shape
     y = torch.empty(rows, n, dtype=torch.float32)
+    fmt = fmt | Q_LV1 if one_level(rows) else fmt
     _lib.pl_qgemm(fmt, x.data_ptr(), rows, qs.data_ptr(), d.data_ptr(), _ptr(m), _ptr(bias), y.data_ptr(), n, k,
                   torch.get_num_threads())
     return y
@@ -258,7 +290,7 @@ def moe_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch
             tensors they point to must stay alive.
         intermediate: ``I``; activation: ``STACK_ACTIVATIONS`` (of the gate half).
     Returns:
-        ``[T, H]`` float32.
+        ``[T, H]`` float32 (int8 activations in one level from ``ONE_LEVEL_ROWS`` tokens: ``one_level``).
     Raises:
         MemoryError: scratch memory could not be allocated.
     Source: transformers' ``Qwen3MoeExperts.forward`` (the same sum, in expert order).
@@ -269,7 +301,8 @@ def moe_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch
     out = torch.empty(rows, h, dtype=torch.float32)
     if _lib.pl_moe_experts(rows, idx.shape[1] if idx.dim() > 1 else 1, idx.data_ptr(), w.data_ptr(), x.data_ptr(),
                            out.data_ptr(), h, intermediate, experts.data_ptr(), experts.shape[0],
-                           STACK_ACTIVATIONS.index(activation), torch.get_num_threads()) != 0:
+                           STACK_ACTIVATIONS.index(activation), torch.get_num_threads(),
+                           1 if one_level(rows) else 2) != 0:
         raise MemoryError("pl_moe_experts: no scratch memory")
     return out
 

@@ -17,7 +17,7 @@
 #define GEMV_ROWS 8
 /* moe_kernels.c */
 int pl_moe_experts(long T, long k, const int64_t *idx, const float *w, const float *x, float *out, long H, long I,
-                   const int64_t *experts, long E, int act, int nt);
+                   const int64_t *experts, long E, int act, int nt, int lv);
 #endif
 #define VEC_LEN (VEC_BYTES / 4)
 typedef float vec __attribute__((vector_size(VEC_BYTES)));
@@ -46,10 +46,11 @@ void pl_gemv(const float *x, const float *W, const float *b, float *y, long N, l
 void pl_qgemm(int fmt, const float *x, long M, const uint8_t *qs, const float *d, const float *mn,
               const float *bias, float *y, long N, long K, int nt);
 /* decode_stack.c: y [M, N] = x [M, K] W^T (+ b) for a weight described by {fmt, weight, d, m, bias}
- * (fmt >= 0: pl_qgemm's layout and arrays; -1: float32 [N, K]) */
-void desc_matmul(const int64_t *desc, const float *x, long M, float *y, long N, long K, int nt) HIDDEN;
+ * (fmt >= 0: pl_qgemm's layout and arrays, fl OR-ed into it (0, or Q_LV1: one-level activations);
+ * -1: float32 [N, K]) */
+void desc_matmul(const int64_t *desc, const float *x, long M, float *y, long N, long K, int nt, int fl) HIDDEN;
 void act_mul(int act, const float *gu, float *out, long T, long I) HIDDEN; /* 0 silu, 1 tanh-GELU, 2 gpt-oss */
 /* moe_kernels.c */
 int pl_moe_experts(long T, long k, const int64_t *idx, const float *w, const float *x, float *out, long H, long I,
-                   const int64_t *experts, long E, int act, int nt);
+                   const int64_t *experts, long E, int act, int nt, int lv);
 #endif

@@ -63,10 +63,10 @@ static void gemm_rows(const float *x, long M, const float *W, const float *b, fl
     }
 }
 
-void desc_matmul(const int64_t *c, const float *x, long M, float *y, long N, long K, int nt) {
+void desc_matmul(const int64_t *c, const float *x, long M, float *y, long N, long K, int nt, int fl) {
     const float *w = addr(c, MM_W), *b = addr(c, MM_B);
     if (c[MM_FMT] >= 0)
-        pl_qgemm((int)c[MM_FMT], x, M, (const uint8_t *)w, addr(c, MM_D), addr(c, MM_M), b, y, N, K, nt);
+        pl_qgemm((int)c[MM_FMT] | fl, x, M, (const uint8_t *)w, addr(c, MM_D), addr(c, MM_M), b, y, N, K, nt);
     else if (M > 1 && K % VEC_LEN == 0)
         gemm_rows(x, M, w, b, y, N, K, nt);
     else
@@ -75,7 +75,7 @@ void desc_matmul(const int64_t *c, const float *x, long M, float *y, long N, lon
 
 /* y [M, N] = x [M, K] W^T (+ b) by matrix product `which` of the layer (packed or float32) */
 static void layer_matmul(const int64_t *p, int which, const float *x, long M, float *y, long N, long K, int nt) {
-    desc_matmul(p + L_MM + which * MM_COLS, x, M, y, N, K, nt);
+    desc_matmul(p + L_MM + which * MM_COLS, x, M, y, N, K, nt, 0);
 }
 
 /* product `which` into columns [col0, col0 + N) of y [M, ld]; through tmp [M, N] when M > 1 */
@@ -198,7 +198,7 @@ static int moe_mlp(const int64_t *p, const float *h, float *x, long T, long H, i
         if (p[L_NORM_TOPK])
             for (long j = 0; j < k; j++) w[t * k + j] /= kept;
     }
-    int rc = pl_moe_experts(T, k, idx, w, h, x, H, p[L_MOE_I], (const int64_t *)(intptr_t)p[L_EXPERTS], E, act, nt);
+    int rc = pl_moe_experts(T, k, idx, w, h, x, H, p[L_MOE_I], (const int64_t *)(intptr_t)p[L_EXPERTS], E, act, nt, 2); /* decode: two levels */
     free(logits);
     free(idx);
     return rc;

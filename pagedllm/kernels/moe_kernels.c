@@ -5,6 +5,7 @@
  * grouped by expert with a counting sort, and each active expert's packed (or float32) gate|up and
  * down weights are read once per MOE_ROWS of its tokens. */
 #include "cpu_common.h"
+#include "quant_common.h" /* Q_LV1 */
 #include <omp.h>
 
 #define MOE_ROWS 16       /* rows per product (pl_qgemm's float32 register path takes up to 16) */
@@ -15,21 +16,24 @@
 
 /* y [m, H] = down_e(act(gate_e(x rows)) * up_e(...)) for the m (<= MOE_ROWS) pairs order[0..m) */
 static void expert_rows(const int64_t *desc, const long *order, long m, long k, const float *x, float *y, long H,
-                        long I, int act, float *scratch, int nt) {
+                        long I, int act, float *scratch, int nt, int fl) {
     float *xg = scratch, *gu = xg + MOE_ROWS * H, *h = gu + MOE_ROWS * 2 * I;
     for (long r = 0; r < m; r++) memcpy(xg + r * H, x + (order[r] / k) * H, sizeof(float) * H);
-    desc_matmul(desc, xg, m, gu, 2 * I, H, nt);
+    desc_matmul(desc, xg, m, gu, 2 * I, H, nt, fl);
     act_mul(act, gu, h, m, I);
-    desc_matmul(desc + 5, h, m, y, H, I, nt);
+    desc_matmul(desc + 5, h, m, y, H, I, nt, fl);
 }
 
 /* out [T, H] = sum over j < k of w[t, j] * down_e(act(gate_e(x_t)) * up_e(x_t)), e = idx[t, j]
  * (pairs with e outside 0..E-1 are skipped: another rank's experts). experts: [E][2][5] descriptors
  * {fmt, weight, d, m, bias} (desc_matmul) of each expert's fused gate|up [2I, H] and down [H, I]
- * products. act: 0 SiLU, 1 tanh-GELU, 2 gpt-oss clamped SwiGLU (act_mul). The sum runs in expert order.
+ * products. act: 0 SiLU, 1 tanh-GELU, 2 gpt-oss clamped SwiGLU (act_mul). lv: the packed products'
+ * int8 activation levels, 2, or 1 for a prefill-sized call (Q_LV1; kernels/cpu.py decides by T, so a
+ * row's result depends on its step's size only as the dense products' does). The sum runs in expert order.
  * Returns 0, or -1 when scratch memory could not be allocated (out untouched then). */
 int pl_moe_experts(long T, long k, const int64_t *idx, const float *w, const float *x, float *out, long H, long I,
-                   const int64_t *experts, long E, int act, int nt) {
+                   const int64_t *experts, long E, int act, int nt, int lv) {
+    int fl = lv == 1 ? Q_LV1 : 0;
     long P = T * k, per = MOE_ROWS * (H + 3 * I);
     long *start = calloc(E + 1, sizeof(long)), *order = malloc(sizeof(long) * (P ? P : 1));
     long *fill = malloc(sizeof(long) * (E ? E : 1));
@@ -57,14 +61,14 @@ int pl_moe_experts(long T, long k, const int64_t *idx, const float *w, const flo
             for (long p0 = start[e]; p0 < start[e + 1]; p0 += MOE_ROWS) {
                 long m = start[e + 1] - p0 < MOE_ROWS ? start[e + 1] - p0 : MOE_ROWS;
                 expert_rows(experts + e * 10, order + p0, m, k, x, ys + p0 * H, H, I, act,
-                            scratch + per * omp_get_thread_num(), 1);
+                            scratch + per * omp_get_thread_num(), 1, fl);
             }
     }
     for (long e = 0; e < E; e++)
         for (long p0 = start[e]; p0 < start[e + 1]; p0 += MOE_ROWS) {
             long m = start[e + 1] - p0 < MOE_ROWS ? start[e + 1] - p0 : MOE_ROWS;
             float *y = split ? ys + p0 * H : ys;
-            if (!split) expert_rows(experts + e * 10, order + p0, m, k, x, y, H, I, act, scratch, nt);
+            if (!split) expert_rows(experts + e * 10, order + p0, m, k, x, y, H, I, act, scratch, nt, fl);
             for (long r = 0; r < m; r++) {
                 long p = order[p0 + r];
                 float wt = w[p], *o = out + (p / k) * H, *yr = y + r * H;

@@ -60,8 +60,9 @@ static inline void store_i8(int8_t *p, const __m256i *v) {
 }
 
 /* The two levels of quant_avx512.c's quantize_row, the same numbers: round to nearest even, step
- * max|x| / 127, the residual at step / 256 clamped to -128..127; and X = 256 q1 + q2. */
-static void quantize_row(const float *x, long K, uint8_t *mem, qrow *r) {
+ * max|x| / 127, the residual at step / 256 clamped to -128..127; and X = 256 q1 + q2. lv 1: the
+ * residual is left zero (one level, llama.cpp's precision: prefill-sized products, Q_LV1). */
+static void quantize_row(const float *x, long K, uint8_t *mem, qrow *r, int lv) {
     long nb = K / QBLOCK;
     r->xq = (int8_t *)mem;
     r->xq2 = r->xq + K;
@@ -83,7 +84,8 @@ static void quantize_row(const float *x, long K, uint8_t *mem, qrow *r) {
         for (int j = 0; j < 4; j++) {
             q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], _mm256_set1_ps(id)));
             __m256 res = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(q[j]), _mm256_set1_ps(dx), v[j]);
-            p[j] = _mm256_max_epi32(_mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(res, _mm256_set1_ps(id2))), hi), lo);
+            p[j] = lv == 1 ? _mm256_setzero_si256()
+                           : _mm256_max_epi32(_mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(res, _mm256_set1_ps(id2))), hi), lo);
         }
         store_i8(r->xq + b * QBLOCK, q);
         store_i8(r->xq2 + b * QBLOCK, p);
@@ -238,9 +240,14 @@ static inline __attribute__((always_inline)) __m256 half_block(int fmt, const __
     __m256 dxv = _mm256_set1_ps(r->dx[b]);
     int off = q_off(fmt), ng = q_two_groups(fmt) ? 2 : 1, per = 8 / ng;
     for (int g = 0; g < ng; g++) {
-        __m256i v = q_wide(fmt) ? (q_code(fmt) ? s8_dot_u(u, r->xw + b * QBLOCK) : s8_dot(tb, h, r->xw + b * QBLOCK))
-                                : _mm256_add_epi32(_mm256_slli_epi32(quads_dot(fmt, u, x1, g * per, (g + 1) * per), 8),
-                                           quads_dot(fmt, u, x2, g * per, (g + 1) * per));
+        __m256i v;
+        if (q_wide(fmt))
+            v = q_code(fmt) ? s8_dot_u(u, r->xw + b * QBLOCK) : s8_dot(tb, h, r->xw + b * QBLOCK);
+        else if (fmt & Q_LV1) /* one level: the residual is zero, half the byte products */
+            v = _mm256_slli_epi32(quads_dot(fmt, u, x1, g * per, (g + 1) * per), 8);
+        else
+            v = _mm256_add_epi32(_mm256_slli_epi32(quads_dot(fmt, u, x1, g * per, (g + 1) * per), 8),
+                                 quads_dot(fmt, u, x2, g * per, (g + 1) * per));
         if (off)
             v = _mm256_sub_epi32(v, _mm256_set1_epi32(off * (ng == 2 ? c[g] : c[0] + c[1])));
         __m256 dv = q_u6(fmt) ? u6_d(tb, dt, b, g, h) : ld_d(fmt, dt, (ng == 2 ? 2 * b + g : b) * QT + 8 * h);
@@ -300,7 +307,23 @@ static inline __attribute__((always_inline)) void tile_i8(int fmt, const uint8_t
                                                           const float *mt, long nb, const qrow *xr, int R,
                                                           float out[QI_MAXR][QT]) {
     long tbb = q_tb(fmt);
-    if (R == 1 || q_nib(fmt)) {
+    if ((fmt & Q_LV1) && R > 1) { /* one level: vpmaddubsw, one half at a time (R accumulators live) */
+        for (int h = 0; h < 2; h++) {
+            __m256 acc[QI_MAXR];
+            for (int i = 0; i < R; i++) acc[i] = _mm256_setzero_ps();
+            for (long b = 0; b < nb; b++) {
+                const uint8_t *tb = tq + b * tbb;
+                if (h == 0)
+                    for (long c = 0; c < tbb; c += 64) __builtin_prefetch(tb + PF_BYTES + c, 0, 3);
+                __m256i u[8];
+                half_quads(fmt, tb, h, u);
+                for (int i = 0; i < R; i++) acc[i] = half_block(fmt, u, tb, dt, mt, b, h, xr + i, acc[i]);
+            }
+            for (int i = 0; i < R; i++) _mm256_storeu_ps(out[i] + 8 * h, acc[i]);
+        }
+        return;
+    }
+    if (R == 1 || q_nib(fmt) || (fmt & Q_LV1)) {
         __m256 acc[QI_MAXR][2];
         for (int i = 0; i < R; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
         for (long b = 0; b < nb; b++) {
@@ -330,5 +353,6 @@ static inline __attribute__((always_inline)) void tile_i8(int fmt, const uint8_t
     }
 }
 
+#define QI8_ONE_LEVEL 1
 #include "quant_i8_driver.h"
 #endif

@@ -28,7 +28,8 @@ typedef struct {
 
 static size_t qrow_bytes(long K) { return 2 * K + (sizeof(float) * 2 + sizeof(int32_t) * 4) * (K / 32); }
 
-static void quantize_row(const float *x, long K, uint8_t *mem, qrow *r) {
+static void quantize_row(const float *x, long K, uint8_t *mem, qrow *r, int lv) {
+    (void)lv; /* always two levels here (QI8_ONE_LEVEL 0) */
     long nb = K / QBLOCK;
     r->xq = (int8_t *)mem;
     r->xq2 = r->xq + K;
@@ -163,5 +164,6 @@ static inline __attribute__((always_inline)) void tile_i8(int fmt, const uint8_t
     for (int i = 0; i < R; i++) _mm512_storeu_ps(out[i], acc[i]);
 }
 
+#define QI8_ONE_LEVEL 0
 #include "quant_i8_driver.h"
 #endif

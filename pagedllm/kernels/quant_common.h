@@ -37,6 +37,9 @@
  * them so when every one is exact in float16: Q8_0's, Q5_0's and IQ4_NL's fp16 d, MXFP4's powers of two):
  * Q8_0 then reads its file's 34 bytes per 32 weights, not 36, MXFP4 18 instead of 20. */
 #define Q_HALF 8
+/* fmt | Q_LV1 (pl_qgemm's callers, prefill-sized products): one-level int8 activations, the residual
+ * level dropped (quant_avx2.c only: AVX-512 VNNI keeps two levels, its prefill is compute-cheap). */
+#define Q_LV1 16
 static inline int q_base(int fmt) { return fmt & 7; }
 static inline int q_half(int fmt) { return (fmt & Q_HALF) != 0; }
 static inline int q_code(int fmt) { return q_base(fmt) == 5 || q_base(fmt) == 6; }
@@ -70,8 +73,8 @@ static inline float q_dval(int fmt, const float *d, long i) {
 void pl_qgemm_f32(int fmt, const float *x, long M, const uint8_t *qs, const float *d, const float *mn,
                   const float *bias, float *y, long N, long K, int nt) __attribute__((visibility("hidden")));
 #if QI8_ISA > 0
-/* the same with int8 activations (quant_avx512.c or quant_avx2.c) */
+/* the same with int8 activations (quant_avx512.c or quant_avx2.c); lv: 1 or 2 activation levels */
 void pl_qgemm_i8(int fmt, const float *x, long M, const uint8_t *qs, const float *d, const float *mn,
-                 const float *bias, float *y, long N, long K, int nt) __attribute__((visibility("hidden")));
+                 const float *bias, float *y, long N, long K, int nt, int lv) __attribute__((visibility("hidden")));
 #endif
 #endif

@@ -1,6 +1,7 @@
 /* The int8-activation product's outer loops, shared by quant_avx512.c and quant_avx2.c (included
- * once by each, after it defines: qrow, qrow_bytes(K), quantize_row(x, K, mem, row), QI_MAXR and
- * tile_i8(fmt, tile bytes, d, m, blocks, rows, R, out[QI_MAXR][QT])). Every input row is quantized
+ * once by each, after it defines: qrow, qrow_bytes(K), quantize_row(x, K, mem, row, levels), QI_MAXR,
+ * QI8_ONE_LEVEL (1: tile_i8 takes fmt | Q_LV1) and tile_i8(fmt, tile bytes, d, m, blocks, rows, R,
+ * out[QI_MAXR][QT])). Every input row is quantized
  * once, then every tile multiplies the rows in passes of QI_MAXR: a row's arithmetic is the same
  * whatever else the batch holds. */
 #ifndef PL_QUANT_I8_DRIVER_H
@@ -37,6 +38,16 @@ static inline __attribute__((always_inline)) void tile_rows(int fmt, const uint8
  * one slow, unspecialised loop (measured: 2-3x slower products). */
 static void tile_rows_fmt(int fmt, const uint8_t *tq, const float *dt, const float *mt, long nb, const qrow *rows,
                           long M, const float *bias, float *y, long N, long n0) {
+#if QI8_ONE_LEVEL /* fmt | Q_LV1: the one-level kernels, their own specialisations */
+    switch (fmt) {
+    case 0 | Q_LV1: tile_rows(0 | Q_LV1, tq, dt, mt, nb, rows, M, bias, y, N, n0); return;
+    case 2 | Q_LV1: tile_rows(2 | Q_LV1, tq, dt, mt, nb, rows, M, bias, y, N, n0); return;
+    case 3 | Q_LV1: tile_rows(3 | Q_LV1, tq, dt, mt, nb, rows, M, bias, y, N, n0); return;
+    case 4 | Q_LV1: tile_rows(4 | Q_LV1, tq, dt, mt, nb, rows, M, bias, y, N, n0); return;
+    case 7 | Q_LV1: tile_rows(7 | Q_LV1, tq, dt, mt, nb, rows, M, bias, y, N, n0); return;
+    default: fmt &= ~Q_LV1; /* the int16 formats: their residual is zero, the two-level kernel serves */
+    }
+#endif
     switch (fmt) {
     case 0: tile_rows(0, tq, dt, mt, nb, rows, M, bias, y, N, n0); break;
     case 1: tile_rows(1, tq, dt, mt, nb, rows, M, bias, y, N, n0); break;
@@ -56,7 +67,13 @@ static void tile_rows_fmt(int fmt, const uint8_t *tq, const float *dt, const flo
 }
 
 void pl_qgemm_i8(int fmt, const float *x, long M, const uint8_t *qs, const float *d, const float *mn,
-                 const float *bias, float *y, long N, long K, int nt) {
+                 const float *bias, float *y, long N, long K, int nt, int lv) {
+#if QI8_ONE_LEVEL
+    int tf = lv == 1 ? fmt | Q_LV1 : fmt; /* the tiles' kernel */
+#else
+    int tf = fmt;
+    lv = 2;
+#endif
     long nb = K / QBLOCK, tiles = (N + QT - 1) / QT, ng = q_groups(fmt, nb), tbb = q_tb(fmt);
     size_t rb = (qrow_bytes(K) + 63) & ~(size_t)63;
     uint8_t *mem = malloc(rb * M);
@@ -69,19 +86,19 @@ void pl_qgemm_i8(int fmt, const float *x, long M, const uint8_t *qs, const float
     }
     /* a few rows (decode) are quantized by this thread before the team starts: a barrier costs more */
     if (M <= 4)
-        for (long i = 0; i < M; i++) quantize_row(x + i * K, K, mem + i * rb, rows + i);
+        for (long i = 0; i < M; i++) quantize_row(x + i * K, K, mem + i * rb, rows + i, lv);
     #pragma omp parallel num_threads(nt)
     {
         if (M > 4) {
             #pragma omp for schedule(static)
-            for (long i = 0; i < M; i++) quantize_row(x + i * K, K, mem + i * rb, rows + i);
+            for (long i = 0; i < M; i++) quantize_row(x + i * K, K, mem + i * rb, rows + i, lv);
         }
         /* rows in chunks of QI_CHUNK (their quantized levels stay in L2 while every tile passes by) */
         for (long r0 = 0; r0 < M; r0 += QI_CHUNK) {
             long rc = M - r0 < QI_CHUNK ? M - r0 : QI_CHUNK;
             #pragma omp for schedule(static)
             for (long t = 0; t < tiles; t++)
-                tile_rows_fmt(fmt, qs + t * nb * tbb, q_dat(fmt, d, t * ng * QT), mn ? mn + t * nb * QT : NULL, nb,
+                tile_rows_fmt(tf, qs + t * nb * tbb, q_dat(fmt, d, t * ng * QT), mn ? mn + t * nb * QT : NULL, nb,
                               rows + r0, rc, bias, y + r0 * N, N, t * QT);
         }
     }

@@ -245,15 +245,20 @@ void pl_set_int8_activations(int on) { int8_activations = on && QI8_ISA > 0; }
  * 2 avxvnni, 3 avx512vnni); kernels/cpu.py checks it against the build it asked for */
 int pl_isa(void) { return QI8_ISA; }
 
-/* y [M, N] = x [M, K] W^T (+ bias) with a tiled packed weight (layouts above); any M. */
+/* y [M, N] = x [M, K] W^T (+ bias) with a tiled packed weight (layouts above); any M. fmt | Q_LV1:
+ * one-level int8 activations where the build has them (quant_common.h), else ignored. */
 void pl_qgemm(int fmt, const float *x, long M, const uint8_t *qs, const float *d, const float *mn,
               const float *bias, float *y, long N, long K, int nt) {
+    int lv = fmt & Q_LV1 ? 1 : 2;
+    fmt &= ~Q_LV1;
 #if QI8_ISA > 0
     /* U6H has no AVX-512 VNNI kernel yet: kernels/cpu.py keeps Q6_K as S8H on that build */
     if (int8_activations && !(QI8_ISA == 3 && q_u6(fmt))) {
-        pl_qgemm_i8(fmt, x, M, qs, d, mn, bias, y, N, K, nt);
+        pl_qgemm_i8(fmt, x, M, qs, d, mn, bias, y, N, K, nt, lv);
         return;
     }
+#else
+    (void)lv;
 #endif
     pl_qgemm_f32(fmt, x, M, qs, d, mn, bias, y, N, K, nt);
 }

@@ -16,7 +16,10 @@ repacked once at load (rows in the order our fused layers use, then into tiles o
   below there) quantizes its
   input rows to int8 per 32-block in two levels (value and rounding residual) and multiplies the
   packed bytes with byte dot products; such a row's result does not depend on its batch; logprobs
-  within about 0.001 of float32;
+  within about 0.001 of float32. On AVX2 and AVX-VNNI, products of ``ONE_LEVEL_ROWS`` (64) rows
+  or more (prefill chunks, big batches; every length: 2x the two-level kernels there, 2.3x the
+  dequantized product at 512 rows) keep one level only (``kernels.cpu.one_level``: llama.cpp's
+  activation precision; SmolLM2's perplexity 26.72 against 26.56);
 * float32 activations (``PAGEDLLM_INT8_ACTIVATIONS=0``, and the ``generic`` build): up to
   ``QGEMM_MAX_ROWS`` input rows multiply the packed tiles widened to float32 in registers, more rows
   multiply a float32 dequantization of the weight (the copy lives only during the call); outputs
@@ -98,7 +101,8 @@ class GGUFLinear(nn.Module):
         if len(shape) != 2:  # the Transformers backend's [1, T, k]; no second call (per-token Python)
             x = x.reshape(-1, shape[-1])
         rows = x.shape[0]
-        if rows <= cpu_kernels.QGEMM_MAX_ROWS or (cpu_kernels.int8_activations() and rows <= cpu_kernels.int8_max_rows()):
+        if (rows <= cpu_kernels.QGEMM_MAX_ROWS or cpu_kernels.one_level(rows)
+                or (cpu_kernels.int8_activations() and rows <= cpu_kernels.int8_max_rows())):
             y = cpu_kernels.qgemm(self.fmt, x.contiguous(), self.qs, self.d, self.m, self.bias, self.out_features)
         else:
             # prefill: dequantize row chunks of at most _CHUNK floats into a reused buffer, multiply each;
@@ -195,6 +199,8 @@ def quantized_kernels() -> str:
         rows, most = cpu_kernels.int8_max_rows(), "float32" if prefill_dtype() == torch.float32 else "bfloat16 (AMX)"
         span = "every row" if rows >= 1 << 31 else f"1-{rows} rows"
         rest = "" if rows >= 1 << 31 else f"; more: dequantized chunks, oneDNN {most}"
+        if cpu_kernels.one_level(1 << 20):
+            span, rest = "every row", f"; one level from {cpu_kernels.ONE_LEVEL_ROWS} rows"
         return f"{span}: int8 activations x packed tiles ({isa}: {cpu_kernels.ISA_DOT[isa]}){rest}"
     big = "bfloat16 (AMX)" if prefill_dtype() == torch.bfloat16 else "float32"
     return f"1-16 rows: float32 activations x packed tiles ({isa} build); prefill: dequantized chunks, oneDNN {big}"

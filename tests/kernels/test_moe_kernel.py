@@ -104,3 +104,45 @@ def test_experts_skip_ids_of_other_ranks_and_keep_token_order():
     keep = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
     want = _reference(x, idx.clamp(0, E - 1), wts * keep, [w for w, _ in gu], [w for w, _ in dn], "silu")
     assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+def _one_level(v: torch.Tensor) -> torch.Tensor:
+    """Rows of ``v`` as the one-level int8 activations round them: per 32-block, ``q = round(v * 127
+    / max|v|)`` times ``max|v| / 127`` (float64)."""
+    b = v.double().reshape(v.shape[0], -1, 32)
+    step = b.abs().amax(-1, keepdim=True) / 127
+    return (torch.round(b / torch.where(step > 0, step, 1)) * step).reshape(v.shape)
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K", "Q8_0"])
+def test_prefill_sized_calls_take_one_activation_level(kind):
+    """With int8 activations on AVX2 / AVX-VNNI, a call of ``ONE_LEVEL_ROWS`` tokens or more (prefill)
+    quantizes the experts' inputs (x, then the activated h) in one level: it equals the per-expert
+    reference on one-level inputs; 63 tokens keep two levels (closer to the float reference)."""
+    if cpu._lib.pl_isa() == 0 or cpu.isa() not in cpu.ONE_LEVEL_ISAS:
+        pytest.skip("only the AVX2 and AVX-VNNI builds take one level")
+    rng = np.random.default_rng(4)
+    torch.manual_seed(4)
+    gu = [_packed(kind, 2 * I, H, rng) for _ in range(E)]
+    dn = [_packed(kind, H, I, rng) for _ in range(E)]
+    w_gu, w_dn = [m.dequantize().double() for m in gu], [m.dequantize().double() for m in dn]
+    experts = ExpertWeights(gu, dn, I, "silu", kind)
+    x = torch.randn(70, H)
+    idx = torch.stack([torch.randperm(E)[:K] for _ in range(70)])
+    wts = torch.rand(70, K)
+    want = torch.zeros(70, H, dtype=torch.float64)
+    for t in range(70):
+        for j in range(K):
+            e = int(idx[t, j])
+            g, u = (_one_level(x[t:t + 1]) @ w_gu[e].T).chunk(2, dim=-1)
+            want[t] += float(wts[t, j]) * (_one_level(torch.nn.functional.silu(g) * u) @ w_dn[e].T)[0]
+    exact = _reference(x, idx, wts, [w.float() for w in w_gu], [w.float() for w in w_dn], "silu")
+    cpu.set_int8_activations(True)
+    try:
+        got = cpu.moe_experts(x, idx, wts, experts.table, I).double()
+        two = cpu.moe_experts(x[:63], idx[:63], wts[:63], experts.table, I).double()
+    finally:
+        cpu.set_int8_activations(False)
+    # h's rounding may fall the other way where float sums differ in their last bits: one step at most
+    assert (got - want).abs().max() <= 2e-3 * want.abs().max(), kind
+    assert (two - exact[:63]).abs().max() < (got[:63] - exact[:63]).abs().max(), kind

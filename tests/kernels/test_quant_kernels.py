@@ -264,7 +264,9 @@ def int8_activations(kernels):
     if cpu._lib.pl_isa() == 0:
         pytest.skip("the generic build has no int8-activation kernels")
     cpu.set_int8_activations(True)
+    cpu.set_one_level(False)  # two levels at every size; the one-level tests turn it on
     yield kernels
+    cpu.set_one_level(True)
     cpu.set_int8_activations(False)
 
 
@@ -372,7 +374,8 @@ def test_int8_activations_at_the_extremes_stay_exact(int8_activations, layout, q
 
 def test_int8_activations_leave_long_inputs_to_the_dequantized_product(int8_activations):
     """Past ``int8_max_rows`` (128 rows on AVX2 and AVX-VNNI, where longer prefill chunks multiply
-    faster dequantized) a product is the float32 one: the dequantized weight's up to rounding."""
+    faster dequantized than in two levels) a product with one level off (``PAGEDLLM_INT8_ONE_LEVEL=0``)
+    is the float32 one: the dequantized weight's up to rounding."""
     rows = cpu.int8_max_rows() + 1
     if rows > 4096:
         pytest.skip("this build multiplies every row with int8 activations")
@@ -380,6 +383,32 @@ def test_int8_activations_leave_long_inputs_to_the_dequantized_product(int8_acti
     x = torch.randn(rows, 256)
     ref = x.double() @ lin.dequantize().double().T
     assert (lin(x).double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
+@pytest.mark.parametrize("kind", INT8_FORMATS)
+def test_one_level_products_from_64_rows(int8_activations, kind):
+    """On AVX2 and AVX-VNNI a product of ``ONE_LEVEL_ROWS`` (64) rows or more (prefill) quantizes its
+    rows in one int8 level (issue 40: half the byte products): it equals the exact product of the
+    dequantized weight with each row's one-level quantization, up to float32 rounding, at 64 and
+    200 rows (past ``int8_max_rows``: no dequantized product any more); 63 rows keep two levels."""
+    cpu.set_one_level(True)
+    if cpu.isa() not in cpu.ONE_LEVEL_ISAS:
+        pytest.skip(f"the {cpu.isa()} build keeps two levels at every size")
+    rng = np.random.default_rng(9)
+    n, k = 37, 512
+    lin = _linear(kind, _random_blocks(kind, n, k, rng), n, k, torch.randn(n))
+    w = lin.dequantize().double()
+    for rows, levels in ((63, 2), (64, 1), (200, 1)):
+        x = torch.randn(rows, k)
+        x[1, 40] = 300.0  # an outlier block: one level rounds its other values to about zero
+        xq = torch.from_numpy(np.stack([_quantized_row(r, levels) for r in x.numpy()])).double()
+        ref = xq @ w.T + lin.bias.double()
+        if isinstance(lin, MinsLinear):  # the group sums' own product, in the same levels
+            sums = F.pad(x.view(rows, -1, 16).sum(-1), (0, lin.mins.in_features - k // 16))
+            sq = torch.from_numpy(np.stack([_quantized_row(r, levels) for r in sums.numpy()])).double()
+            ref = xq @ lin.quants.dequantize().double().T + lin.bias.double() + sq @ lin.mins.dequantize().double().T
+        got = lin(x).double()
+        assert (got - ref).abs().max() <= 2e-5 * ref.abs().max() + 1e-6, (kind, rows)
 
 
 @pytest.mark.parametrize("kind", ["Q4_1", "Q8_0", "Q6_K", "Q5_K"])
@@ -446,7 +475,12 @@ def test_int8_activations_keep_the_perplexity_and_the_logprobs(int8_engine):
     ref, ref_lp = _perplexity(ref_llm), _token_logprobs(ref_llm, seqs)
     del ref_llm
     cpu.set_int8_activations(True)
+    cpu.set_one_level(False)
     got, lp = _perplexity(q), _token_logprobs(q, seqs)
     assert got != ref and abs(got / ref - 1) < 0.01, (got, ref)
     diff = np.abs(lp - ref_lp)
     assert diff.max() < 0.005 and diff.mean() < 0.0005, (diff.max(), diff.mean())
+    cpu.set_one_level(True)  # one level for the text's prefill (AVX2, AVX-VNNI): within 1% too
+    one = _perplexity(q)
+    print(f"perplexity: float32 {ref:.4f}, two levels {got:.4f}, one level from 64 rows {one:.4f}")
+    assert abs(one / ref - 1) < 0.01, (one, ref)
