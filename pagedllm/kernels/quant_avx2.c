@@ -230,10 +230,18 @@ static inline __attribute__((always_inline)) __m256i s8_dot_u(const __m256i *u, 
     return _mm256_permutevar8x32_epi32(_mm256_hadd_epi32(a, c), _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7));
 }
 
-/* acc + (rows 8h .. 8h + 7 of block b) . (row r's block b, both levels) x scales (+ min x block sum):
- * 256 s1 + s2 - off * c combined exactly in int32, then one conversion and one scale per group */
+/* acc + (rows 8h .. 8h + 7 of block b) . (row r's block b, both levels) x scales ds (+ min x block
+ * sum): 256 s1 + s2 - off * c combined exactly in int32, then one conversion and one scale per group */
+/* the group scales of half h of block b: ds[g], g < 2 (a format's one group: ds[0]) */
+static inline __attribute__((always_inline)) void half_scales(int fmt, const uint8_t *tb, const float *dt, long b,
+                                                              int h, __m256 *ds) {
+    int ng = q_two_groups(fmt) ? 2 : 1;
+    for (int g = 0; g < ng; g++)
+        ds[g] = q_u6(fmt) ? u6_d(tb, dt, b, g, h) : ld_d(fmt, dt, (ng == 2 ? 2 * b + g : b) * QT + 8 * h);
+}
+
 static inline __attribute__((always_inline)) __m256 half_block(int fmt, const __m256i *u, const uint8_t *tb,
-                                                               const float *dt, const float *mt, long b, int h,
+                                                               const __m256 *ds, const float *mt, long b, int h,
                                                                const qrow *r, __m256 acc) {
     const int8_t *x1 = r->xq + b * QBLOCK, *x2 = r->xq2 + b * QBLOCK;
     const int32_t *c = r->c16 + 2 * b;
@@ -250,8 +258,7 @@ static inline __attribute__((always_inline)) __m256 half_block(int fmt, const __
                                  quads_dot(fmt, u, x2, g * per, (g + 1) * per));
         if (off)
             v = _mm256_sub_epi32(v, _mm256_set1_epi32(off * (ng == 2 ? c[g] : c[0] + c[1])));
-        __m256 dv = q_u6(fmt) ? u6_d(tb, dt, b, g, h) : ld_d(fmt, dt, (ng == 2 ? 2 * b + g : b) * QT + 8 * h);
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), _mm256_mul_ps(dv, dxv), acc);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), _mm256_mul_ps(ds[g], dxv), acc);
     }
     if (q_min(fmt))
         acc = _mm256_fmadd_ps(_mm256_loadu_ps(mt + b * QT + 8 * h), _mm256_set1_ps(r->sxd[b]), acc);
@@ -267,7 +274,8 @@ static inline __attribute__((always_inline)) __m256 half_block(int fmt, const __
 #else
 #define DOT16(acc, w, x) _mm256_add_epi32(acc, _mm256_madd_epi16(w, x))
 #endif
-#define QI_MAXR 4 /* rows per pass: 2 int32 and 1 float accumulators each, 2 weight vectors */
+#define QI_MAXR 6 /* rows per pass: 2 int32 and 1 float accumulators each, 2 weight vectors (one-level:
+                     * 6 float accumulators beside the 8 quads; 4: 7% slower, 8: spilled) */
 static inline __attribute__((always_inline)) void half_block_rows(int fmt, const uint8_t *tb, int h, const float *dt,
                                                                   const float *mt, long b, const qrow *xr, int R,
                                                                   __m256 *acc) {
@@ -316,8 +324,10 @@ static inline __attribute__((always_inline)) void tile_i8(int fmt, const uint8_t
                 if (h == 0)
                     for (long c = 0; c < tbb; c += 64) __builtin_prefetch(tb + PF_BYTES + c, 0, 3);
                 __m256i u[8];
+                __m256 ds[2];
                 half_quads(fmt, tb, h, u);
-                for (int i = 0; i < R; i++) acc[i] = half_block(fmt, u, tb, dt, mt, b, h, xr + i, acc[i]);
+                half_scales(fmt, tb, dt, b, h, ds); /* once for the R rows */
+                for (int i = 0; i < R; i++) acc[i] = half_block(fmt, u, tb, ds, mt, b, h, xr + i, acc[i]);
             }
             for (int i = 0; i < R; i++) _mm256_storeu_ps(out[i] + 8 * h, acc[i]);
         }
@@ -331,8 +341,10 @@ static inline __attribute__((always_inline)) void tile_i8(int fmt, const uint8_t
             for (long c = 0; c < tbb; c += 64) __builtin_prefetch(tb + PF_BYTES + c, 0, 3);
             for (int h = 0; h < 2; h++) {
                 __m256i u[8];
+                __m256 ds[2];
                 half_quads(fmt, tb, h, u);
-                for (int i = 0; i < R; i++) acc[i][h] = half_block(fmt, u, tb, dt, mt, b, h, xr + i, acc[i][h]);
+                half_scales(fmt, tb, dt, b, h, ds);
+                for (int i = 0; i < R; i++) acc[i][h] = half_block(fmt, u, tb, ds, mt, b, h, xr + i, acc[i][h]);
             }
         }
         for (int i = 0; i < R; i++) {
