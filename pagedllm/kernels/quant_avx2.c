@@ -109,12 +109,16 @@ static inline int q_off(int fmt) {
         return 32;
     if (q_u6(fmt)) /* U6H's quants are stored + 32 already */
         return 32;
+    if (q_base(fmt) == 6 && (fmt & Q_LV1) && QI8_ISA == 1) /* one-level E2M1 (-12..12) + 12: vpmaddubsw */
+        return 12;
     return (q_base(fmt) == 1 || q_code(fmt)) && QI8_ISA == 2 ? 128 : 0;
 }
 
 /* the formats whose bytes span int8 and so take the int16 product on AVX2 (s8_dot): S8 and the
  * codebooks (IQ4_NL's values reach -127 and 113) */
-static inline int q_wide(int fmt) { return QI8_ISA == 1 && (q_base(fmt) == 1 || q_code(fmt)); }
+static inline int q_wide(int fmt) {
+    return QI8_ISA == 1 && (q_base(fmt) == 1 || q_code(fmt)) && q_off(fmt) != 12;
+}
 
 /* scales i .. i + 7 (float32 or float16: quant_common.h Q_HALF) */
 static inline __m256 ld_d(int fmt, const float *dt, long i) {
@@ -156,6 +160,7 @@ static inline __attribute__((always_inline)) void half_quads(int fmt, const uint
         if (q_code(fmt)) { /* the codebook's values by vpshufb: signed (AVX2), + 128 (AVX-VNNI) */
             __m256i cb = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)q_codebook[q_base(fmt) - 5]));
             if (q_off(fmt) == 128) cb = _mm256_xor_si256(cb, _mm256_set1_epi8((char)0x80));
+            if (q_off(fmt) == 12) cb = _mm256_add_epi8(cb, _mm256_set1_epi8(12));
             for (int q = 0; q < 8; q++) u[q] = _mm256_shuffle_epi8(cb, u[q]);
         }
         return;

@@ -45,6 +45,8 @@ static void tile_rows_fmt(int fmt, const uint8_t *tq, const float *dt, const flo
     case 3 | Q_LV1: tile_rows(3 | Q_LV1, tq, dt, mt, nb, rows, M, bias, y, N, n0); return;
     case 4 | Q_LV1: tile_rows(4 | Q_LV1, tq, dt, mt, nb, rows, M, bias, y, N, n0); return;
     case 7 | Q_LV1: tile_rows(7 | Q_LV1, tq, dt, mt, nb, rows, M, bias, y, N, n0); return;
+    case 6 | Q_LV1: tile_rows(6 | Q_LV1, tq, dt, mt, nb, rows, M, bias, y, N, n0); return;
+    case 6 | Q_HALF | Q_LV1: tile_rows(6 | Q_HALF | Q_LV1, tq, dt, mt, nb, rows, M, bias, y, N, n0); return;
     default: fmt &= ~Q_LV1; /* the int16 formats: their residual is zero, the two-level kernel serves */
     }
 #endif
