@@ -52,7 +52,6 @@ from pagedllm.attention.metadata import AttentionBatch
 from pagedllm.core.block_pool import BlockPool, KVCacheBlock
 from pagedllm.spec_decode.config import SpeculativeConfig, TargetInfo
 from pagedllm.spec_decode.proposers import ProposeItem
-from pagedllm.worker.sampler import exponential_noise
 
 logger = logging.getLogger(__name__)
 
@@ -240,7 +239,7 @@ class DraftModelProposer:
             for r, qr in zip(rows, q):
                 it = items[r]
                 pos = len(it.token_ids) - it.num_prompt_tokens + j
-                noise = exponential_noise(qr, self._sampler.generator_for(it.params, pos, stream=3))
+                noise = torch.empty_like(qr).exponential_(generator=self._sampler.generator_for(it.params, pos, stream=3))
                 out[r] = int((qr / noise).argmax())  # the exponential race: a draw from q
                 self._probs.setdefault(it.request_id, []).append(qr)
         return out

@@ -25,23 +25,6 @@ from pagedllm.sampling_params import SamplingParams
 _SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads consecutive positions apart
 
 
-# floor of the uniform draws below: -log of it stays finite (a zero draw would make its token undrawable)
-_TINY = float(torch.finfo(torch.float32).tiny)
-
-
-def exponential_noise(like: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Standard exponential draws shaped as ``like`` (float32, its device), for the exponential race
-    ``argmax(probs / noise)`` (a draw from ``probs``): ``-log U`` with ``U`` uniform on ``(0, 1)``.
-    Why not ``Tensor.exponential_``: on a CPU it took 1.19 ms for a 49,152-token vocabulary against
-    0.25 ms for these (Zen 3, one thread), 10% of a sampled decode step of a small model.
-
-    Args:
-        like: the probabilities' tensor (only its shape, dtype and device are read).
-        generator: the row's seeded stream (``Sampler.generator_for``), or ``None`` for torch's.
-    """
-    return torch.empty_like(like).uniform_(_TINY, 1.0, generator=generator).log_().neg_()
-
-
 def _apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                              min_p: torch.Tensor) -> torch.Tensor:
     """Mask (to -inf) tokens outside top-k / top-p / min-p, row by row. ``logits`` ``[R, V]`` float32."""
@@ -301,7 +284,9 @@ class Sampler:
         noise = torch.empty_like(probs)
         for j, i in enumerate(rows):
             p = params[i]
-            gen = None if p.seed is None and dev.type != "cpu" else self.generator_for(p, output_lens[i], device=dev)
-            noise[j] = exponential_noise(probs[j], gen)
+            if p.seed is None and dev.type != "cpu":
+                noise[j].exponential_()
+            else:
+                noise[j].exponential_(generator=self.generator_for(p, output_lens[i], device=dev))
         sampled = (probs / noise).argmax(-1)
         return greedy.index_copy(0, sel, sampled)

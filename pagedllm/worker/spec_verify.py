@@ -28,7 +28,7 @@ import torch
 
 from pagedllm.core.scheduler_output import TokenLogprobs
 from pagedllm.worker.input_batch import SamplingMetadata
-from pagedllm.worker.sampler import Sampler, exponential_noise, gather_logprobs
+from pagedllm.worker.sampler import Sampler, gather_logprobs
 
 
 def expand_metadata(md: SamplingMetadata, drafts: list[list[int]]) -> tuple[SamplingMetadata, np.ndarray]:
@@ -116,7 +116,7 @@ def verify(sampler: Sampler, logits: torch.Tensor, md: SamplingMetadata, drafts:
                 residual = (p - q[j].to(p.device)).clamp_(min=0.0)
                 if float(residual.sum()) <= 0.0:  # p == q up to rounding: rejection was rounding's
                     residual = p.clone()
-            noise = exponential_noise(residual, sampler.generator_for(params, pos, stream=2))
+            noise = torch.empty_like(residual).exponential_(generator=sampler.generator_for(params, pos, stream=2))
             toks.append(int((residual / noise).argmax()))
             break
         else:
