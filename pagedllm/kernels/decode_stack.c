@@ -198,7 +198,8 @@ static int moe_mlp(const int64_t *p, const float *h, float *x, long T, long H, i
         if (p[L_NORM_TOPK])
             for (long j = 0; j < k; j++) w[t * k + j] /= kept;
     }
-    int rc = pl_moe_experts(T, k, idx, w, h, x, H, p[L_MOE_I], (const int64_t *)(intptr_t)p[L_EXPERTS], E, act, nt, 2); /* decode: two levels */
+    /* decode steps: two activation levels */
+    int rc = pl_moe_experts(T, k, idx, w, h, x, H, p[L_MOE_I], (const int64_t *)(intptr_t)p[L_EXPERTS], E, act, nt, 2);
     free(logits);
     free(idx);
     return rc;

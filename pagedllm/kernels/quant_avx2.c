@@ -235,8 +235,6 @@ static inline __attribute__((always_inline)) __m256i s8_dot_u(const __m256i *u, 
     return _mm256_permutevar8x32_epi32(_mm256_hadd_epi32(a, c), _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7));
 }
 
-/* acc + (rows 8h .. 8h + 7 of block b) . (row r's block b, both levels) x scales ds (+ min x block
- * sum): 256 s1 + s2 - off * c combined exactly in int32, then one conversion and one scale per group */
 /* the group scales of half h of block b: ds[g], g < 2 (a format's one group: ds[0]) */
 static inline __attribute__((always_inline)) void half_scales(int fmt, const uint8_t *tb, const float *dt, long b,
                                                               int h, __m256 *ds) {
@@ -245,6 +243,9 @@ static inline __attribute__((always_inline)) void half_scales(int fmt, const uin
         ds[g] = q_u6(fmt) ? u6_d(tb, dt, b, g, h) : ld_d(fmt, dt, (ng == 2 ? 2 * b + g : b) * QT + 8 * h);
 }
 
+/* acc + (rows 8h .. 8h + 7 of block b) . (row r's block b, both levels; fmt | Q_LV1: the first) x
+ * scales ds (+ min x block sum): 256 s1 + s2 - off * c combined exactly in int32, then one
+ * conversion and one scale per group */
 static inline __attribute__((always_inline)) __m256 half_block(int fmt, const __m256i *u, const uint8_t *tb,
                                                                const __m256 *ds, const float *mt, long b, int h,
                                                                const qrow *r, __m256 acc) {
@@ -315,7 +316,8 @@ static inline __attribute__((always_inline)) void half_block_rows(int fmt, const
 /* out[i] = tile . input row i, i < R. One row (decode), and the nibble format (whose int16 widening
  * costs more than it saves: measured), take both halves per block with half_block, so the tile
  * streams by once; several rows of the byte formats take one half at a time (half_block_rows; the
- * second pass finds the tile in L1/L2), so that their accumulators fit the 16 registers. */
+ * second pass finds the tile in L1/L2), so that their accumulators fit the 16 registers. Several rows
+ * in one level (fmt | Q_LV1, any format but the int16 ones) take one half at a time with half_block. */
 static inline __attribute__((always_inline)) void tile_i8(int fmt, const uint8_t *tq, const float *dt,
                                                           const float *mt, long nb, const qrow *xr, int R,
                                                           float out[QI_MAXR][QT]) {
@@ -338,7 +340,7 @@ static inline __attribute__((always_inline)) void tile_i8(int fmt, const uint8_t
         }
         return;
     }
-    if (R == 1 || q_nib(fmt) || (fmt & Q_LV1)) {
+    if (R == 1 || q_nib(fmt)) {
         __m256 acc[QI_MAXR][2];
         for (int i = 0; i < R; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
         for (long b = 0; b < nb; b++) {
