@@ -109,7 +109,7 @@ static inline int q_off(int fmt) {
         return 32;
     if (q_u6(fmt)) /* U6H's quants are stored + 32 already */
         return 32;
-    if (q_base(fmt) == 6 && (fmt & Q_LV1) && QI8_ISA == 1) /* one-level E2M1 (-12..12) + 12: vpmaddubsw */
+    if (q_base(fmt) == 6 && QI8_ISA == 1) /* E2M1 (-12..12) + 12: vpmaddubsw, both levels */
         return 12;
     return (q_base(fmt) == 1 || q_code(fmt)) && QI8_ISA == 2 ? 128 : 0;
 }
