@@ -8,13 +8,13 @@
  * - AVX2 (QI8_ISA 1): vpmaddubsw multiplies unsigned by signed bytes and sums adjacent pairs into
  *   int16 WITH saturation, then vpmaddwd by ones sums int16 pairs into int32. The unsigned operand
  *   is the weight: nibbles (0..15), Q5_1/Q5_K quants (0..31), and the small signed ones (Q5_0,
- *   Q6_K: -32..31) plus 32 (0..63); the activations are int8 (-127..127, the second level
+ *   Q6_K: -32..31) plus 32 (0..63), MXFP4's doubled e2m1 codes (-12..12) plus 12 (0..24: its decode
+ *   products 1.9-2.2x the int16 path below); the activations are int8 (-127..127, the second level
  *   -128..127). A pair is then at most 2 * 63 * 128 = 16128, so 2 (offset quants), 4 (0..31: 7936
  *   each) or 8 (nibbles: 3840) vpmaddubsw results add up exactly in int16 before one vpmaddwd. The offset's
  *   share is subtracted once per group: off * (256 * sum q1 + sum q2) of the input row, precomputed
- *   when the row is quantized. Full-range int8 weights (Q8_0, int8 per channel, the IQ4 / E2M1
- *   codebook values looked up from their nibbles with vpshufb) would saturate
- *   vpmaddubsw as unsigned; they are sign-extended to int16 instead and multiplied (vpmaddwd) with
+ *   when the row is quantized. Full-range int8 weights (Q8_0, int8 per channel, the IQ4 codebook
+ *   values looked up from their nibbles with vpshufb) would saturate vpmaddubsw as unsigned; they are sign-extended to int16 instead and multiplied (vpmaddwd) with
  *   both levels at once, X = 256 q1 + q2 (|X| <= 32640 fits int16; the int32 sum is then exactly
  *   256 s1 + s2): half the instructions of moving the sign onto the activations (vpsignb) and
  *   multiplying each level apart. vpmaddwd leaves a row's sum in two lanes (weights 0-1 and 2-3 of
@@ -114,8 +114,8 @@ static inline int q_off(int fmt) {
     return (q_base(fmt) == 1 || q_code(fmt)) && QI8_ISA == 2 ? 128 : 0;
 }
 
-/* the formats whose bytes span int8 and so take the int16 product on AVX2 (s8_dot): S8 and the
- * codebooks (IQ4_NL's values reach -127 and 113) */
+/* the formats whose bytes span int8 and so take the int16 product on AVX2 (s8_dot): S8 and IQ4's
+ * codebook (its values reach -127 and 113) */
 static inline int q_wide(int fmt) {
     return QI8_ISA == 1 && (q_base(fmt) == 1 || q_code(fmt)) && q_off(fmt) != 12;
 }
