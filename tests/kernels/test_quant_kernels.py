@@ -304,6 +304,7 @@ def test_int8_activations_keep_the_logprobs_of_the_readme_example(int8_engine):
     level per block moved the logprobs by ~0.1 and flipped its answer; two levels keep the top
     logprobs within 0.01 of float32 and the answer ("The capital of France is Paris.")."""
     from pagedllm import LLM, SamplingParams
+    cpu.set_one_level(True)  # the default: its 37-token prompt stays under ONE_LEVEL_ROWS, two levels
     msgs = [{"role": "user", "content": "What is the capital of France?"}]
     p = SamplingParams(temperature=0, max_tokens=8, logprobs=3)
 
