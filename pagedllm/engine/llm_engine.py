@@ -19,6 +19,7 @@ from pagedllm.engine.messages import EngineCoreRequest, EngineDeadError
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.processor import Processor, PromptTooLongError  # noqa: F401  (re-exported)
 from pagedllm.inputs import parse_prompt
+from pagedllm.multimodal_whisper import context_len as whisper_context_len, is_whisper
 from pagedllm.outputs import RequestOutput
 from pagedllm.plan import plan_engine
 from pagedllm.request import RequestStatus
@@ -74,6 +75,8 @@ class LLMEngine:
         self.pooler_config = self._pooler_config()
         self.generation_config = read_generation_config(self.model_dir)
         model_limit = getattr(self.hf_config, "max_position_embeddings", None) or args.max_model_len or 2048
+        if is_whisper(self.hf_config):  # the clip's placeholder rows, then the decoder's 448 positions
+            model_limit = whisper_context_len(self.hf_config)
         if self.encoder_only:
             from pagedllm.models.encoder_only import max_input_len
             from pagedllm.models.pooling_config import sentence_transformers_max_len
@@ -103,6 +106,15 @@ class LLMEngine:
     def _multimodal_processor(self, args: EngineArgs):
         """An image-text model's processor (``multimodal.MultiModalProcessor``), else ``None``."""
         from pagedllm.models.transformers_vision import is_mm_prefix_model, is_multimodal_model, is_prefix_lm
+        if is_whisper(self.hf_config):  # one clip and the decoder prompt (multimodal_whisper)
+            for flag, value in (("--mm-processor-kwargs", args.mm_processor_kwargs),
+                                ("--enable-mm-embeds", args.enable_mm_embeds),
+                                ("--video-pruning-rate", args.video_pruning_rate)):
+                if value:
+                    raise ValueError(f"{flag}: Whisper takes one audio clip and its decoder prompt")
+            from pagedllm.media import MediaPolicy
+            from pagedllm.multimodal_whisper import WhisperPromptProcessor
+            return WhisperPromptProcessor(self.model_dir, self.hf_config, MediaPolicy())
         if not is_multimodal_model(self.hf_config):
             for flag, value in (("--mm-processor-kwargs", args.mm_processor_kwargs),
                                 ("--enable-mm-embeds", args.enable_mm_embeds),

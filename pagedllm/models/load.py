@@ -71,6 +71,12 @@ def load_model(model_dir: str | Path, plan: LoadPlan):
         logger.info("loaded %s (%s, %s for pooling) in %.1f s", model_dir, config.architectures, kind,
                     time.perf_counter() - t0)
         return model, config
+    if plan.impl == "whisper":
+        from pagedllm.models.whisper import load_whisper_model
+        model = load_whisper_model(model_dir, config, plan.dtype, plan.device, backend)
+        model.quantization_method = "none"
+        logger.info("loaded %s (Whisper) in %.1f s", model_dir, time.perf_counter() - t0)
+        return model, config
     if plan.impl == "transformers":
         from pagedllm.models.transformers_backend import load_transformers_model
         model = load_transformers_model(model_dir, config, plan.dtype, plan.device, backend, plan.prepack,

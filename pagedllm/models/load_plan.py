@@ -93,7 +93,7 @@ def plan_load(model_dir: str | Path, config, dtype: torch.dtype, device: torch.d
     name = attention_backend if world == 1 or attention_backend == "triton" else "torch"
     backend = select_attention_backend(device, dtype, name)  # builds or loads the C kernels, once
     kernels_on = world == 1 and cpu_kernels.applies(device, dtype) and backend.uses_cpu_kernels
-    if impl in ENCODER_IMPLS:
+    if impl in ENCODER_IMPLS or impl == "whisper":  # float weights: no packed encoder or cross-attention
         quantization = "none"
     elif world == 1:
         quantization = resolve_quantization(quantization, Path(model_dir), impl, kernels_on, _hybrid(config))

@@ -32,8 +32,8 @@ MODEL_IMPLS = ("auto", "native", "transformers")
 
 
 def select_impl(config, model_impl: str = "auto") -> str:
-    """Which implementation serves ``config``: ``"native"``, ``"transformers"``, ``"encoder"`` or
-    ``"transformers-encoder"``.
+    """Which implementation serves ``config``: ``"native"``, ``"transformers"``, ``"encoder"``,
+    ``"transformers-encoder"`` or ``"whisper"`` (the encoder-decoder, ``models/whisper.py``).
 
     ``auto`` takes the native one when it exists, else the Transformers backend. An encoder-only
     model (for pooling) is ``"encoder"`` (native BERT, ``models/bert.py``) or
@@ -49,6 +49,11 @@ def select_impl(config, model_impl: str = "auto") -> str:
         raise ValueError(f"model_impl must be one of {MODEL_IMPLS}, got {model_impl!r}")
     if is_encoder_only(config):
         return encoder_impl(config, model_impl)
+    from pagedllm.multimodal_whisper import is_whisper
+    if is_whisper(config):
+        if model_impl == "native":
+            raise ValueError("Whisper has no native implementation; use --model-impl transformers or auto")
+        return "whisper"
     archs = getattr(config, "architectures", None) or []
     native = any(a in NATIVE_ARCHITECTURES for a in archs)
     if model_impl == "native" or (model_impl == "auto" and native):

@@ -112,7 +112,8 @@ class ModelRunner:
         # the strategies, chosen once: where inputs are built, how tokens are drawn, how steps are
         # issued (step_inputs.py, token_drawers.py, step_issuers.py)
         self.step_inputs = make_step_inputs(self.input_batch, self.attention_backend, device, block_size,
-                                            bidirectional=self.mm_prefix)
+                                            bidirectional=self.mm_prefix,
+                                            metadata=getattr(model, "step_metadata", None))  # Whisper's layouts
         self.drawer = make_drawer(self.sampler, self.attention_backend.name, scripted_output,
                                   min(eos_token_ids) if eos_token_ids else 0, seed)
         self.issuer = make_issuer(self, executor, self.pipeline_overlap)

@@ -29,15 +29,18 @@ class HostInputs:
 
     Args:
         input_batch: the runner's persistent batch; attention_backend: builds the step's metadata;
-        device: where the inputs go; block_size: tokens per KV block.
+        device: where the inputs go; block_size: tokens per KV block; metadata: the model's own
+        metadata strategy ``(backend, AttentionBatch) -> metadata`` (Whisper's three layouts:
+        ``models/whisper.py``), else ``distributed.micro_batch.step_metadata``.
     """
 
     name = "host"
 
     def __init__(self, input_batch: InputBatch, attention_backend: AttentionBackend, device: torch.device,
-                 block_size: int) -> None:
+                 block_size: int, metadata=None) -> None:
         self.input_batch, self.attention_backend = input_batch, attention_backend
         self.device, self.block_size = device, block_size
+        self.metadata = metadata or step_metadata  # (backend, AttentionBatch) -> the model's metadata
 
     def gather(self, slots: np.ndarray, n: np.ndarray, start: np.ndarray, end: np.ndarray,
                qsl: np.ndarray, bidirectional: list | None = None) -> tuple[np.ndarray, np.ndarray, AttentionMetadata]:
@@ -59,7 +62,7 @@ class HostInputs:
         slot_mapping = b.block_table[row_slot, pos // bs] * bs + pos % bs
         b.num_computed_tokens[slots] = end
         # whole, or as pipeline micro-batches (``distributed/micro_batch.py``)
-        meta = step_metadata(self.attention_backend, AttentionBatch(
+        meta = self.metadata(self.attention_backend, AttentionBatch(
             query_start_loc=qsl, num_computed=start, seq_lens=end, slot_mapping=slot_mapping,
             block_table=b.block_table, rows=slots, block_size=bs, bidirectional=bidirectional))
         return input_ids, pos, meta
@@ -116,9 +119,10 @@ class DeviceStepInputs:
 
 
 def make_step_inputs(input_batch: InputBatch, attention_backend: AttentionBackend, device: torch.device,
-                     block_size: int, bidirectional: bool = False) -> HostInputs | DeviceStepInputs:
+                     block_size: int, bidirectional: bool = False, metadata=None) -> HostInputs | DeviceStepInputs:
     """The device builder for the Triton backend (unless ``PAGEDLLM_DEVICE_INPUTS=0``), else the host
-    one; always the host one for a model with ``bidirectional`` image spans (Gemma 3)."""
-    if attention_backend.name == "triton" and envs.PAGEDLLM_DEVICE_INPUTS and not bidirectional:
+    one; always the host one for a model with ``bidirectional`` image spans (Gemma 3) or its own
+    ``metadata`` strategy (``HostInputs``)."""
+    if attention_backend.name == "triton" and envs.PAGEDLLM_DEVICE_INPUTS and not bidirectional and metadata is None:
         return DeviceStepInputs(input_batch, attention_backend, device)
-    return HostInputs(input_batch, attention_backend, device, block_size)
+    return HostInputs(input_batch, attention_backend, device, block_size, metadata)

@@ -23,6 +23,7 @@ from pagedllm.core.scheduler_output import CachedRequestData, NewRequestData
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.device.device_inputs import DeviceInputs
 from pagedllm.worker.input_batch import InputBatch
+from pagedllm.distributed.micro_batch import step_metadata
 from pagedllm.worker.step_inputs import HostInputs
 
 MAX_LEN = 150
@@ -138,7 +139,8 @@ def _host_reference(batch, backend, slots, n, start, end, pend, pending_src, pre
     """The host path: ``HostInputs.gather`` with the placeholders filled as ``_run`` fills them."""
     qsl = np.zeros(n.size + 1, np.int64)
     np.cumsum(n, out=qsl[1:])
-    ns = SimpleNamespace(input_batch=batch, block_size=batch.block_size, attention_backend=backend)
+    ns = SimpleNamespace(input_batch=batch, block_size=batch.block_size, attention_backend=backend,
+                         metadata=step_metadata)
     ids, pos, meta = HostInputs.gather(ns, slots, n, start, end, qsl)
     ids = ids.copy()
     if pend.size:
