@@ -64,6 +64,7 @@ class WhisperPromptProcessor:
     image_placeholder = None
     video_placeholder = None
     audio = None  # no chat placeholder: Whisper's prompts are the transcription endpoints' or vLLM's dict
+    needs_media = True  # a prompt without its clip is refused (``engine/processor.py``)
 
     def __init__(self, model_dir: str | Path, config, policy: MediaPolicy | None = None) -> None:
         from transformers import WhisperProcessor

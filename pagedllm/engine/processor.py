@@ -234,6 +234,9 @@ class Processor:
                 refuses (too many, not matching the text's image tokens).
         """
         if not isinstance(prompt, MultiModalPrompt):
+            if getattr(self.multimodal, "needs_media", False):  # Whisper: its decoder reads a clip's encoder rows
+                raise SamplingParamError("prompt", "prompt: this model transcribes audio; give a clip in "
+                                         "multi_modal_data (or use /v1/audio/transcriptions)")
             return self.tokenize(prompt), []
         if self.multimodal is None:
             raise SamplingParamError("multi_modal_data", "multi_modal_data: this model reads text only")

@@ -126,8 +126,8 @@ def test_a_clip_heard_again_reuses_its_cross_attention_blocks(tiny_whisper, gree
 
 @needs_wheel
 def test_bad_clips_are_refused_and_cost_nothing(tiny_whisper, assert_no_leaks):
-    """Two clips, a 31 s clip, an image, no clip: ``SamplingParamError`` naming ``multi_modal_data``;
-    the next request is served and nothing is held."""
+    """Two clips, a 31 s clip, an image, an empty clip: ``SamplingParamError`` naming ``multi_modal_data``;
+    a text prompt alone: naming ``prompt``; the next request is served and nothing is held."""
     from PIL import Image
 
     from pagedllm.sampling_params import SamplingParamError
@@ -135,11 +135,12 @@ def test_bad_clips_are_refused_and_cost_nothing(tiny_whisper, assert_no_leaks):
     bad = [({"prompt": PROMPT, "multi_modal_data": {"audio": [(CLIPS[0], RATE), (CLIPS[1], RATE)]}}, "exactly one clip"),
            (_request(np.zeros(31 * RATE, np.float32)), "at most 30 s"),
            ({"prompt": PROMPT, "multi_modal_data": {"image": Image.new("RGB", (8, 8))}}, "audio only"),
-           (_request(np.zeros((0,), np.float32)), "multi_modal_data")]
+           (_request(np.zeros((0,), np.float32)), "multi_modal_data"),
+           (PROMPT, "transcribes audio")]
     for prompt, match in bad:
         with pytest.raises(SamplingParamError, match=match) as err:
             llm.generate(prompt, GREEDY, use_tqdm=False)
-        assert err.value.param == "multi_modal_data"
+        assert err.value.param == ("prompt" if prompt == PROMPT else "multi_modal_data")
     assert len(llm.generate(_request(CLIPS[2]), GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == MAX_NEW
     assert_no_leaks(llm.engine)
 
