@@ -63,6 +63,8 @@ class SchedulerStats(_Indexable):
         num_preemptions: preemptions so far.
         prefix_cache_queries, prefix_cache_hits: prefix-cache lookups and hits, in tokens.
         num_prompt_tokens, num_generation_tokens: token totals so far.
+        num_computed_tokens: tokens the model has run so far (prompt chunks, decode inputs, draft tokens;
+            recomputed ones again: a preempted prompt counts twice).
         num_video_tokens_pruned: video tokens EVS dropped before the language model so far
             (``--video-pruning-rate``; not in ``num_prompt_tokens``).
         num_steps: steps applied so far; max_num_running: most requests in one step.
@@ -99,6 +101,7 @@ class SchedulerStats(_Indexable):
     prefix_cache_hits: int = 0
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
+    num_computed_tokens: int = 0
     num_video_tokens_pruned: int = 0
     num_steps: int = 0
     max_num_running: int = 0

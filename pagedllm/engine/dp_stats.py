@@ -9,7 +9,7 @@ from pagedllm.stats import SchedulerStats, StepTimings
 
 # counters and pool sizes that add up across replicas
 _SUMMED = ("num_preemptions", "prefix_cache_queries", "prefix_cache_hits", "num_prompt_tokens", "num_video_tokens_pruned",
-           "num_generation_tokens", "num_steps", "spec_num_drafts", "spec_num_draft_tokens",
+           "num_generation_tokens", "num_computed_tokens", "num_steps", "spec_num_drafts", "spec_num_draft_tokens",
            "spec_num_accepted_tokens")
 _GAUGES = ("num_running", "num_waiting", "num_free_blocks", "num_blocks")  # of live replicas only
 _TIMES = ("schedule_s", "prepare_s", "execute_s", "sample_s", "update_s", "idle_s")

@@ -179,6 +179,7 @@ class EngineCore:
         self.async_scheduling = args.async_scheduling
         self._in_flight = None  # (SchedulerOutput, StepHandle) issued but not yet applied
         self.num_prompt_tokens = self.num_generation_tokens = self.num_steps = self.max_num_running = 0
+        self.num_computed_tokens = 0
         self.num_video_tokens_pruned = 0
         self.timer = StepTimer()
         # whether steps use the C CPU kernels, as chosen once at load with the attention backend
@@ -360,6 +361,7 @@ class EngineCore:
         self.num_steps += 1
         self.max_num_running = max(self.max_num_running, len(so.num_scheduled_tokens))
         self.num_generation_tokens += sum(len(o.new_token_ids) for o in core_outputs)
+        self.num_computed_tokens += so.total_num_scheduled_tokens
         if not self.has_unfinished_requests():
             self.timer.pause()
             return_freed_memory()  # idle now: give the steps' freed activations back to the OS
@@ -390,6 +392,7 @@ class EngineCore:
                               num_prompt_tokens=self.num_prompt_tokens,
                               num_video_tokens_pruned=self.num_video_tokens_pruned,
                               num_generation_tokens=self.num_generation_tokens, num_steps=self.num_steps,
+                              num_computed_tokens=self.num_computed_tokens,
                               max_num_running=self.max_num_running, cpu_kernels=self.cpu_kernels,
                               weight_formats=self.weight_formats, weight_kernels=self.weight_kernels,
                               expected_rss_mib=self.expected_rss_mib,
