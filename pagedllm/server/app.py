@@ -4,7 +4,8 @@ Endpoints, one router module per API: OpenAI's ``/v1/models``, ``/v1/chat/comple
 ``/v1/completions`` (``routes_openai``; ``stream: true`` answers with server-sent events ending in
 ``data: [DONE]``), OpenAI's Responses API (``routes_responses``), Anthropic's Messages API
 (``routes_anthropic``), ``POST /v1/embeddings`` (a pooling model) and vLLM's ``/pooling``,
-``/score``, ``/rerank`` and ``/classify`` (``routes_pooling``), vLLM's ``POST /tokenize`` and
+``/score``, ``/rerank`` and ``/classify`` (``routes_pooling``), OpenAI's ``/v1/audio/transcriptions``
+and ``/v1/audio/translations`` for a Whisper model (``routes_audio``), vLLM's ``POST /tokenize`` and
 ``POST /detokenize`` (``routes_tokenize``), and, as vLLM's server, ``GET /health``, ``/ping``,
 ``/metrics`` (Prometheus text format, see ``server.metrics``) and ``/version``, with ``GET /stats``
 for debugging and tests (``routes_admin``); the web page at ``/`` (``server.webpage``).
@@ -33,6 +34,7 @@ from pagedllm.server.middleware import install_middleware
 from pagedllm.server.openapi import install_openapi
 from pagedllm.server.routes_admin import admin_router
 from pagedllm.server.routes_anthropic import anthropic_router
+from pagedllm.server.routes_audio import audio_router
 from pagedllm.server.routes_openai import openai_router
 from pagedllm.server.routes_pooling import pooling_router
 from pagedllm.server.routes_responses import responses_router
@@ -84,6 +86,7 @@ def build_app(llm: AsyncLLM, model_name: str, chat_template: str | None = None, 
     install_error_handlers(app)  # every error in its path's API shape (OpenAI's, or Anthropic's)
     install_openapi(app)
     for router in (admin_router(llm, metrics), openai_router(ctx, chat), tokenize_router(ctx, chat),
-                   anthropic_router(ctx, chat), responses_router(ctx, chat), pooling_router(ctx)):
+                   anthropic_router(ctx, chat), responses_router(ctx, chat), pooling_router(ctx),
+                   audio_router(ctx)):
         app.include_router(router)
     return app

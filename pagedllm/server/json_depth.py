@@ -149,12 +149,25 @@ def check_json_texts(body, limit: int = MAX_JSON_DEPTH) -> None:
         check_json_text(text, param, limit)
 
 
+AUDIO_UPLOAD_PATHS = ("/v1/audio/transcriptions", "/v1/audio/translations")
+
+
+def _is_audio_upload(scope) -> bool:
+    """A multipart/form-data body to an audio route (``server.routes_audio``): binary file bytes that
+    no JSON parser reads, so they are not scanned (their brackets are no nesting)."""
+    if not scope.get("path", "").endswith(AUDIO_UPLOAD_PATHS):
+        return False
+    ctype = next((v for k, v in scope.get("headers", ()) if k == b"content-type"), b"")
+    return ctype.split(b";")[0].strip().lower() == b"multipart/form-data"
+
+
 class JSONDepthMiddleware:
     """ASGI middleware: a request body nested past ``max_depth`` levels is answered 400, naming the
     field, before any handler reads it.
 
     Every body is scanned whatever its ``Content-Type`` (FastAPI reads a body without one as JSON,
-    and the Messages routes parse theirs themselves); an empty one costs nothing. Put it inside the
+    and the Messages routes parse theirs themselves), except a multipart upload to an audio route
+    (``_is_audio_upload``); an empty one costs nothing. Put it inside the
     body size limit, which bounds what is read here.
 
     Args:
@@ -167,7 +180,7 @@ class JSONDepthMiddleware:
 
     async def __call__(self, scope, receive, send) -> None:
         """Pass the request on with its body, or answer 400 itself."""
-        if scope["type"] != "http":
+        if scope["type"] != "http" or _is_audio_upload(scope):
             await self.app(scope, receive, send)
             return
         messages, chunks = [], []
