@@ -23,7 +23,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     Returns nothing; raises ``argparse.ArgumentError`` only if ``p`` already has one of them.
     """
     p.add_argument("model", nargs="?", default=None,
-                   help="Hugging Face directory, .gguf file or a named model (qwen2.5-coder-0.5b-instruct, gemma-3-270m); default: embedded SmolLM2-135M-Instruct")
+                   help="Hugging Face directory, .gguf file or a named model (qwen2.5-coder-0.5b-instruct, gemma-3-270m, all-minilm-l6-v2, whisper-tiny.en); default: embedded SmolLM2-135M-Instruct")
     p.add_argument("--model", dest="model_flag", default=None, help="same as the positional MODEL")
     p.add_argument("--dtype", default="float32", help="float32 (default), bfloat16 or float16")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
