@@ -4,9 +4,10 @@ decoded audio, run concurrently -> ``json`` / ``text`` / ``verbose_json`` / ``sr
 OpenAI's ``transcript.text.delta`` / ``transcript.text.done`` server-sent events.
 
 A window's decoder prompt is Whisper's: ``[<|startofprev|> previous text] <|startoftranscript|>
-<|lang|> <|transcribe|>|<|translate|> [<|notimestamps|>]`` (an English-only ``.en`` model takes no
-language or task token, and does not translate). Timestamps are asked for (no ``<|notimestamps|>``)
-when the answer has segments: ``verbose_json``, ``srt``, ``vtt``. Without ``language`` a multilingual
+<|lang|> <|transcribe|>|<|translate|> <|notimestamps|>|<|0.00|>`` (an English-only ``.en`` model
+takes no language or task token, and does not translate). Timestamps are asked for (``<|0.00|>``, no
+``<|notimestamps|>``) when the answer has segments: ``verbose_json``, ``srt``, ``vtt``; as the engine
+applies none of Whisper's timestamp rules, a model may close no segment before its window's end. Without ``language`` a multilingual
 model's language is detected on the first window: one decoding step over the language tokens only.
 Follows OpenAI's API reference for the shapes and vLLM's ``OpenAIServingTranscription`` for the rest
 (30 s windows cut at the quietest 100 ms, ``usage`` in seconds of audio); unlike openai/whisper,
@@ -220,12 +221,17 @@ class OpenAIServingTranscription(OpenAIServingBase):
         return "<|startofprev|>" + self.tokenizer.decode(keep)
 
     def task_prompt(self, w: WhisperTokens, language: str, task: str, timestamps: bool) -> str:
-        """``<|startoftranscript|><|lang|><|task|>[<|notimestamps|>]``: the language and task tokens only
-        for a multilingual model."""
+        """``<|startoftranscript|><|lang|><|task|>`` then ``<|notimestamps|>``, or with ``timestamps``
+        ``<|0.00|>``: the language and task tokens only for a multilingual model.
+
+        The first timestamp is written into the prompt, as Whisper's timestamp rules force the first
+        token to be one (openai/whisper's ``ApplyTimestampRules``; greedy takes ``<|0.00|>``): left
+        free, the model may choose ``<|notimestamps|>`` itself, since the engine applies no such rules.
+        """
         text = "<|startoftranscript|>"
         if w.multilingual:
             text += f"<|{language}|><|{task}|>"
-        return text if timestamps else text + "<|notimestamps|>"
+        return text + ("<|0.00|>" if timestamps else "<|notimestamps|>")
 
     async def detect_language(self, chunk) -> str:
         """The language code of ``chunk`` (``[samples]`` at 16 kHz): the most likely language token after

@@ -117,7 +117,8 @@ def _by_length(prompt: str, audio, params) -> list[int]:
         return [50260]  # <|de|>
     if prompt.endswith("<|notimestamps|>"):
         return words + [EOT]
-    return [T0] + words[:1] + [T0 + 50, T0 + 50] + words[1:] + [T0 + 100, EOT]
+    assert prompt.endswith("<|0.00|>")  # the first timestamp is the prompt's
+    return words[:1] + [T0 + 50, T0 + 50] + words[1:] + [T0 + 100, EOT]
 
 
 @pytest.fixture(scope="module")
@@ -189,7 +190,7 @@ def test_long_audio_runs_windows_concurrently_and_offsets_times(served):
     assert [s["id"] for s in body["segments"]] == [0, 1, 2, 3, 4]
     assert body["segments"][0]["avg_logprob"] == -0.5 and body["segments"][0]["tokens"] == HELLO[:1]
     assert "words" not in body and llm.seen[-1][3].logprobs == 0
-    assert llm.seen[-1][1] == "<|startoftranscript|>"  # timestamps: no <|notimestamps|>
+    assert llm.seen[-1][1] == "<|startoftranscript|><|0.00|>"  # timestamps: no <|notimestamps|>
 
 
 def test_srt_and_vtt(served):
@@ -228,13 +229,13 @@ def test_multilingual_language_task_and_detection(served):
     client, llm = served["multi"]
     r = post(client, {"language": "fr", "response_format": "verbose_json"})
     assert r.status_code == 200 and r.json()["language"] == "french"
-    assert llm.seen[-1][1] == "<|startoftranscript|><|fr|><|transcribe|>"
+    assert llm.seen[-1][1] == "<|startoftranscript|><|fr|><|transcribe|><|0.00|>"
     r = post(client, {"response_format": "verbose_json"})  # detected on the first window: <|de|>
     assert r.status_code == 200 and r.json()["language"] == "german"
     detect, main = llm.seen[-2], llm.seen[-1]
     assert detect[1] == "<|startoftranscript|>" and detect[3].max_tokens == 1
     assert sorted(detect[3].allowed_token_ids) == [50258, 50260, 50264]  # en, de, fr
-    assert main[1] == "<|startoftranscript|><|de|><|transcribe|>"
+    assert main[1] == "<|startoftranscript|><|de|><|transcribe|><|0.00|>"
     r = post(client, {"language": "English"}, path="translations")
     assert r.status_code == 200 and r.json()["text"] == "!"
     assert llm.seen[-1][1] == "<|startoftranscript|><|en|><|translate|><|notimestamps|>"
@@ -382,6 +383,7 @@ def engine_client(tiny_whisper):
     try:
         with TestClient(build_app(llm, "tiny-whisper"), raise_server_exceptions=False) as client:
             yield _sdk(client), client
+            llm.shutdown()  # while the client's event loop still runs: the engine's last word reaches it
     finally:
         llm.shutdown()
 
@@ -414,3 +416,35 @@ def decode_for_test(raw: bytes) -> np.ndarray:
     """The file's samples as the server decodes them (16 kHz mono float32)."""
     from pagedllm.media import decode_audio
     return decode_audio(raw, "file", 16000)
+
+
+@needs_wheel
+def test_tiny_en_transcribes_speech_through_the_endpoint(tiny_en, tmp_path):
+    """The real Whisper tiny.en behind the endpoint: espeak-ng's sentence (22.05 kHz, resampled by the
+    server) comes back as ``transformers``' greedy text, whole and streamed; srt holds it too."""
+    import torch
+    from transformers import WhisperForConditionalGeneration, WhisperProcessor
+
+    from pagedllm.config import EngineArgs
+    from pagedllm.engine.async_llm import AsyncLLM
+    from pagedllm.engine.llm_engine import LLMEngine
+    raw = _speech(tmp_path, "the quick brown fox jumps over the lazy dog")
+    model, proc = WhisperForConditionalGeneration.from_pretrained(tiny_en).eval(), WhisperProcessor.from_pretrained(tiny_en)
+    feats = proc(decode_for_test(raw), sampling_rate=16000, return_tensors="pt").input_features
+    with torch.no_grad():
+        want = proc.decode(model.generate(feats, decoder_input_ids=torch.tensor([[SOT, NOTS]]))[0],
+                           skip_special_tokens=True).strip()
+    assert "quick brown fox" in want.lower()
+    llm = AsyncLLM(LLMEngine(EngineArgs(model=str(tiny_en), num_kv_blocks=300)))
+    try:
+        with TestClient(build_app(llm, "whisper-tiny.en"), raise_server_exceptions=False) as client:
+            sdk = _sdk(client)
+            assert sdk.audio.transcriptions.create(model="whisper-tiny.en", file=("fox.wav", raw)).text == want
+            events = list(sdk.audio.transcriptions.create(model="whisper-tiny.en", file=("fox.wav", raw), stream=True))
+            assert "".join(e.delta for e in events if e.type == "transcript.text.delta") == want == events[-1].text
+            srt = sdk.audio.transcriptions.create(model="whisper-tiny.en", file=("fox.wav", raw), response_format="srt")
+            assert srt.startswith("1\n00:00:00,000 --> ") and "quick brown fox" in srt.lower()
+            assert client.app.state.admission.in_flight == 0
+            llm.shutdown()  # while the client's event loop still runs: the engine's last word reaches it
+    finally:
+        llm.shutdown()
