@@ -311,6 +311,14 @@ def test_audio_past_the_duration_cap_is_a_400(served, monkeypatch):
     assert post(client).status_code == 200
 
 
+def test_a_body_over_the_server_limit_is_a_413(served):
+    """``--max-request-body-bytes`` (4 MiB by default) bounds uploads too: 160 s of 16-bit 16 kHz WAV."""
+    client, _ = served["en"]
+    r = post(client, {}, wav_bytes(tone(160.0)))
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text
+    assert post(client).status_code == 200
+
+
 @pytest.mark.filterwarnings("ignore:deprecated:DeprecationWarning")  # the SDK marks translations deprecated
 def test_openai_sdk_shapes(served):
     import openai
