@@ -66,7 +66,7 @@ class MultiModalProcessor:
                                                  smolvlm_processor)
         try:
             if model_type in PATCH_PROCESSOR_TOKENS:
-                self.processor = PatchTokenProcessor(model_dir, PATCH_PROCESSOR_TOKENS[model_type])
+                self.processor = PatchTokenProcessor(model_dir, PATCH_PROCESSOR_TOKENS[model_type], model_type)
             elif model_type == "mistral3":
                 self.processor = PixtralTokenProcessor(model_dir)
             elif model_type == "smolvlm":
@@ -186,31 +186,37 @@ class MultiModalProcessor:
     def _check_videos(self, videos: tuple, where: str) -> None:
         """Raises ``ValueError`` when the model takes no video or there are more than the limit."""
         if self.video is None:
-            raise ValueError(f"{where}.video: this model takes no video (video-text models: Qwen2-VL, Qwen2.5-VL)")
+            raise ValueError(f"{where}.video: this model takes no video (video-text models: Qwen2-VL, Qwen2.5-VL, "
+                             f"Qwen3-VL)")
         if len(videos) > self.video.limit:
             raise ValueError(f"{where}: {len(videos)} videos, more than --limit-mm-per-prompt allows "
                              f"({self.video.limit})")
 
     def _video_inputs(self, out: dict, ids: list[int], videos: tuple, where: str) -> list[MultiModalInput]:
-        """One ``MultiModalInput`` per video (``modality`` ``video``) from the processor's output.
+        """One ``MultiModalInput`` per video (``modality`` ``video``) from the processor's output: its
+        placeholder runs (Qwen3-VL: one per frame group, timestamp text between: ``runs``).
 
         Raises:
-            ValueError: the text's video placeholder runs are not one per video.
+            ValueError: the text's video placeholder runs do not add up to each video's placeholders.
         """
         from pagedllm.multimodal_patches import patch_rows
         from pagedllm.multimodal_video import video_hash
         runs = placeholder_runs(ids, self.video.token_id)
-        if len(runs) != len(videos):
-            raise ValueError(f"{where}: the text places {len(runs)} video runs for {len(videos)} videos (put "
-                             f"the model's video token once per video)")
+        groups = group_runs(runs, [int(c) for c in out["video_tokens"]], len(videos))
+        if groups is None:
+            raise ValueError(f"{where}: the text places {len(runs)} video runs that are not those of {len(videos)} "
+                             f"videos (put the model's video token once per video)")
         grids = np.asarray(out["video_grid_thw"])
         rows = patch_rows(np.ascontiguousarray(out["pixel_values_videos"], dtype=np.float32), grids)
         full = out["video_rows"]  # rows each video's encoder output has, before EVS
-        return [MultiModalInput(video_hash(frames, fps), off, n, px.tobytes(), list(px.shape),
-                                extra={"video_grid_thw": grid.tolist(), "second_per_grid_ts": [float(sec)]},
-                                modality="video", pruned=int(whole) - n)
-                for (frames, fps), (off, n), px, grid, sec, whole in zip(videos, runs, rows, grids,
-                                                                         out["second_per_grid_ts"], full)]
+        inputs = []
+        for (frames, fps), g, px, grid, sec, whole in zip(videos, groups, rows, grids, out["second_per_grid_ts"], full):
+            off = g[0][0]
+            inputs.append(MultiModalInput(video_hash(frames, fps), off, g[-1][0] + g[-1][1] - off, px.tobytes(),
+                                          list(px.shape), modality="video", pruned=int(whole) - sum(n for _, n in g),
+                                          extra={"video_grid_thw": grid.tolist(), "second_per_grid_ts": [float(sec)]},
+                                          runs=[[a - off, n] for a, n in g] if len(g) > 1 else []))
+        return inputs
 
     def _clips(self, audios: tuple, where: str) -> tuple:
         """The prompt's clips as ``[samples]`` float32 at the feature extractor's rate.

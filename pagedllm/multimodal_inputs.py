@@ -58,7 +58,8 @@ class MultiModalInput(msgspec.Struct, frozen=True):
             ``[t * h * w, C * T * P * P]``).
         runs: ``[start, count]`` of each run of its placeholders, ``start`` from ``offset``, when they
             are several runs with other tokens between (Idefics3: one run per crop, each after its
-            ``<row_i_col_j>`` text); empty: one run of ``length``.
+            ``<row_i_col_j>`` text; Qwen3-VL's videos: one run per frame pair, each after its
+            ``<t seconds>`` text); empty: one run of ``length``.
         views: its pixels' first dimension is several views the tower takes as separate images
             (Gemma 3's pan-and-scan: the original, then its crops, each a run).
         embeds: ``data`` holds the image's embeddings, ``[rows, hidden]`` float32, given by the client

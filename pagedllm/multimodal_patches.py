@@ -44,18 +44,25 @@ class PatchTokenProcessor:
         model_dir: the model directory (tokenizer and ``preprocessor_config.json``).
         tokens: ``PATCH_PROCESSOR_TOKENS``' pair: ``image_token`` (what a prompt writes per image:
             ``Processor.image_placeholder``) and ``pad_token`` (what is repeated).
+        model_type: the model's ``config.model_type``; ``qwen3_vl``: videos as timestamped frame
+            groups (``multimodal_video``), with its video processor's settings.
     Raises:
         OSError, ValueError: from ``transformers`` when the directory lacks either part.
-    Source: transformers' ``Qwen2_5_VLProcessor.__call__`` (the placeholder expansion).
+    Source: transformers' ``Qwen2_5_VLProcessor.__call__`` (the placeholder expansion); Qwen's
+    ``Qwen3VLProcessor.__call__`` (4.57: a video's timestamped groups).
     """
 
-    def __init__(self, model_dir: str | Path, tokens: tuple[str, str]) -> None:
+    def __init__(self, model_dir: str | Path, tokens: tuple[str, str], model_type: str | None = None) -> None:
         from transformers import AutoImageProcessor, AutoTokenizer
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         self.image_processor = AutoImageProcessor.from_pretrained(str(model_dir))
         self.image_token, self.pad_token = tokens
         self.video_token = self.image_token.replace(self.pad_token, _VIDEO_PAD)  # Qwen-VL's video placeholder
         self.merge = int(getattr(self.image_processor, "merge_size", 2))
+        self.video_settings = None  # Qwen3-VL's video processor settings (timestamped frame groups)
+        if model_type == "qwen3_vl":
+            from pagedllm.multimodal_video import qwen3_video_settings
+            self.video_settings = qwen3_video_settings(model_dir)
 
     def __call__(self, text: str, images: list | None = None, return_tensors: str = "np",
                  add_special_tokens: bool = True, videos: tuple = (), video_pruning_rate: float = 0.0,
@@ -66,12 +73,15 @@ class PatchTokenProcessor:
 
         With ``videos`` (``(frames [F, H, W, 3] uint8, fps)`` each; ``multimodal_video``) also
         ``pixel_values_videos`` (all videos' patches), ``video_grid_thw`` ``[V, 3]``,
-        ``second_per_grid_ts`` ``[V]`` (seconds per temporal patch) and ``video_rows`` ``[V]`` (rows
-        of each video's encoder output); each video token becomes the rows EVS keeps at
-        ``video_pruning_rate`` (all at 0).
+        ``second_per_grid_ts`` ``[V]`` (seconds per temporal patch), ``video_rows`` ``[V]`` (rows
+        of each video's encoder output) and ``video_tokens`` ``[V]`` (its placeholders); each video
+        token becomes the rows EVS keeps at ``video_pruning_rate`` (all at 0); Qwen3-VL's (the chat
+        template's ``<|vision_start|><|video_pad|><|vision_end|>`` whole, where it is so) becomes
+        one ``<t seconds><|vision_start|>`` run ``<|vision_end|>`` per frame group (``_timestamped``).
 
         Raises:
-            ValueError: the text's placeholder count differs from the images' or the videos'.
+            ValueError: the text's placeholder count differs from the images' or the videos', or
+                ``video_pruning_rate`` for Qwen3-VL.
         """
         images = list(images or [])
         pieces = _split_at(text, self.pad_token, len(images))
@@ -92,14 +102,36 @@ class PatchTokenProcessor:
         """``text`` with each ``<|video_pad|>`` expanded to its video's kept rows; the videos' arrays
         into ``out`` (``__call__``)."""
         from pagedllm.multimodal_video import qwen_video_patches, retained_rows
+        if rate and self.video_settings is not None:
+            raise ValueError("--video-pruning-rate: EVS is not supported for Qwen3-VL's timestamped videos")
         pieces = _split_at(text, _VIDEO_PAD, len(videos))
-        patches = [qwen_video_patches(frames, self.image_processor) for frames, _ in videos]
+        patches = [qwen_video_patches(frames, self.image_processor, self.video_settings) for frames, _ in videos]
         out["pixel_values_videos"] = np.concatenate([p for p, _ in patches])
         out["video_grid_thw"] = np.asarray([g for _, g in patches], dtype=np.int64)
         out["second_per_grid_ts"] = np.asarray([self.image_processor.temporal_patch_size / fps for _, fps in videos])
         out["video_rows"] = out["video_grid_thw"].prod(-1) // self.merge**2
         counts = [retained_rows(g, self.merge, rate) for _, g in patches]
+        out["video_tokens"] = np.asarray(counts, dtype=np.int64)
+        if self.video_settings is not None:
+            return self._timestamped(pieces, [g for _, g in patches], [(len(f), fps) for f, fps in videos])
         return pieces[0] + "".join(_VIDEO_PAD * c + rest for c, rest in zip(counts, pieces[1:]))
+
+    def _timestamped(self, pieces: list[str], grids: list[list[int]], timing: list[tuple[int, float]]) -> str:
+        """Qwen3-VL's text of the videos between ``pieces`` (``grids``: their ``[t, h, w]``; ``timing``:
+        their frame counts and fps): per frame group ``<t seconds>`` (one decimal;
+        ``multimodal_video.group_seconds``), ``<|vision_start|>``, its ``h * w / merge**2``
+        placeholders, ``<|vision_end|>``; a video written between ``<|vision_start|>`` and
+        ``<|vision_end|>`` replaces them too. Source: Qwen's ``Qwen3VLProcessor.__call__`` (4.57)."""
+        from pagedllm.multimodal_video import group_seconds
+        start, end = self.video_token.split(_VIDEO_PAD)
+        tp = int(self.video_settings["temporal_patch_size"])
+        text = pieces[0]
+        for (_, h, w), (n, fps), rest in zip(grids, timing, pieces[1:]):
+            if text.endswith(start) and rest.startswith(end):
+                text, rest = text[:-len(start)], rest[len(end):]
+            per = _VIDEO_PAD * (h * w // self.merge**2)
+            text += "".join(f"<{s:.1f} seconds>{start}{per}{end}" for s in group_seconds(n, fps, tp)) + rest
+        return text
 
 
 def patch_rows(pixels: np.ndarray, grid: np.ndarray) -> list[np.ndarray]:

@@ -1,5 +1,6 @@
-"""Video in prompts (issue 42, first part): a video's frames, their content hash, Qwen2-VL's and
-Qwen2.5-VL's video patches, and efficient video sampling (EVS: vLLM's ``--video-pruning-rate``).
+"""Video in prompts (issue 42, first part): a video's frames, their content hash, Qwen2-VL's,
+Qwen2.5-VL's and Qwen3-VL's video patches, Qwen3-VL's frame-group timestamps, and efficient video
+sampling (EVS: vLLM's ``--video-pruning-rate``; Qwen2-VL and Qwen2.5-VL).
 
 A video reaches the model as Qwen-VL's image patches do, with time as the grid's first axis: frames
 resized to one multiple of ``patch_size * merge_size`` (the image processor's ``smart_resize`` rule and
@@ -14,8 +15,21 @@ number kept is known before the encoder runs (``retained_rows``), so the prompt 
 placeholders; which rows survive is decided on the embeddings (``retained_index``) and the kept rows
 keep the 3-D rotary positions they had in the whole video.
 
+Qwen3-VL reads a video as one placeholder run per temporal step (frame group), each after the text of
+its time (``<0.2 seconds>``: the mean of its frames' times, frame ``i`` at ``i / fps``) and between
+``<|vision_start|>`` and ``<|vision_end|>``; its ``get_rope_index`` places each group as an image of
+its own at the text position it reaches. Its frames are resized by the video processor's rule
+(``video_preprocessor_config.json``: pixel bounds on all frames together), by PIL as for Qwen2-VL
+(transformers' resize is torchvision's); the frames are taken as given, already sampled (its
+processor's own ``fps`` resampling is not applied). EVS is refused for it: the rows kept per group
+would be written into the prompt before the encoder chose them (vLLM re-lays the prompt's groups for
+it; not done here).
+
 Sources: transformers' ``Qwen2VLVideoProcessor`` (patch order, temporal padding) and
-``Qwen2_5_VLProcessor`` (``second_per_grid_ts``); the EVS paper (Bagrov et al., 2025,
+``Qwen2_5_VLProcessor`` (``second_per_grid_ts``); ``Qwen3VLVideoProcessor`` (``smart_resize`` over
+frames, ``cap_pixels_per_frame``) and Qwen's ``Qwen3VLProcessor`` (``_calculate_timestamps``, the
+placeholder: transformers 4.57's, which replaces the chat template's whole
+``<|vision_start|><|video_pad|><|vision_end|>`` as vLLM does); the EVS paper (Bagrov et al., 2025,
 arXiv:2510.14624) and vLLM's ``--video-pruning-rate`` as documented (the retained count, the first
 frame kept).
 """
@@ -23,14 +37,22 @@ frame kept).
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
 DEFAULT_FPS = 2.0  # frames per second assumed for frames given without one (Qwen-VL's sampling rate)
-# model types whose videos are served (Qwen3-VL's processor also writes each frame's timestamp: not yet)
-VIDEO_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
+# model types whose videos are served, and those of them whose videos EVS may prune
+VIDEO_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+EVS_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
+# Qwen3VLVideoProcessor's defaults (transformers), for a model directory without video_preprocessor_config.json
+QWEN3_VIDEO_DEFAULTS = {"size": {"shortest_edge": 128 * 32 * 32, "longest_edge": 32 * 32 * 768}, "patch_size": 16,
+                        "temporal_patch_size": 2, "merge_size": 2, "image_mean": [0.5, 0.5, 0.5],
+                        "image_std": [0.5, 0.5, 0.5], "rescale_factor": 1 / 255, "do_rescale": True,
+                        "do_normalize": True, "resample": 3, "cap_pixels_per_frame": False, "max_video_tokens": 768}
 
 
 @dataclass(frozen=True)
@@ -46,6 +68,22 @@ class VideoOptions:
     token_id: int
     limit: int
     pruning_rate: float = 0.0
+
+
+def video_options(hf_config, limit: int, pruning_rate: float) -> VideoOptions | None:
+    """The ``VideoOptions`` of a model (``None``: it takes no video).
+
+    Raises:
+        ValueError: ``pruning_rate`` (``--video-pruning-rate``) for a model that takes no video or
+            whose videos EVS does not prune here (Qwen3-VL).
+    """
+    model_type = getattr(hf_config, "model_type", None)
+    if pruning_rate and model_type not in VIDEO_MODEL_TYPES:
+        raise ValueError("--video-pruning-rate: this model takes no video")
+    if pruning_rate and model_type not in EVS_MODEL_TYPES:
+        raise ValueError(f"--video-pruning-rate: EVS is not supported for {model_type} (its videos are timestamped "
+                         f"frame groups); serve it without the flag")
+    return VideoOptions(hf_config.video_token_id, limit, pruning_rate) if model_type in VIDEO_MODEL_TYPES else None
 
 
 def read_frames(video, where: str) -> np.ndarray:
@@ -94,34 +132,97 @@ def _smart_size(height: int, width: int, factor: int, min_pixels: int, max_pixel
     return h, w
 
 
-def qwen_video_patches(frames: np.ndarray, image_processor) -> tuple[np.ndarray, list[int]]:
-    """A video's patches as Qwen2-VL's video processor makes them.
+def qwen3_video_settings(model_dir: str | Path) -> dict:
+    """Qwen3-VL's video processor settings: ``video_preprocessor_config.json``'s keys over
+    ``QWEN3_VIDEO_DEFAULTS`` (``size`` as ``shortest_edge`` / ``longest_edge``: pixels of all frames
+    together).
+
+    Raises:
+        ValueError: the file is not JSON.
+    """
+    path = Path(model_dir) / "video_preprocessor_config.json"
+    try:
+        given = json.loads(path.read_text()) if path.is_file() else {}
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not JSON ({exc})") from None
+    return {**QWEN3_VIDEO_DEFAULTS, **{k: v for k, v in given.items() if k in QWEN3_VIDEO_DEFAULTS and v is not None}}
+
+
+def _qwen3_size(frames: int, height: int, width: int, video: dict) -> tuple[int, int]:
+    """A video's frame height and width under Qwen3-VL's rule: multiples of ``patch_size *
+    merge_size`` with ``frames * height * width`` within ``size``'s bounds (capped per frame with
+    ``cap_pixels_per_frame``).
+
+    Raises:
+        ValueError: an aspect ratio over 200.
+    Source: transformers' ``qwen3_vl`` ``smart_resize`` and ``Qwen3VLVideoProcessor.resize``.
+    """
+    factor, tp = int(video["patch_size"]) * int(video["merge_size"]), int(video["temporal_patch_size"])
+    lo, hi = int(video["size"]["shortest_edge"]), int(video["size"]["longest_edge"])
+    if video.get("cap_pixels_per_frame"):
+        hi = max(min(int(video["max_video_tokens"]) * factor * factor, hi // frames), int(lo * 1.05)) * frames
+    frames = max(frames, tp)  # one frame: counted as the temporal patch it is repeated into
+    if height < factor or width < factor:
+        scale = max(factor / height, factor / width)
+        height, width = int(height * scale), int(width * scale)
+    if max(height, width) / min(height, width) > 200:
+        raise ValueError(f"a video's aspect ratio must be under 200, got {max(height, width) / min(height, width)}")
+    h, w, t = round(height / factor) * factor, round(width / factor) * factor, round(frames / tp) * tp
+    if t * h * w > hi:
+        beta = math.sqrt(frames * height * width / hi)
+        h = max(factor, math.floor(height / beta / factor) * factor)
+        w = max(factor, math.floor(width / beta / factor) * factor)
+    elif t * h * w < lo:
+        beta = math.sqrt(lo / (frames * height * width))
+        h, w = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
+    return h, w
+
+
+def qwen_video_patches(frames: np.ndarray, image_processor, video: dict | None = None) -> tuple[np.ndarray, list[int]]:
+    """A video's patches as Qwen2-VL's (``video``: Qwen3-VL's) video processor makes them.
 
     Args:
         frames: ``[F, H, W, 3]`` uint8.
         image_processor: the model's Qwen-VL image processor (its patch, merge and temporal patch
-            sizes, pixel bounds, resampling, rescale factor, mean and std).
+            sizes, pixel bounds per frame, resampling, rescale factor, mean and std).
+        video: Qwen3-VL's video settings (``qwen3_video_settings``), taken instead of the image
+            processor's, with its resize rule (``_qwen3_size``).
     Returns:
         ``(pixel_values_videos [t * h * w, 3 * T * P * P] float32, video_grid_thw [t, h, w])``.
+    Raises:
+        ValueError: (Qwen3-VL) an aspect ratio over 200.
     """
     from PIL import Image
-    ip = image_processor
-    p, m, tp = int(ip.patch_size), int(ip.merge_size), int(ip.temporal_patch_size)
-    size = ip.size
-    lo = getattr(size, "shortest_edge", None) or getattr(ip, "min_pixels", None) or 56 * 56
-    hi = getattr(size, "longest_edge", None) or getattr(ip, "max_pixels", None) or 28 * 28 * 1280
-    h, w = _smart_size(frames.shape[1], frames.shape[2], p * m, int(lo), int(hi))
-    resized = np.stack([np.asarray(Image.fromarray(f).resize((w, h), resample=int(ip.resample or 3)))
+    ip = video if video is not None else {k: getattr(image_processor, k) for k in (
+        "patch_size", "merge_size", "temporal_patch_size", "resample", "rescale_factor", "do_rescale", "do_normalize",
+        "image_mean", "image_std")}
+    p, m, tp = int(ip["patch_size"]), int(ip["merge_size"]), int(ip["temporal_patch_size"])
+    if video is not None:
+        h, w = _qwen3_size(len(frames), frames.shape[1], frames.shape[2], video)
+    else:
+        size = image_processor.size
+        lo = getattr(size, "shortest_edge", None) or getattr(image_processor, "min_pixels", None) or 56 * 56
+        hi = getattr(size, "longest_edge", None) or getattr(image_processor, "max_pixels", None) or 28 * 28 * 1280
+        h, w = _smart_size(frames.shape[1], frames.shape[2], p * m, int(lo), int(hi))
+    resized = np.stack([np.asarray(Image.fromarray(f).resize((w, h), resample=int(ip["resample"] or 3)))
                         for f in frames]).astype(np.float32)
-    x = resized * float(ip.rescale_factor) if ip.do_rescale else resized
-    if ip.do_normalize:
-        x = (x - np.asarray(ip.image_mean, np.float32)) / np.asarray(ip.image_std, np.float32)
+    x = resized * float(ip["rescale_factor"]) if ip["do_rescale"] else resized
+    if ip["do_normalize"]:
+        x = (x - np.asarray(ip["image_mean"], np.float32)) / np.asarray(ip["image_std"], np.float32)
     x = x.transpose(0, 3, 1, 2)  # [F, C, H, W]
     if pad := -len(x) % tp:
         x = np.concatenate([x, np.repeat(x[-1:], pad, axis=0)])
     t, gh, gw = len(x) // tp, h // p, w // p
     x = x.reshape(t, tp, 3, gh // m, m, p, gw // m, m, p).transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)
     return np.ascontiguousarray(x.reshape(t * gh * gw, 3 * tp * p * p), dtype=np.float32), [t, gh, gw]
+
+
+def group_seconds(n_frames: int, fps: float, temporal_patch_size: int) -> list[float]:
+    """Qwen3-VL's time of each frame group (temporal patch) of ``n_frames`` frames at ``fps``: frame
+    ``i`` at ``i / fps``, the last repeated up to a whole group, each group at its first and last
+    frames' mean. Source: Qwen's ``Qwen3VLProcessor._calculate_timestamps``."""
+    t = [i / fps for i in list(range(n_frames)) + [n_frames - 1] * (-n_frames % temporal_patch_size)]
+    return [(t[i] + t[i + temporal_patch_size - 1]) / 2 for i in range(0, len(t), temporal_patch_size)]
 
 
 def retained_rows(grid: list[int], merge: int, rate: float) -> int:

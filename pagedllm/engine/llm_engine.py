@@ -128,13 +128,10 @@ class LLMEngine:
         from pagedllm.media import MediaPolicy
         from pagedllm.multimodal import MultiModalProcessor
         from pagedllm.multimodal_audio import AUDIO_PLACEHOLDERS, AudioOptions
-        from pagedllm.multimodal_video import VIDEO_MODEL_TYPES, VideoOptions
+        from pagedllm.multimodal_video import video_options
         model_type = getattr(self.hf_config, "model_type", None)
         limits = args.limit_mm_per_prompt or {}
-        if args.video_pruning_rate and model_type not in VIDEO_MODEL_TYPES:
-            raise ValueError("--video-pruning-rate: this model takes no video")
-        video = (VideoOptions(self.hf_config.video_token_id, limits.get("video", 999), args.video_pruning_rate)
-                 if model_type in VIDEO_MODEL_TYPES else None)
+        video = video_options(self.hf_config, limits.get("video", 999), args.video_pruning_rate)
         audio = (AudioOptions(self.hf_config.audio_token_id, limits.get("audio", 999), AUDIO_PLACEHOLDERS[model_type][0])
                  if model_type in AUDIO_PLACEHOLDERS else None)
         policy = MediaPolicy(_Path(args.allowed_local_media_path) if args.allowed_local_media_path else None,

@@ -106,15 +106,20 @@ class VisionMixin:
             (``MultiModalInput.pruned``),
             its offset -> ``[3, rows + pruned]`` the positions of all its rows, from which its kept
             rows take theirs once its encoder step has chosen them (its ``table`` columns until then
-            are overwritten then).
+            are overwritten then). Qwen3-VL's video runs (one per frame group, ``MultiModalInput.runs``)
+            are placed by its ``get_rope_index`` as images of one temporal step each, the timestamp
+            text between them as text.
         Source: transformers' ``get_rope_index`` on the prompt with each pruned video whole again.
         """
         cfg = self.hf.config
         ids, kinds = list(prompt_ids), [0] * len(prompt_ids)
         for m in sorted(inputs, key=lambda m: -m.offset):  # from the back: earlier offsets stay valid
-            video = m.modality == "video"
-            ids[m.offset:m.end] = [cfg.video_token_id if video else cfg.image_token_id] * (m.length + m.pruned)
-            kinds[m.offset:m.end] = [2 if video else 1] * (m.length + m.pruned)
+            token, kind = (cfg.video_token_id, 2) if m.modality == "video" else (cfg.image_token_id, 1)
+            # EVS (one run): the video whole again, its pruned rows inserted; Qwen3-VL's: a run per frame group
+            spans = [(0, m.length, m.length + m.pruned)] if m.pruned else [(a, n, n) for a, n in m.row_runs()]
+            for a, n, whole in spans:
+                ids[m.offset + a:m.offset + a + n] = [token] * whole
+                kinds[m.offset + a:m.offset + a + n] = [kind] * whole
         grids = {k: torch.tensor([m.extra[k] for m in inputs if k in m.extra])
                  for k in ("image_grid_thw", "video_grid_thw")}
         seconds = [s for m in inputs for s in m.extra.get("second_per_grid_ts", ())]

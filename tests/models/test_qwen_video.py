@@ -1,12 +1,14 @@
 """Video (issue 42, first part): Qwen2.5-VL and Qwen2-VL read a video as a grid of frame-pair patches
 with 3-D rotary positions whose temporal axis steps by the video's time (Qwen2.5-VL's
-``second_per_grid_ts``). The tiny random models of ``test_qwen_vl`` (with a ``<|video_pad|>`` token)
+``second_per_grid_ts``); Qwen3-VL as one placeholder run per frame pair, each after its time as text
+(``<0.2 seconds>``, written as transformers' ``Qwen3VLProcessor`` writes it), each run placed as an
+image of its own. The tiny random models of ``test_qwen_vl`` (with a ``<|video_pad|>`` token)
 through the Transformers backend give ``transformers``' greedy tokens and top-5 logprobs (float32) for
 a video, a video beside an image, and a text-only prompt, whole, chunked through the video and
 preempted; our video patches (``multimodal_video``: transformers' video processor needs torchvision)
 of a still video equal its image processor's patches of the still. With ``--video-pruning-rate``
 (EVS) the rows kept are the most changed ones, and the tokens equal a hand-run ``transformers``
-forward on those rows at their whole-video positions.
+forward on those rows at their whole-video positions; Qwen3-VL refuses the flag.
 """
 
 from __future__ import annotations
@@ -20,14 +22,27 @@ from tests.models.test_qwen_vl import FAMILIES, IMAGE, MAX_NEW, _image
 
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=5)
 VIDEO = "<|vision_start|><|video_pad|><|vision_end|>"
-VIDEO_FAMILIES = [f for f in FAMILIES if f != "qwen3_vl"]  # Qwen3-VL's processor also writes timestamps
+VIDEO_FAMILIES = list(FAMILIES)
+# Qwen3-VL's video processor (video_preprocessor_config.json): the image processor's patching, pixel
+# bounds on all frames together (two 64 x 96 frames: 12,288 pixels)
+QWEN3_VIDEO = {"size": {"shortest_edge": 8192, "longest_edge": 32768}, "patch_size": 16, "temporal_patch_size": 2,
+               "merge_size": 2, "video_processor_type": "Qwen3VLVideoProcessor"}
 
 
 @pytest.fixture(scope="module", params=VIDEO_FAMILIES)
 def qwen_vl(request, tmp_path_factory, smollm2_dir):
     """The tiny random model of one video family (``test_qwen_vl.qwen_vl``'s)."""
+    import json
+
+    from transformers import AutoImageProcessor
+
     from tests.models import test_qwen_vl
-    return test_qwen_vl.qwen_vl.__wrapped__(request, tmp_path_factory, smollm2_dir)
+    out = test_qwen_vl.qwen_vl.__wrapped__(request, tmp_path_factory, smollm2_dir)
+    if request.param == "qwen3_vl":
+        ip = AutoImageProcessor.from_pretrained(out[0])
+        (out[0] / "video_preprocessor_config.json").write_text(json.dumps(
+            {**QWEN3_VIDEO, "image_mean": list(ip.image_mean), "image_std": list(ip.image_std)}))
+    return out
 
 
 def _video(seed: int, frames: int = 4, size=(56, 84)) -> np.ndarray:
@@ -41,7 +56,8 @@ def _video(seed: int, frames: int = 4, size=(56, 84)) -> np.ndarray:
 
 def _inputs(qwen_vl, text, images, videos, rate=0.0):
     from pagedllm.multimodal_patches import PATCH_PROCESSOR_TOKENS, PatchTokenProcessor
-    proc = PatchTokenProcessor(qwen_vl[0], PATCH_PROCESSOR_TOKENS[qwen_vl[1].config.model_type])
+    family = qwen_vl[1].config.model_type
+    proc = PatchTokenProcessor(qwen_vl[0], PATCH_PROCESSOR_TOKENS[family], family)
     out = proc(text=text, images=images, videos=tuple((v, 2.0) for v in videos), video_pruning_rate=rate)
     out = {k: torch.from_numpy(np.asarray(v)) for k, v in out.items()}
     cfg = qwen_vl[1].config
@@ -70,10 +86,11 @@ def test_still_video_patches_equal_the_image_processors(qwen_vl):
     from PIL import Image
     from transformers import AutoImageProcessor
 
-    from pagedllm.multimodal_video import qwen_video_patches
+    from pagedllm.multimodal_video import qwen3_video_settings, qwen_video_patches
     still = _video(3, frames=1)
     ip = AutoImageProcessor.from_pretrained(qwen_vl[0])
-    ours, grid = qwen_video_patches(np.concatenate([still, still]), ip)
+    video = qwen3_video_settings(qwen_vl[0]) if qwen_vl[1].config.model_type == "qwen3_vl" else None
+    ours, grid = qwen_video_patches(np.concatenate([still, still]), ip, video)
     theirs = ip(images=[Image.fromarray(still[0])], return_tensors="np")
     assert grid == theirs["image_grid_thw"][0].tolist()
     np.testing.assert_allclose(ours, theirs["pixel_values"], atol=1e-5)
@@ -86,15 +103,18 @@ PROMPTS = [(f"What happens in {VIDEO}?", [], [_video(0)]),
 
 @pytest.mark.parametrize("budget,blocks", [(2048, 64), (4, 11)])
 def test_video_gives_transformers_tokens(qwen_vl, greedy_ref, assert_no_leaks, budget, blocks):
-    """Whole prompts; then chunks of 4 tokens (inside a video's 12 placeholders) in 11 blocks of 4
-    for prompts of 15-38 tokens with their output (preemption: the video is encoded again, its positions kept)."""
+    """Whole prompts; then chunks of 4 tokens (inside a video's 12 placeholders; Qwen3-VL's two runs
+    of 6 and their timestamps) in 11 blocks of 4 for prompts of 15-38 tokens with their output
+    (Qwen3-VL: 14 blocks for 15-49; preemption: the video is encoded again, its positions kept)."""
+    if blocks == 11 and qwen_vl[1].config.model_type == "qwen3_vl":
+        blocks = 14  # its longest request (41 + 8 tokens) takes 13 blocks
     llm = LLM(str(qwen_vl[0]), num_kv_blocks=blocks, block_size=4, max_num_batched_tokens=budget)
     outs = llm.generate([_request(*p) for p in PROMPTS], GREEDY, use_tqdm=False)
     for (text, images, videos), out in zip(PROMPTS, outs):
         ids, logits = _reference(qwen_vl, greedy_ref, text, images, videos)
         greedy_ref.assert_greedy_match(list(out.outputs[0].token_ids), ids, logits, text)
         greedy_ref.assert_logprobs(out.outputs[0], ids, logits, text)
-    if blocks == 11:
+    if blocks < 64:
         assert llm.llm_engine.get_stats().num_preemptions > 0
     core = llm.engine.core
     assert not core.scheduler.encoder.holders and not core.runner.encoder_cache.entries
@@ -151,6 +171,8 @@ def test_video_pruning_gives_the_hand_run_reference(qwen_vl, greedy_ref, assert_
     kept, the first step whole; whole and in chunks of 4 (a chunk ends between kept rows of one video,
     whose positions come from the encoder step of an earlier step); 0.75 on 12 frames: 9 of 36 kept.
     The pruned count is counted."""
+    if qwen_vl[1].config.model_type == "qwen3_vl":
+        pytest.skip("Qwen3-VL refuses --video-pruning-rate (test_qwen3_vl_refuses_video_pruning)")
     text, video = f"What changes in {VIDEO} over time?", _video(5, frames=frames)
     ids, logits, n_pruned = _evs_reference(qwen_vl, text, video, rate)
     assert n_pruned == pruned
@@ -160,6 +182,42 @@ def test_video_pruning_gives_the_hand_run_reference(qwen_vl, greedy_ref, assert_
     greedy_ref.assert_logprobs(out.outputs[0], ids, logits, "pruned video")
     assert llm.llm_engine.get_stats().num_video_tokens_pruned == pruned
     assert_no_leaks(llm.engine)
+
+
+def test_qwen3_vl_writes_transformers_timestamps(qwen_vl):
+    """Qwen3-VL's video text is transformers' ``Qwen3VLProcessor.replace_video_token``'s (frame pairs
+    at their mean time, one decimal; 3 frames: the last repeated, its pair at 1.0 s), put where the
+    prompt's whole ``<|vision_start|><|video_pad|><|vision_end|>`` was (Qwen's own processor, vLLM)."""
+    if qwen_vl[1].config.model_type != "qwen3_vl":
+        pytest.skip("timestamps are Qwen3-VL's")
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer, Qwen3VLProcessor
+    from transformers.video_utils import VideoMetadata
+
+    from pagedllm.multimodal_patches import PATCH_PROCESSOR_TOKENS, PatchTokenProcessor
+    tok = AutoTokenizer.from_pretrained(qwen_vl[0])
+    proc = PatchTokenProcessor(qwen_vl[0], PATCH_PROCESSOR_TOKENS["qwen3_vl"], "qwen3_vl")
+    stub = SimpleNamespace(video_processor=SimpleNamespace(merge_size=2, temporal_patch_size=2),
+                           vision_start_token="<|vision_start|>", vision_end_token="<|vision_end|>",
+                           video_token="<|video_pad|>")  # what replace_video_token reads of its processor
+    stub._calculate_timestamps = lambda *a: Qwen3VLProcessor._calculate_timestamps(stub, *a)
+    text = f"Watch {VIDEO} now."
+    for frames, fps in ((4, 2.0), (3, 2.0), (7, 0.5)):
+        ours = proc(text=text, videos=((_video(4, frames=frames), fps),))
+        meta = VideoMetadata(total_num_frames=frames, fps=fps, frames_indices=list(range(frames)))
+        theirs = Qwen3VLProcessor.replace_video_token(stub, {"video_grid_thw": torch.from_numpy(ours["video_grid_thw"]),
+                                                             "video_metadata": [meta]}, 0)
+        assert ours["input_ids"][0].tolist() == tok(text.replace(VIDEO, theirs))["input_ids"], theirs
+
+
+def test_qwen3_vl_refuses_video_pruning(qwen_vl):
+    """EVS would change each frame group's placeholder count, written into the prompt before the
+    encoder runs: Qwen3-VL refuses ``--video-pruning-rate`` naming the flag."""
+    if qwen_vl[1].config.model_type != "qwen3_vl":
+        pytest.skip("Qwen2-VL and Qwen2.5-VL take EVS (test_video_pruning_gives_the_hand_run_reference)")
+    with pytest.raises(ValueError, match="--video-pruning-rate: EVS is not supported for qwen3_vl"):
+        LLM(str(qwen_vl[0]), num_kv_blocks=16, block_size=4, video_pruning_rate=0.5)
 
 
 def _mp4_data_url(frames: np.ndarray, fps: int = 8) -> str:
