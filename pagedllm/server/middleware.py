@@ -86,7 +86,8 @@ class APIKeyMiddleware:
 
     async def __call__(self, scope, receive, send) -> None:
         """Pass the request on, or answer 401 itself."""
-        if scope["type"] != "http" or scope["method"] == "OPTIONS" or not self._guarded(scope):
+        kind = scope["type"]  # a WebSocket (/v1/realtime) needs the key too
+        if kind not in ("http", "websocket") or scope.get("method") == "OPTIONS" or not self._guarded(scope):
             await self.app(scope, receive, send)
             return
         headers = Headers(scope=scope)
@@ -103,6 +104,9 @@ class APIKeyMiddleware:
         else:
             scope.setdefault("state", {})["api_key_owner"] = hashlib.sha256(key.strip().encode()).hexdigest()
             await self.app(scope, receive, send)
+            return
+        if kind == "websocket":  # closed before accept: the client sees a refused handshake (HTTP 403)
+            await send({"type": "websocket.close", "code": 1008, "reason": err.message[:120]})
             return
         resp = err.response_for(scope)
         resp.headers["WWW-Authenticate"] = "Bearer"  # RFC 6750: a 401 names the scheme it wants

@@ -1,5 +1,6 @@
 """OpenAI's audio routes for a served Whisper model: ``POST /v1/audio/transcriptions`` and
-``POST /v1/audio/translations`` (multipart/form-data; ``server.transcriptions`` answers them).
+``POST /v1/audio/translations`` (multipart/form-data; ``server.transcriptions`` answers them), and
+vLLM's realtime transcription WebSocket, ``/v1/realtime`` (``server.realtime``).
 
 The form is read here, before the handler runs, so that the disconnect watch of ``server.replies``
 (which reads the ASGI channel) never races the upload's body. Errors are OpenAI's error body (400
@@ -9,11 +10,12 @@ when overloaded, 503 once the engine is gone).
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Request, WebSocket
 
 from pagedllm.media import MAX_AUDIO_BYTES
 from pagedllm.server.base import ServingContext
 from pagedllm.server.protocol_audio import RESPONSE_FORMATS, read_audio_form
+from pagedllm.server.realtime import RealtimeSession
 from pagedllm.server.replies import reply
 from pagedllm.server.transcriptions import OpenAIServingTranscription
 
@@ -54,5 +56,10 @@ def audio_router(ctx: ServingContext) -> APIRouter:
         """OpenAI Create translation: speech -> English text (a multilingual Whisper); SSE as vLLM with ``stream``."""
         form = await read_audio_form(request, MAX_AUDIO_BYTES)
         return await reply(request, serving.create(form, "translate"))
+
+    @router.websocket("/v1/realtime")
+    async def realtime(websocket: WebSocket):
+        """vLLM's realtime transcription: PCM16 audio appended as it arrives, text deltas back."""
+        await RealtimeSession(websocket, serving).run()
 
     return router
