@@ -75,7 +75,8 @@ class BodySizeLimitMiddleware:
     A ``Content-Length`` over the limit is refused before any byte of the body is read;
     a body without one (chunked) is read up to the limit and refused when it goes past.
     The accepted body is handed to the app unchanged, so the wrapped app never sees
-    more than ``max_bytes`` bytes.
+    more than ``max_bytes`` bytes; an audio upload (``defaults.AUDIO_UPLOAD_PATHS``) may take up to
+    ``defaults.AUDIO_UPLOAD_BYTES`` (OpenAI's 25 MB) when that is more.
 
     Args:
         app: the wrapped ASGI app.
@@ -86,10 +87,18 @@ class BodySizeLimitMiddleware:
     def __init__(self, app, max_bytes: int, rejections: RejectionCounter) -> None:
         self.app, self.max_bytes, self.rejections = app, max_bytes, rejections
 
-    def _too_large(self) -> APIError:
+    def _too_large(self, limit: int) -> APIError:
         self.rejections.inc("body_too_large")
-        return APIError(413, f"request body too large: the limit is {self.max_bytes} bytes "
-                        f"(--max-request-body-bytes)", code="request_too_large")
+        why = "--max-request-body-bytes" if limit == self.max_bytes else "audio uploads: OpenAI's 25 MB"
+        return APIError(413, f"request body too large: the limit is {limit} bytes ({why})", code="request_too_large")
+
+    def _limit(self, scope) -> int:
+        from pagedllm.server.defaults import AUDIO_UPLOAD_BYTES, AUDIO_UPLOAD_PATHS
+        path = scope.get("path", "")
+        root = scope.get("root_path", "")
+        if root and path.startswith(root):
+            path = path[len(root):]
+        return max(self.max_bytes, AUDIO_UPLOAD_BYTES) if path in AUDIO_UPLOAD_PATHS else self.max_bytes
 
     async def __call__(self, scope, receive, send) -> None:
         """Pass the request on with its body, or answer 413 itself."""
@@ -101,8 +110,9 @@ class BodySizeLimitMiddleware:
             declared = int(length) if length is not None else None
         except ValueError:
             declared = None
-        if declared is not None and declared > self.max_bytes:
-            await send_error(scope, send, self._too_large())
+        limit = self._limit(scope)
+        if declared is not None and declared > limit:
+            await send_error(scope, send, self._too_large(limit))
             return
         chunks, size = [], 0
         while True:
@@ -111,8 +121,8 @@ class BodySizeLimitMiddleware:
                 await self.app(scope, replay([msg], receive), send)
                 return
             size += len(msg.get("body", b""))
-            if size > self.max_bytes:
-                await send_error(scope, send, self._too_large())
+            if size > limit:
+                await send_error(scope, send, self._too_large(limit))
                 return
             chunks.append(msg.get("body", b""))
             if not msg.get("more_body", False):

@@ -311,11 +311,14 @@ def test_audio_past_the_duration_cap_is_a_400(served, monkeypatch):
     assert post(client).status_code == 200
 
 
-def test_a_body_over_the_server_limit_is_a_413(served):
-    """``--max-request-body-bytes`` (4 MiB by default) bounds uploads too: 160 s of 16-bit 16 kHz WAV."""
+def test_uploads_take_openais_25_mb_then_a_413(served):
+    """Audio uploads may pass ``--max-request-body-bytes`` (4 MiB by default) up to OpenAI's 25 MB: 160 s of
+    16-bit 16 kHz WAV (5 MB) is served, 14 minutes (27 MB) is a 413."""
     client, _ = served["en"]
-    r = post(client, {}, wav_bytes(tone(160.0)))
+    assert post(client, {}, wav_bytes(tone(160.0))).status_code == 200
+    r = post(client, {}, wav_bytes(tone(840.0)))
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text
+    assert "25 MB" in r.json()["error"]["message"]
     assert post(client).status_code == 200
 
 
