@@ -48,7 +48,7 @@ class VideoUrl(BaseModel):
 
 
 class VideoUrlPart(BaseModel):
-    """A video part (vLLM's ``video_url``), for a video-text model (Qwen2-VL, Qwen2.5-VL)."""
+    """A video part (vLLM's ``video_url``), for a video-text model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL)."""
 
     type: Literal["video_url"]
     video_url: VideoUrl
