@@ -1,5 +1,5 @@
 """vLLM's ``/v1/realtime`` WebSocket (pagedllm.server.realtime) on the real Whisper tiny.en (in process,
-``build_app`` over the engine, FastAPI's ``TestClient``): 37 s of espeak-ng speech sent in 0.5 s chunks
+``build_app`` over the engine, FastAPI's ``TestClient``): 35 s of espeak-ng speech sent in 0.5 s chunks
 gives, in ``transcription.delta`` events and ``transcription.done``, the text ``/v1/audio/transcriptions``
 gives for the same file, with every prompt token computed once (the engine's ``num_computed_tokens``; the
 windows' cross-attention blocks come from the prefix cache the file's request filled);
