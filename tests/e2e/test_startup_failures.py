@@ -58,6 +58,10 @@ def test_broken_model_file_gives_one_line_naming_it(broken, case, tmp_path):
     model, culprit = broken[case]
     before = _sockets()
     env = {**os.environ, "PAGEDLLM_CACHE": str(tmp_path / "cache")}  # GGUF conversions go to a scratch cache
+    from pagedllm.cache import cache_root
+    (tmp_path / "cache").mkdir()  # but the built C kernels are shared: building them again took 90 s
+    (cache_root() / "kernels").mkdir(parents=True, exist_ok=True)
+    (tmp_path / "cache" / "kernels").symlink_to(cache_root() / "kernels", target_is_directory=True)
     r = subprocess.run([sys.executable, "-m", "pagedllm.cli", "serve", str(model), "--port", "0",
                         "--log-level", "warning"], capture_output=True, text=True, timeout=300, env=env,
                        stdin=subprocess.DEVNULL)
