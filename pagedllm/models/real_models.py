@@ -240,12 +240,14 @@ def named_wheel_model(model: str | os.PathLike | None) -> WheelModel | None:
     return next((m for m in WHEEL_MODELS.values() if key in (m.alias, m.served_name.lower())), None)
 
 
-def resolve_wheel_model(spec: WheelModel) -> Path:
-    """The installed directory of ``spec`` (found through the distribution's RECORD, not by import).
+def wheel_distribution(spec) -> importlib.metadata.Distribution:
+    """The installed distribution of a one-wheel named model ``spec`` (its ``alias``, ``dist``,
+    ``version`` and ``pip_hint()``: ``WheelModel``, ``wheel_whisper.WheelCT2Whisper``), found by name,
+    never by importing it.
 
     Raises:
-        ModelNotFoundError: the wheel is not installed, has another version, or lacks the folder's
-            ``config.json`` (the message gives the ``pip install`` command).
+        ModelNotFoundError: the wheel is not installed or has another version (the message gives the
+            ``pip install`` command).
     """
     try:
         dist = importlib.metadata.distribution(spec.dist)
@@ -255,6 +257,17 @@ def resolve_wheel_model(spec: WheelModel) -> Path:
     if dist.version != spec.version:
         raise ModelNotFoundError(f"Model {spec.alias!r}: {spec.dist} is version {dist.version}, need {spec.version}:"
                                  f"\n  {spec.pip_hint()}")
+    return dist
+
+
+def resolve_wheel_model(spec: WheelModel) -> Path:
+    """The installed directory of ``spec`` (found through the distribution's RECORD, not by import).
+
+    Raises:
+        ModelNotFoundError: the wheel is not installed, has another version, or lacks the folder's
+            ``config.json`` (the message gives the ``pip install`` command).
+    """
+    dist = wheel_distribution(spec)
     path = Path(dist.locate_file(spec.folder))
     if not (path / "config.json").is_file():
         raise ModelNotFoundError(f"Model {spec.alias!r}: {spec.dist} lacks {spec.folder}/config.json; reinstall "

