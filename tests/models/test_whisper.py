@@ -18,18 +18,12 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
+from tests.models.test_qwen2_audio import clip
 
 MAX_NEW = 12
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=5)
 PROMPT = "<|startoftranscript|><|notimestamps|>"
 RATE = 16000
-
-
-def clip(seconds: float, hz: float, seed: int = 0) -> np.ndarray:
-    """``[seconds * 16000]`` float32: a tone with a little noise."""
-    t = np.arange(int(RATE * seconds)) / RATE
-    noise = np.random.default_rng(seed).standard_normal(t.shape) * 0.05
-    return (0.3 * np.sin(2 * np.pi * hz * t) + noise).astype(np.float32)
 
 
 def _ct2_dir() -> Path | None:
