@@ -71,6 +71,9 @@ class MultiModalProcessor:
                 self.processor = PixtralTokenProcessor(model_dir)
             elif model_type == "smolvlm":
                 self.processor = smolvlm_processor(model_dir)
+            elif model_type == "voxtral":  # transformers' own needs mistral_common
+                from pagedllm.multimodal_voxtral import VoxtralAudioProcessor
+                self.processor = VoxtralAudioProcessor(model_dir)
             else:
                 self.processor = AutoProcessor.from_pretrained(str(model_dir))
         except Exception as exc:  # transformers raises OSError, ValueError, KeyError on a bad directory
@@ -226,7 +229,7 @@ class MultiModalProcessor:
         """
         from pagedllm.multimodal_audio import read_clip
         if self.audio is None:
-            raise ValueError(f"{where}.audio: this model takes no audio (audio-text models: Qwen2-Audio)")
+            raise ValueError(f"{where}.audio: this model takes no audio (audio-text models: Qwen2-Audio, Voxtral)")
         if len(audios) > self.audio.limit:
             raise ValueError(f"{where}: {len(audios)} audio clips, more than --limit-mm-per-prompt allows "
                              f"({self.audio.limit})")
@@ -245,10 +248,13 @@ class MultiModalProcessor:
             raise ValueError(f"{where}: the text places {len(runs)} audio runs for {len(clips)} clips (put "
                              f"{self.audio.placeholder} once per clip)")
         feats = np.ascontiguousarray(out["input_features"], dtype=np.float32)
-        lengths = np.asarray(out["feature_attention_mask"]).sum(-1)
-        return [MultiModalInput(clip_hash(c), off, n, f.tobytes(), list(f.shape),
-                                extra={"audio_feature_lengths": [int(k)]}, modality="audio")
-                for c, (off, n), f, k in zip(clips, runs, feats, lengths)]
+        if "audio_chunks" in out:  # Voxtral (multimodal_voxtral): a clip's 30 s chunks, [chunks, mels, frames]
+            chunks = [int(k) for k in out["audio_chunks"]]
+            feats, extras = np.split(feats, np.cumsum(chunks)[:-1]), [{"audio_chunks": [k]} for k in chunks]
+        else:
+            extras = [{"audio_feature_lengths": [int(k)]} for k in np.asarray(out["feature_attention_mask"]).sum(-1)]
+        return [MultiModalInput(clip_hash(c), off, n, f.tobytes(), list(f.shape), extra=e, modality="audio")
+                for c, (off, n), f, e in zip(clips, runs, feats, extras)]
 
     def _process(self, text: str, images: list, add_special_tokens: bool, where: str, videos: tuple = (),
                  clips: tuple = ()) -> dict:

@@ -1,9 +1,10 @@
 """Audio in prompts (issue 42, second part): a clip's samples, their content hash, and how an
-audio-text model takes clips (Qwen2-Audio through the Transformers backend).
+audio-text model takes clips (Qwen2-Audio and Voxtral through the Transformers backend).
 
 A clip reaches the model as its processor makes it: Whisper's log-mel features (``input_features``
 ``[mel bins, frames]``, padded to 30 s) and the number of feature frames that are audio; the
-placeholder (Qwen2-Audio's ``<|AUDIO|>``) is repeated once per encoder output row. Clips are mono
+placeholder (Qwen2-Audio's ``<|AUDIO|>``) is repeated once per encoder output row (Voxtral: features in
+30 s chunks, its own expansion: ``multimodal_voxtral``). Clips are mono
 float32 at the feature extractor's sampling rate (16 kHz): offline ones are resampled to it, files
 decoded and resampled by PyAV (``media.decode_audio``).
 
@@ -19,7 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 
 # model types whose audio is served: (what a prompt writes where a clip goes, the repeated token)
-AUDIO_PLACEHOLDERS = {"qwen2_audio": ("<|audio_bos|><|AUDIO|><|audio_eos|>", "<|AUDIO|>")}
+AUDIO_PLACEHOLDERS = {"qwen2_audio": ("<|audio_bos|><|AUDIO|><|audio_eos|>", "<|AUDIO|>"),
+                      "voxtral": ("[AUDIO]", "[AUDIO]")}  # ours, not mistral_common's (multimodal_voxtral)
 
 
 @dataclass(frozen=True)

@@ -66,7 +66,8 @@ class MultiModalInput(msgspec.Struct, frozen=True):
             (``image_embeds``; ``--enable-mm-embeds``): no encoder step.
         modality: ``image``, or ``video`` (Qwen-VL's patches of frame pairs: ``extra`` holds its
             ``video_grid_thw`` and ``second_per_grid_ts``), or ``audio`` (Whisper features ``[mel
-            bins, frames]``: ``extra`` holds ``audio_feature_lengths``, its frames that are audio).
+            bins, frames]``: ``extra`` holds ``audio_feature_lengths``, its frames that are audio;
+            Voxtral's ``[chunks, mel bins, 3000]``: ``extra`` holds ``audio_chunks``).
         pruned: rows the encoder gives beyond the placeholders, dropped by EVS
             (``--video-pruning-rate``; ``multimodal_video.retained_index``).
     """

@@ -117,7 +117,7 @@ def _text_config(config):
 
 def _auto_class(config):
     """``transformers``' auto class for ``config``: image-text-to-text for ``VISION_MODEL_TYPES``,
-    multimodal-LM for ``AUDIO_MODEL_TYPES`` (Qwen2-Audio)."""
+    multimodal-LM for ``AUDIO_MODEL_TYPES`` (Qwen2-Audio, Voxtral)."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForMultimodalLM
     if is_vision_model(config):
         return AutoModelForImageTextToText

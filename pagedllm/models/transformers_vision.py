@@ -26,7 +26,7 @@ PREFIX_LM_MODEL_TYPES = ("paligemma",)
 MROPE_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 # audio-text models served through the backend (issue 42): the language model on our paged attention,
 # the audio encoder and projector as transformers builds them
-AUDIO_MODEL_TYPES = ("qwen2_audio",)
+AUDIO_MODEL_TYPES = ("qwen2_audio", "voxtral")
 
 
 def is_mm_prefix_model(config) -> bool:
@@ -62,6 +62,8 @@ class VisionMixin:
         image (Qwen3-VL: ``[..., (1 + deepstack layers) * hidden]``, each row's deepstack rows after its
         embedding: ``MultiModalStep.deepstack``)."""
         p = next(self.hf.parameters())
+        if "audio_chunks" in extra:  # Voxtral's clips (multimodal_voxtral): [N, chunks, mels, frames]
+            return self.encode_chunked_audio(pixel_values.to(p.device, p.dtype))
         if "audio_feature_lengths" in extra:  # audio clips (multimodal_audio): Whisper features [N, mels, frames]
             return self.encode_audio(pixel_values.to(p.device, p.dtype), extra["audio_feature_lengths"].reshape(-1))
         extra = {k: v.to(p.device) for k, v in extra.items() if k != "second_per_grid_ts"}  # that one: positions
@@ -90,6 +92,14 @@ class VisionMixin:
                                          attention_mask=keep.long())
         rows = model.multi_modal_projector(tower(features, attention_mask=mask).last_hidden_state)
         return rows[torch.arange(rows.shape[1], device=rows.device)[None] < out_lengths[:, None]]
+
+    def encode_chunked_audio(self, features: torch.Tensor) -> torch.Tensor:
+        """Voxtral's clips in the language model's space: ``features`` ``[N, chunks, mels, frames]`` (each
+        clip's 30 s chunks of Whisper features, padded with silence; the encoder takes no mask) ->
+        ``[N * chunks * rows per chunk, hidden]``, clip after clip, chunk after chunk (each chunk's
+        encoder rows regrouped to the projector's input width: 375 rows per chunk for Voxtral Mini).
+        Source: transformers' ``VoxtralModel.get_audio_features``."""
+        return self.hf.get_audio_features(features.flatten(0, 1), return_dict=True).pooler_output
 
     def rope_positions(self, prompt_ids: list[int], inputs) -> tuple[np.ndarray, int, dict]:
         """M-RoPE (``self.mrope``) of a prompt with images or videos.
