@@ -112,3 +112,18 @@ def test_amx_needs_the_os_permission(monkeypatch):
     finally:
         cpu_features.amx_usable.cache_clear()
 
+
+
+def test_a_failed_build_names_the_compiler_error_and_leaves_no_file(tmp_path):
+    """Sources compile one per core, then link: a source that does not compile is a RuntimeError with
+    the compiler's message, and neither the library nor its objects are left behind."""
+    from pagedllm.kernels.cpu_build import compile_library
+    good, bad = tmp_path / "good.c", tmp_path / "bad.c"
+    good.write_text("int pl_good(void) { return 7; }\n")
+    bad.write_text("int pl_bad(void) { return }\n")
+    with pytest.raises(RuntimeError, match="(?s)compiling broken failed:.*bad.c"):
+        compile_library([good, bad], ["-O1", "-fPIC", "-shared"], "broken", tmp_path)
+    assert list((tmp_path / "kernels").iterdir()) == []
+    import ctypes
+    lib = ctypes.CDLL(str(compile_library([good], ["-O1", "-fPIC", "-shared"], "fine", tmp_path)))
+    assert lib.pl_good() == 7
