@@ -260,6 +260,9 @@ def load_whisper_model(model_dir, config, dtype: torch.dtype, device: torch.devi
     tb.register()
     hf = WhisperForConditionalGeneration.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa")
     hf = hf.to(device).eval()
+    from pagedllm.models.cpu_linear import prepack_available, prepack_linears
+    if prepack_available(device, dtype):  # oneDNN-packed linears (and the batch-1 kernel) as the other models
+        prepack_linears(hf)
     logger.info("Whisper: %d encoder / %d decoder layers; cross-attention K/V in the paged cache (%d rows a clip)",
                 config.encoder_layers, config.decoder_layers, encoder_rows(config))
     return WhisperModel(hf, attention_backend)
