@@ -32,14 +32,18 @@ def test_each_build_reports_its_instruction_set(isa):
 
 def test_every_build_compiles(tmp_path):
     """The builds this CPU cannot run (AVX-VNNI, AVX-512 VNNI on an AVX2 machine) still compile:
-    their code is checked on every machine, if only by the compiler. The missing ones compile side by
-    side, one compiler per core (each writes its own file and renames it into place): about half the
-    wall time of one after another on 2 cores."""
-    import os
-    from concurrent.futures import ThreadPoolExecutor
-    with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
-        paths = list(pool.map(lambda isa: cpu.build(isa=isa), cpu.ISAS))
-    assert all(p.exists() for p in paths)
+    their code is checked on every machine, if only by the compiler. They compile at ``-O0`` into a
+    scratch cache: nothing runs them here, and the compiler's target checks (an intrinsic outside its
+    build's flags fails to inline even at ``-O0``) are what matter; optimizing them took 100 s of the
+    suite. The builds this CPU runs are built and run by the tests around this one."""
+    from pagedllm.kernels import cpu_build
+    if not cpu_build._x86():
+        pytest.skip("one -march=native build off x86")
+    flags = [("-O0" if f == "-O3" else f) for f in cpu_build._FLAGS]
+    for isa in set(cpu.ISAS) - set(cpu_features.runnable_isas()):
+        path = cpu_build.compile_library(cpu_build._SOURCES, [*flags, *cpu_build.ISA_FLAGS[isa]], f"check-{isa}",
+                                         tmp_path, cpu_build._HEADERS)
+        assert path.exists()
 
 
 def test_pagedllm_cpu_isa_lowers_the_choice(monkeypatch):
