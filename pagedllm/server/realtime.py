@@ -195,10 +195,14 @@ class RealtimeSession:
             with self.serving.ctx.admission.admit(1):
                 params = SamplingParams(temperature=self.session["temperature"], max_tokens=None)
                 req = await self.serving.ctx.offload(self.serving.window_request, prompt, chunk, params)
-                async for out in self.serving.llm.generate(req):
-                    n_prompt = len(out.prompt_token_ids or ()) or n_prompt
-                    ids += out.outputs[0].token_ids
-                    await deltas.put(out.outputs[0].text)
+                gen = self.serving.llm.generate(req)
+                try:
+                    async for out in gen:
+                        n_prompt = len(out.prompt_token_ids or ()) or n_prompt
+                        ids += out.outputs[0].token_ids
+                        await deltas.put(out.outputs[0].text)
+                finally:  # a closed socket cancels this task: the request is aborted now, not at GC
+                    await gen.aclose()
         except APIError as e:
             await self._send({"type": "error", "error": e.message, "code": e.code, "param": e.param})
         finally:

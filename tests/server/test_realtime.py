@@ -102,9 +102,10 @@ def test_streamed_audio_gives_the_file_transcription_computed_once(served):
     computed = after["num_computed_tokens"] - before["num_computed_tokens"]
     cached = after["prefix_cache_hits"] - before["prefix_cache_hits"]  # the file's windows: the same clips
     assert cached == 2 * 1536  # both windows' cross-attention blocks, from the file request's
-    # every other prompt token once, each generated token but the window's last once (and at most one more per
-    # window: the async scheduler's step planned before the window's end was known)
-    assert 0 <= computed + cached - (usage["prompt_tokens"] + usage["completion_tokens"] - 2) <= 2
+    # every other prompt token once, each generated token but the window's last once; a few more at most: the
+    # async scheduler's step planned before a request's end was known (one per window, and the file request's
+    # last may land after the first snapshot). A window's prompt computed again would add 1,538.
+    assert 0 <= computed + cached - (usage["prompt_tokens"] + usage["completion_tokens"] - 2) <= 4
 
 
 @pytest.mark.parametrize("event,param", [
