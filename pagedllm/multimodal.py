@@ -64,6 +64,8 @@ class MultiModalProcessor:
 
         from pagedllm.multimodal_patches import (PATCH_PROCESSOR_TOKENS, PatchTokenProcessor, PixtralTokenProcessor,
                                                  smolvlm_processor)
+        if model_type == "voxtral" and processor_kwargs:  # our expansion has no settings: they would be ignored
+            raise ValueError("--mm-processor-kwargs: Voxtral's audio processor takes no settings")
         try:
             if model_type in PATCH_PROCESSOR_TOKENS:
                 self.processor = PatchTokenProcessor(model_dir, PATCH_PROCESSOR_TOKENS[model_type], model_type)

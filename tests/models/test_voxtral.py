@@ -151,3 +151,9 @@ def test_voxtral_refuses_images_and_extra_clips(voxtral):
         llm.generate(_request(f"{AUDIO}{AUDIO}", [clip(0.5, 440), clip(0.5, 300)]), use_tqdm=False)
     with pytest.raises(SamplingParamError, match="multi_modal_data: the text has 0 \\[AUDIO\\] tokens for 1 clips"):
         llm.generate(_request("no placeholder", [clip(0.5, 440)]), use_tqdm=False)
+
+
+def test_processor_kwargs_are_refused_for_voxtral(voxtral):
+    """Our Voxtral expansion has no settings: ``--mm-processor-kwargs`` is refused, never ignored."""
+    with pytest.raises(ValueError, match="--mm-processor-kwargs"):
+        LLM(str(voxtral[0]), num_kv_blocks=64, block_size=4, mm_processor_kwargs={"chunk_frames": 10})
