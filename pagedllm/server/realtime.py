@@ -140,6 +140,9 @@ class RealtimeSession:
         if unknown:
             raise _bad(f"session.{unknown[0]}: not implemented by this server (it takes {', '.join(_SESSION_FIELDS)})",
                        f"session.{unknown[0]}")
+        if fields.get("type", "transcription") != "transcription":  # OpenAI's session kinds: only this one
+            raise _bad(f"session.type: {fields['type']!r}: this server holds transcription sessions only",
+                       "session.type")
         if "model" in fields:
             self.serving.ctx.check_model(fields["model"])
         w = self.serving.check_model("transcribe")

@@ -113,6 +113,7 @@ def test_streamed_audio_gives_the_file_transcription_computed_once(served):
     ({"type": "input_audio_buffer.append", "audio": base64.b64encode(b"abc").decode()}, "audio"),
     ({"type": "conversation.item.create"}, "type"),
     ({"type": "session.update", "voice": "alloy"}, "session.voice"),
+    ({"type": "session.update", "session": {"type": "realtime"}}, "session.type"),
     ({"type": "session.update", "model": "gpt-4o-transcribe"}, "model"),
     ({"type": "session.update", "language": "xx"}, "language"),
     ({"type": "session.update", "temperature": 3}, "session.temperature"),
