@@ -57,6 +57,7 @@ class MultiModalProcessor:
                  embeds_width: int | None = None, video=None, audio=None) -> None:
         self.policy = policy or MediaPolicy()
         self.video, self.audio = video, audio
+        self.needs_media = model_type == "voxtral_realtime"  # a prompt without its clip is refused (processor.py)
         self.prefix_lm = prefix_lm
         self.embeds_width = embeds_width
         self._fixed: bool | None = None  # whether the placeholder count is the same for every image
@@ -64,7 +65,7 @@ class MultiModalProcessor:
 
         from pagedllm.multimodal_patches import (PATCH_PROCESSOR_TOKENS, PatchTokenProcessor, PixtralTokenProcessor,
                                                  smolvlm_processor)
-        if model_type == "voxtral" and processor_kwargs:  # our expansion has no settings: they would be ignored
+        if model_type in ("voxtral", "voxtral_realtime") and processor_kwargs:  # ours take no settings
             raise ValueError("--mm-processor-kwargs: Voxtral's audio processor takes no settings")
         try:
             if model_type in PATCH_PROCESSOR_TOKENS:
@@ -76,6 +77,9 @@ class MultiModalProcessor:
             elif model_type == "voxtral":  # transformers' own needs mistral_common
                 from pagedllm.multimodal_voxtral import VoxtralAudioProcessor
                 self.processor = VoxtralAudioProcessor(model_dir)
+            elif model_type == "voxtral_realtime":  # the streaming prompt and per-step audio rows
+                from pagedllm.multimodal_voxtral_realtime import VoxtralRealtimeAudioProcessor
+                self.processor = VoxtralRealtimeAudioProcessor(model_dir)
             else:
                 self.processor = AutoProcessor.from_pretrained(str(model_dir))
         except Exception as exc:  # transformers raises OSError, ValueError, KeyError on a bad directory
@@ -245,6 +249,10 @@ class MultiModalProcessor:
             ValueError: the text's audio placeholder runs are not one per clip.
         """
         from pagedllm.multimodal_audio import clip_hash
+        if "realtime_tokens" in out:  # Voxtral Realtime: one clip, its rows added at every position it covers
+            feats, n = np.ascontiguousarray(out["input_features"][0], dtype=np.float32), int(out["realtime_tokens"][0])
+            return [MultiModalInput(clip_hash(clips[0]), 0, n, feats.tobytes(), list(feats.shape),
+                                    extra={"realtime_tokens": [n]}, modality="audio", additive=True)]
         runs = placeholder_runs(ids, self.audio.token_id)
         if len(runs) != len(clips):
             raise ValueError(f"{where}: the text places {len(runs)} audio runs for {len(clips)} clips (put "

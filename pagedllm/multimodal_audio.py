@@ -21,7 +21,8 @@ import numpy as np
 
 # model types whose audio is served: (what a prompt writes where a clip goes, the repeated token)
 AUDIO_PLACEHOLDERS = {"qwen2_audio": ("<|audio_bos|><|AUDIO|><|audio_eos|>", "<|AUDIO|>"),
-                      "voxtral": ("[AUDIO]", "[AUDIO]")}  # ours, not mistral_common's (multimodal_voxtral)
+                      "voxtral": ("[AUDIO]", "[AUDIO]"),  # ours, not mistral_common's (multimodal_voxtral)
+                      "voxtral_realtime": ("", "")}  # no placeholder: its rows add to every step's embedding
 
 
 @dataclass(frozen=True)

@@ -70,6 +70,10 @@ class MultiModalInput(msgspec.Struct, frozen=True):
             Voxtral's ``[chunks, mel bins, 3000]``: ``extra`` holds ``audio_chunks``).
         pruned: rows the encoder gives beyond the placeholders, dropped by EVS
             (``--video-pruning-rate``; ``multimodal_video.retained_index``).
+        additive: its rows are added to the token embeddings of the positions it covers, prompt and
+            generated tokens alike, rather than written over placeholders (Voxtral Realtime's audio
+            embedding of every step: ``multimodal_voxtral_realtime``; ``offset + length`` may then lie
+            past the prompt).
     """
 
     hash: str
@@ -84,6 +88,7 @@ class MultiModalInput(msgspec.Struct, frozen=True):
     embeds: bool = False
     modality: str = "image"
     pruned: int = 0
+    additive: bool = False
 
     @property
     def end(self) -> int:

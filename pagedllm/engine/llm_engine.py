@@ -132,7 +132,8 @@ class LLMEngine:
         model_type = getattr(self.hf_config, "model_type", None)
         limits = args.limit_mm_per_prompt or {}
         video = video_options(self.hf_config, limits.get("video", 999), args.video_pruning_rate)
-        audio = (AudioOptions(self.hf_config.audio_token_id, limits.get("audio", 999), AUDIO_PLACEHOLDERS[model_type][0])
+        audio = (AudioOptions(getattr(self.hf_config, "audio_token_id", -1), limits.get("audio", 999),
+                              AUDIO_PLACEHOLDERS[model_type][0])
                  if model_type in AUDIO_PLACEHOLDERS else None)
         policy = MediaPolicy(_Path(args.allowed_local_media_path) if args.allowed_local_media_path else None,
                              tuple(args.allowed_media_domains or ()), video=(args.media_io_kwargs or {}).get("video"))

@@ -181,6 +181,9 @@ class Processor:
             raise PromptTooLongError("prompt", f"This model's maximum context length is {limit} tokens. "
                                      f"However, your prompt has {len(ids)} tokens{asked}.")
         max_tokens = params.max_tokens if params.max_tokens is not None else limit - len(ids)
+        frames = max((m.end for m in mm_inputs or () if m.additive), default=None)
+        if frames is not None:  # Voxtral Realtime: a token per audio frame, generation ends with the audio
+            max_tokens = min(max_tokens, frames - len(ids))
         if len(ids) + max_tokens > limit:
             raise PromptTooLongError("max_tokens", f"This model's maximum context length is {limit} tokens. "
                                      f"However, you requested {len(ids) + max_tokens} tokens ({len(ids)} in the "

@@ -221,6 +221,7 @@ class TransformersCausalLM(VisionMixin, nn.Module):
         self._state_spec = state_cache_spec(cfg)
         self.decode_stack = None  # set by ``load_transformers_model`` where the C stack applies
         self.is_multimodal = is_multimodal_model(hf_model.config)  # images, audio: encode_image, forward(mm=...)
+        self.realtime = getattr(hf_model.config, "model_type", None) == "voxtral_realtime"  # _realtime_logits
         self.keeps_logits = "logits_to_keep" in inspect.signature(type(hf_model).forward).parameters
         self.mrope = getattr(hf_model.config, "model_type", None) in MROPE_MODEL_TYPES  # rope_positions
         self.mm_prefix_attention = is_mm_prefix_model(hf_model.config)  # within an image: both ways
@@ -281,6 +282,9 @@ class TransformersCausalLM(VisionMixin, nn.Module):
             pos = positions.unsqueeze(0) if rope_positions is None else rope_positions.unsqueeze(1)
             if mm is not None and mm.moves:  # videos pruned by EVS: their rows' positions, known after embeds
                 pos = mm.positions(pos)
+            if self.realtime:  # Voxtral Realtime: its language model takes the time conditioning
+                embeds = tokens["inputs_embeds"] if mm is not None else self.embed_tokens(input_ids)[None]
+                return self._realtime_logits(embeds, pos, logits_indices, hidden_indices)
             if mm is not None and mm.deepstack is not None:
                 return self._deepstack_logits(tokens["inputs_embeds"], pos, mm.deepstack, logits_indices, hidden_indices)
             if not self.keeps_logits:  # a forward without logits_to_keep (Qwen2-Audio's): the rows by hand

@@ -26,7 +26,7 @@ PREFIX_LM_MODEL_TYPES = ("paligemma",)
 MROPE_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 # audio-text models served through the backend (issue 42): the language model on our paged attention,
 # the audio encoder and projector as transformers builds them
-AUDIO_MODEL_TYPES = ("qwen2_audio", "voxtral")
+AUDIO_MODEL_TYPES = ("qwen2_audio", "voxtral", "voxtral_realtime")
 
 
 def is_mm_prefix_model(config) -> bool:
@@ -62,6 +62,8 @@ class VisionMixin:
         image (Qwen3-VL: ``[..., (1 + deepstack layers) * hidden]``, each row's deepstack rows after its
         embedding: ``MultiModalStep.deepstack``)."""
         p = next(self.hf.parameters())
+        if "realtime_tokens" in extra:  # Voxtral Realtime's clip: one row per frame, added to every step's
+            return self.encode_realtime_audio(pixel_values.to(p.device, p.dtype))
         if "audio_chunks" in extra:  # Voxtral's clips (multimodal_voxtral): [N, chunks, mels, frames]
             return self.encode_chunked_audio(pixel_values.to(p.device, p.dtype))
         if "audio_feature_lengths" in extra:  # audio clips (multimodal_audio): Whisper features [N, mels, frames]
@@ -100,6 +102,28 @@ class VisionMixin:
         encoder rows regrouped to the projector's input width: 375 rows per chunk for Voxtral Mini).
         Source: transformers' ``VoxtralModel.get_audio_features``."""
         return self.hf.get_audio_features(features.flatten(0, 1), return_dict=True).pooler_output
+
+    def encode_realtime_audio(self, features: torch.Tensor) -> torch.Tensor:
+        """Voxtral Realtime's clips in the language model's space: ``features`` ``[N, mels, frames]`` ->
+        ``[N * frames / audio_length_per_tok, hidden]``, one row per text position. Its encoder is causal
+        (causal convolutions, sliding-window causal attention), so the whole clip's rows equal those
+        the streaming encoder gives frame by frame.
+        Source: transformers' ``VoxtralRealtimeModel.get_audio_features``."""
+        out = self.hf.model.get_audio_features(input_features=features, return_dict=True).pooler_output
+        return out.reshape(-1, out.shape[-1])
+
+    def _realtime_logits(self, embeds: torch.Tensor, pos: torch.Tensor, logits_indices: torch.Tensor,
+                         hidden_indices: torch.Tensor | None = None):
+        """Voxtral Realtime's language model on the step's embeddings (audio rows already added: its own
+        forward encodes audio itself) with its time conditioning (``num_delay_tokens``: the config's
+        ``default_num_delay_tokens``, the delay ``multimodal_voxtral_realtime`` prompts with). Returns
+        as ``forward``."""
+        model = self.hf.model
+        delay = torch.full((1,), float(self.hf.config.default_num_delay_tokens), device=embeds.device, dtype=embeds.dtype)
+        hidden = model.language_model(inputs_embeds=embeds, position_ids=pos, t_cond=model.time_embedding(delay)[None],
+                                      use_cache=False).last_hidden_state[0]
+        logits = self.hf.lm_head(hidden.index_select(0, logits_indices)).float()
+        return logits if hidden_indices is None else (logits, hidden.index_select(0, hidden_indices).float())
 
     def rope_positions(self, prompt_ids: list[int], inputs) -> tuple[np.ndarray, int, dict]:
         """M-RoPE (``self.mrope``) of a prompt with images or videos.

@@ -41,6 +41,8 @@ class MultiModalStep:
         encode: ``(holder, MultiModalInput)`` pairs this step encodes first.
         fills: ``(row, holder, first, count)``: flattened rows ``row .. row + count - 1`` take rows
             ``first ..`` of the holder's embeddings.
+        adds: as ``fills``, for inputs whose rows are added to the token embeddings
+            (``MultiModalInput.additive``: Voxtral Realtime's audio row of every step).
         drop: ``(cache entries, hash, holder)``: entries to remove once the rows are written (no
             later step reads them), each only while it is still that holder.
         moves: ``(row, holder, first, count, whole)``: the fills of videos pruned by EVS, whose rows take
@@ -49,8 +51,9 @@ class MultiModalStep:
         deepstack: after ``embeds``, Qwen3-VL's per-layer image rows of the step (``_deepstack``).
     """
 
-    def __init__(self, encode: list, fills: list, drop: list, moves: list | None = None) -> None:
-        self.encode, self.fills, self.drop, self.moves = encode, fills, drop, moves or []
+    def __init__(self, encode: list, fills: list, drop: list, moves: list | None = None,
+                 adds: list | None = None) -> None:
+        self.encode, self.fills, self.drop, self.moves, self.adds = encode, fills, drop, moves or [], adds or []
         self.deepstack: tuple[torch.Tensor, torch.Tensor] | None = None  # set by embeds (_deepstack)
 
     def embeds(self, model, input_ids: torch.Tensor) -> torch.Tensor:
@@ -82,6 +85,8 @@ class MultiModalStep:
         width = x.shape[1]
         for row, holder, first, count in self.fills:
             x[row:row + count] = holder.value[first:first + count, :width].to(x.dtype)
+        for row, holder, first, count in self.adds:
+            x[row:row + count] += holder.value[first:first + count].to(x.dtype)
         self.deepstack = self._deepstack(x, width)
         for entries, h, holder in self.drop:
             if entries.get(h) is holder:  # not re-encoded by a step planned since
@@ -192,7 +197,7 @@ class EncoderCache:
                 m = self.images[rid][i]
                 holder = self.entries[m.hash] = EncoderOutput()
                 encode.append((holder, m))
-        fills, moves = [], []
+        fills, moves, adds = [], [], []
         for i, rid in enumerate(rids):
             whole = self.rope[rid][2] if rid in self.rope else {}
             for m in self.images.get(rid, ()):
@@ -200,10 +205,11 @@ class EncoderCache:
                 for a, count in m.row_runs():
                     lo, hi = max(m.offset + a, int(start[i])), min(m.offset + a + count, int(end[i]))
                     if lo < hi:
-                        fills.append((int(qsl[i]) + lo - int(start[i]), self.entries[m.hash],
-                                      done + lo - m.offset - a, hi - lo))
+                        dest = adds if m.additive else fills  # Voxtral Realtime: added, not written over
+                        dest.append((int(qsl[i]) + lo - int(start[i]), self.entries[m.hash],
+                                     done + lo - m.offset - a, hi - lo))
                         if m.offset in whole:
                             moves.append(fills[-1] + (torch.from_numpy(whole[m.offset]),))
                     done += count
         drop = [(self.entries, h, self.entries[h]) for h in so.free_encoder_after if h in self.entries]
-        return MultiModalStep(encode, fills, drop, moves) if encode or fills else None
+        return MultiModalStep(encode, fills, drop, moves, adds) if encode or fills or adds else None

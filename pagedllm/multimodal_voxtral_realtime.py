@@ -1,0 +1,122 @@
+"""Voxtral Realtime's prompts (issue 42, realtime embeddings): the streaming transcription prompt and
+the clip whose audio embedding is added into every step, ours in place of ``transformers``'
+``VoxtralRealtimeProcessor`` (which needs the ``mistral_common`` tokenizer).
+
+Voxtral Realtime writes one text token per audio frame (80 ms: ``audio_length_per_tok`` mel frames of
+``hop_length`` samples). Position ``p`` of the sequence, prompt or generated, takes the token's
+embedding plus the audio encoder's row ``p`` (a causal encoder: row ``p`` hears the audio up to frame
+``p``), and the model answers the frame ``num_delay_tokens`` behind. The prompt is the BOS token and
+``[STREAMING_PAD]`` once per left-pad token and per delay token; the clip is padded with silence on
+the left (the left-pad tokens) and on the right (to a whole frame, then the delay, the BOS and a
+buffer of 10 frames for the last word), so generation ends when the audio does: ``max_tokens`` is
+at most the frames less the prompt.
+
+The clip is one ``MultiModalInput`` with ``additive`` set: offset 0, one row per frame, its rows added
+to the token embeddings of every position it covers (``worker.multimodal_step``), encoded once by the
+encoder step and held by the encoder cache until the request ends.
+
+Source: ``mistral_common``'s ``AudioEncoder`` streaming padding and ``encode_streaming_tokens`` (its
+documented rule: left pad, delay, BOS, ``OFFLINE_STREAMING_BUFFER_TOKENS``) and ``transformers``'
+``VoxtralRealtimeProcessor`` / ``VoxtralRealtimeModel.forward`` (audio rows added to the embeddings).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+STREAMING_PAD = "[STREAMING_PAD]"
+BUFFER_TOKENS = 10  # frames after the delay for the last word (mistral_common's offline buffer)
+LEFT_PAD_TOKENS = 32  # silence frames before the audio when the model's tekken.json does not say
+
+
+def is_voxtral_realtime(config) -> bool:
+    """Whether ``config`` is Voxtral Realtime's (its decode steps take the audio's embedding)."""
+    return getattr(config, "model_type", None) == "voxtral_realtime"
+
+
+class VoxtralRealtimeAudioProcessor:
+    """Voxtral Realtime's prompt and clip, in the call shape of a ``transformers`` processor
+    (``multimodal.MultiModalProcessor._process``).
+
+    Args:
+        model_dir: the model directory: ``config.json``, a tokenizer with ``[STREAMING_PAD]``, a
+            ``preprocessor_config.json`` of a ``VoxtralRealtimeFeatureExtractor`` (its defaults when
+            absent) and, when present, ``tekken.json``, whose ``audio`` section gives
+            ``streaming_n_left_pad_tokens``.
+    Raises:
+        ValueError: no ``[STREAMING_PAD]`` token, no BOS, or mel bins that are not the encoder's.
+    """
+
+    image_token = None
+
+    def __init__(self, model_dir: str | Path) -> None:
+        from transformers import AutoConfig, AutoTokenizer
+        from transformers.models.voxtral_realtime.feature_extraction_voxtral_realtime import (
+            VoxtralRealtimeFeatureExtractor)
+        model_dir = Path(model_dir)
+        config = AutoConfig.from_pretrained(str(model_dir))
+        self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        fe_file = model_dir / "preprocessor_config.json"
+        self.feature_extractor = (VoxtralRealtimeFeatureExtractor.from_pretrained(str(model_dir)) if fe_file.exists()
+                                  else VoxtralRealtimeFeatureExtractor())
+        if self.feature_extractor.feature_size != config.audio_config.num_mel_bins:
+            raise ValueError(f"{model_dir}: the feature extractor gives {self.feature_extractor.feature_size} mel "
+                             f"bins, the audio encoder takes {config.audio_config.num_mel_bins}")
+        pad = self.tokenizer.convert_tokens_to_ids(STREAMING_PAD)
+        if pad is None or pad == self.tokenizer.unk_token_id:
+            raise ValueError(f"{model_dir}: the tokenizer has no {STREAMING_PAD} token")
+        bos = config.text_config.bos_token_id
+        if bos is None:
+            raise ValueError(f"{model_dir}: the text config has no bos_token_id")
+        self.frames_per_token = int(config.audio_length_per_tok)  # mel frames of one text token
+        self.samples_per_token = self.frames_per_token * int(self.feature_extractor.hop_length)
+        self.delay_tokens = int(config.default_num_delay_tokens)
+        self.left_tokens = _left_pad_tokens(model_dir)
+        self.prompt_ids = [int(bos)] + [int(pad)] * (self.left_tokens + self.delay_tokens)
+
+    def padded(self, clip: np.ndarray) -> np.ndarray:
+        """``[samples]`` float32: the clip with its silence on the left (the left-pad frames) and on
+        the right (to a whole frame, then the delay, the BOS and the buffer frames)."""
+        per = self.samples_per_token
+        right = (-clip.shape[0]) % per + per * (self.delay_tokens + 1 + BUFFER_TOKENS)
+        return np.pad(np.asarray(clip, dtype=np.float32), (per * self.left_tokens, right))
+
+    def __call__(self, text: str, return_tensors: str = "np", add_special_tokens: bool = True, audio=None,
+                 sampling_rate: int | None = None, **unused) -> dict:
+        """The streaming prompt and one clip's log-mel features.
+
+        Args:
+            text: must be empty: the prompt is the model's own (BOS and streaming pads).
+            audio: one ``[samples]`` float32 clip at the feature extractor's rate.
+        Returns:
+            ``input_ids`` ``[1, n]`` int64, ``input_features`` ``[1, mel bins, frames]`` float32 and
+            ``realtime_tokens`` ``[1]`` int64: the clip's frames (``frames / audio_length_per_tok``),
+            the sequence's length at most.
+        Raises:
+            ValueError: text in the prompt, or not exactly one clip.
+        """
+        if text:
+            raise ValueError("Voxtral Realtime's prompt is its own (the BOS and streaming pads): send an empty "
+                             "prompt with the audio")
+        clips = list(audio or ())
+        if len(clips) != 1:
+            raise ValueError(f"Voxtral Realtime transcribes one audio clip per request, got {len(clips)}")
+        fe = self.feature_extractor
+        feats = fe(self.padded(clips[0]), sampling_rate=fe.sampling_rate, return_tensors="np")["input_features"]
+        frames = feats.shape[-1] - feats.shape[-1] % self.frames_per_token
+        feats = np.ascontiguousarray(feats[:, :, :frames], dtype=np.float32)
+        return {"input_ids": np.asarray([self.prompt_ids], dtype=np.int64), "input_features": feats,
+                "realtime_tokens": np.asarray([frames // self.frames_per_token], dtype=np.int64)}
+
+
+def _left_pad_tokens(model_dir: Path) -> int:
+    """``streaming_n_left_pad_tokens`` of the model's ``tekken.json`` audio section, else
+    ``LEFT_PAD_TOKENS``."""
+    path = model_dir / "tekken.json"
+    if not path.exists():
+        return LEFT_PAD_TOKENS
+    audio = json.loads(path.read_text()).get("audio") or {}
+    return int(audio.get("streaming_n_left_pad_tokens") or LEFT_PAD_TOKENS)
