@@ -13,8 +13,10 @@ Whisper hears 30 s windows with a bidirectional encoder, so audio cannot extend 
 prompt: each window is one request, started as soon as its audio has arrived, cut where the file
 endpoint cuts it (``subtitles.split_audio``: the quietest 100 ms of the last second before each 30 s
 boundary, decided from the audio up to that boundary alone), so nothing already heard is computed
-again and the text equals ``/v1/audio/transcriptions``' on the same audio. The per-step audio
-embedding of streaming models (Voxtral Realtime) is not built here.
+again and the text equals ``/v1/audio/transcriptions``' on the same audio. Voxtral Realtime is served
+the same way (its windows' prompts its own, no language or prompt field): within a window the engine
+adds the audio's row to every step (``MultiModalInput.additive``); a window's request starts once its
+audio is complete, as audio appended to a running request is not built.
 
 Source: vLLM's realtime protocol (``vllm/entrypoints/openai/realtime``) as documented.
 """
@@ -133,7 +135,7 @@ class RealtimeSession:
             APIError: a field this session does not implement, another model, a language the model
                 does not know, a temperature outside [0, 1].
         """
-        from pagedllm.server.transcriptions import language_code
+        from pagedllm.server.transcriptions import check_realtime_form, language_code
         fields = event.get("session") if isinstance(event.get("session"), dict) else {
             k: v for k, v in event.items() if k not in ("type", "event_id")}
         unknown = sorted(set(fields) - set(_SESSION_FIELDS) - {"type"})
@@ -146,6 +148,11 @@ class RealtimeSession:
         if "model" in fields:
             self.serving.ctx.check_model(fields["model"])
         w = self.serving.check_model("transcribe")
+        if w.realtime:  # Voxtral Realtime: no language, no prompt
+            try:
+                check_realtime_form(fields.get("language"), fields.get("prompt"), False)
+            except APIError as e:
+                raise _bad(f"session.{e.message}", f"session.{e.param}") from None
         if fields.get("language") is not None:
             fields["language"] = language_code(str(fields["language"]), w)
         t = fields.get("temperature", 0.0)

@@ -60,6 +60,10 @@ class WhisperTokens:
         max_positions: decoder positions of one request (``config.max_target_positions``, 448).
         specials: the ``<|...|>`` texts of the tokenizer's added tokens (``<|endoftext|>``, timestamps,
             languages, ...): a ``prompt`` holding one is refused, as the engine would read it as the token.
+        realtime: the model is Voxtral Realtime (``multimodal_voxtral_realtime``), not Whisper: its
+            prompt is its own (no language, task, previous text or timestamps; ``of_voxtral_realtime``),
+            its text the generated tokens less the special ones (streaming pads), a window's length
+            bounded by its audio (``max_positions``: the context).
     """
 
     sot: int
@@ -71,6 +75,7 @@ class WhisperTokens:
     languages: dict[str, int]
     max_positions: int
     specials: frozenset = frozenset()
+    realtime: bool = False
 
     @classmethod
     def of_model(cls, tokenizer, model_dir: str) -> "WhisperTokens | None":
@@ -86,6 +91,8 @@ class WhisperTokens:
             except (OSError, ValueError):
                 return {}
         config, gen = read("config.json"), read("generation_config.json")
+        if config.get("model_type") == "voxtral_realtime":
+            return cls.of_voxtral_realtime(config)
         if config.get("model_type") != "whisper":
             return None
         vocab = tokenizer.get_vocab()
@@ -97,6 +104,31 @@ class WhisperTokens:
                    timestamp_begin=vocab["<|0.00|>"], multilingual=multilingual, languages=languages,
                    max_positions=int(config.get("max_target_positions", 448)),
                    specials=frozenset(_SPECIAL.findall("".join(tokenizer.get_added_vocab()))))
+
+
+    @classmethod
+    def of_voxtral_realtime(cls, config: dict) -> "WhisperTokens":
+        """A Voxtral Realtime model's entry (``realtime``): no special token of Whisper's, English only
+        as far as the ``language`` field goes (the field is refused: ``check_realtime_form``)."""
+        positions = int((config.get("text_config") or {}).get("max_position_embeddings", 131072))
+        return cls(sot=-1, eot=-1, no_timestamps=-1, prev=-1, timestamp_begin=-1, multilingual=False, languages={},
+                   max_positions=positions, realtime=True)
+
+
+def check_realtime_form(language: str | None, prompt: str | None, segments: bool) -> None:
+    """Voxtral Realtime takes no ``language`` (it writes what it hears), no ``prompt`` and gives no
+    timestamps (``verbose_json``, ``srt``, ``vtt``).
+
+    Raises:
+        APIError: 400 naming the field.
+    """
+    for name, given in (("language", language), ("prompt", prompt)):
+        if given:
+            raise APIError(400, f"{name}: Voxtral Realtime takes no {name} (its prompt is its own)", name,
+                           code="invalid_value")
+    if segments:
+        raise APIError(400, "response_format: Voxtral Realtime gives no timestamps: json or text only",
+                       "response_format", code="invalid_value")
 
 
 @dataclass
@@ -163,6 +195,8 @@ class OpenAIServingTranscription(OpenAIServingBase):
         """
         self.ctx.check_model(form.model)
         w = self.check_model(task)
+        if w.realtime:
+            check_realtime_form(form.language, form.prompt, form.segments)
         language = language_code(form.language, w) if form.language else None
         prev = await self.ctx.offload(self.previous_text, form.prompt, w) if form.prompt else ""
         try:
@@ -173,7 +207,7 @@ class OpenAIServingTranscription(OpenAIServingBase):
         windows, chunks = [_Window(start / RATE, len(c) / RATE) for start, c in cuts], [c for _, c in cuts]
         admission = self.ctx.admission.admit(len(chunks) + (language is None and w.multilingual))
         try:
-            if language is None:
+            if language is None:  # Voxtral Realtime: "en" stands in, unused (no timestamps, no language token)
                 language = await self.detect_language(chunks[0]) if w.multilingual else "en"
             prompt = prev + self.task_prompt(w, language, task, form.segments)
             reqs, n_text = await self.ctx.offload(self._requests, prompt, chunks, form)
@@ -199,6 +233,9 @@ class OpenAIServingTranscription(OpenAIServingBase):
         if w is None:
             raise APIError(400, f"model: this model (`{self.model_name}`) does not transcribe audio: the audio "
                            "endpoints serve Whisper models", "model", code="model_not_supported")
+        if task == "translate" and w.realtime:
+            raise APIError(400, f"model: `{self.model_name}` (Voxtral Realtime) transcribes; it does not translate",
+                           "model", code="model_not_supported")
         if task == "translate" and not w.multilingual:
             raise APIError(400, f"model: `{self.model_name}` is an English-only Whisper model: it does not "
                            "translate (a multilingual Whisper does)", "model", code="model_not_supported")
@@ -228,6 +265,8 @@ class OpenAIServingTranscription(OpenAIServingBase):
         token to be one (openai/whisper's ``ApplyTimestampRules``; greedy takes ``<|0.00|>``): left
         free, the model may choose ``<|notimestamps|>`` itself, since the engine applies no such rules.
         """
+        if w.realtime:  # its prompt is the processor's own
+            return ""
         text = "<|startoftranscript|>"
         if w.multilingual:
             text += f"<|{language}|><|{task}|>"
@@ -297,6 +336,8 @@ class OpenAIServingTranscription(OpenAIServingBase):
 
     def text_of(self, ids: list[int]) -> str:
         """The text of ids, special and timestamp tokens left out (Whisper's leading space kept)."""
+        if self.whisper.realtime:  # Voxtral Realtime: streaming pads and the like are special tokens
+            return self.tokenizer.decode(ids, skip_special_tokens=True)
         return self.tokenizer.decode([t for t in ids if t < self.whisper.eot])
 
     def _respond(self, form: AudioForm, windows: list[_Window], task: str, language: str, duration: float):
