@@ -40,6 +40,20 @@ class MultiModalPrompt:
     audios: tuple = ()
 
 
+@dataclass(frozen=True)
+class PreparedPrompt:
+    r"""A prompt already through the model's processor: a realtime stream's next request
+    (``multimodal_voxtral_realtime.RealtimeStream``), its token ids and its inputs as the core takes them.
+
+    Attributes:
+        ids: the prompt's token ids.
+        inputs: its ``MultiModalInput``\ s, in position order.
+    """
+
+    ids: tuple
+    inputs: tuple
+
+
 class MultiModalInput(msgspec.Struct, frozen=True):
     """One image of a request, as the core and the runner see it.
 
@@ -74,6 +88,8 @@ class MultiModalInput(msgspec.Struct, frozen=True):
             generated tokens alike, rather than written over placeholders (Voxtral Realtime's audio
             embedding of every step: ``multimodal_voxtral_realtime``; ``offset + length`` may then lie
             past the prompt).
+        open: an additive input whose audio goes on (a realtime stream's last segment so far): every one
+            of its rows is computed, so the request may sample one token more than when it is the last.
     """
 
     hash: str
@@ -89,6 +105,7 @@ class MultiModalInput(msgspec.Struct, frozen=True):
     modality: str = "image"
     pruned: int = 0
     additive: bool = False
+    open: bool = False
 
     @property
     def end(self) -> int:

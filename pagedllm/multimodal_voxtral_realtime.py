@@ -120,3 +120,75 @@ def _left_pad_tokens(model_dir: Path) -> int:
         return LEFT_PAD_TOKENS
     audio = json.loads(path.read_text()).get("audio") or {}
     return int(audio.get("streaming_n_left_pad_tokens") or LEFT_PAD_TOKENS)
+
+
+class RealtimeStream:
+    """One utterance transcribed as its audio arrives (``/v1/realtime``): successive requests, each the
+    one before it extended, so that the KV of what was already heard is reused, never computed again.
+
+    Request ``k`` is the streaming prompt, the text tokens generated so far and the audio heard so far
+    in segments: one additive ``MultiModalInput`` per request, rows ``[R(k-1), R(k))``, ``R(k)`` a
+    whole number of KV blocks of rows. It computes every position below ``R(k)`` (``open``: it samples
+    the token at ``R(k)`` too) and ends; the next request's prompt holds those tokens, so its blocks
+    below ``R(k)`` (same tokens, same segments' hashes) are prefix-cache hits and its first computed
+    position is ``R(k)``. The last request (``final``) has the right padding and ends with the audio,
+    as the whole clip's request does. A segment's rows are the encoder's over all the audio heard
+    up to its end, its last rows kept (exact: the encoder is causal; its cost grows with the
+    utterance, as no encoder state is kept between requests). A row is taken once all its mel
+    frames' samples have arrived (a frame's window reaches ``n_fft / 2`` samples past it; the log-mel
+    frames are independent of each other with the extractor's fixed ``global_log_mel_max``).
+
+    Args:
+        processor: the model's ``VoxtralRealtimeAudioProcessor``.
+        block_size: the KV cache's tokens per block.
+    Raises:
+        ValueError: a feature extractor without ``global_log_mel_max`` (its frames then depend on the
+            whole clip's loudest one: heard in pieces they would differ).
+    """
+
+    def __init__(self, processor: VoxtralRealtimeAudioProcessor, block_size: int) -> None:
+        if processor.feature_extractor.global_log_mel_max is None:
+            raise ValueError("audio: this model's log-mel features are normalised over the whole clip "
+                             "(no global_log_mel_max): send the file to /v1/audio/transcriptions instead")
+        self.proc, self.block_size = processor, block_size
+        self.samples = np.zeros(processor.samples_per_token * processor.left_tokens, dtype=np.float32)
+        self.segments: list = []
+        self.generated: list[int] = []
+        self.rows = 0  # rows the segments cover
+
+    def append(self, samples: np.ndarray) -> None:
+        """Add heard audio: ``[n]`` float32 at the feature extractor's rate."""
+        self.samples = np.concatenate([self.samples, np.asarray(samples, dtype=np.float32)])
+
+    def next_request(self, final: bool):
+        """The next request's ``PreparedPrompt`` (``None`` while too little new audio has arrived for a
+        block of rows past the prompt; with ``final`` the rest, right padding included).
+
+        Raises:
+            ValueError: ``final`` after a request already ended the utterance.
+        """
+        from pagedllm.multimodal_audio import clip_hash
+        from pagedllm.multimodal_inputs import MultiModalInput, PreparedPrompt
+        proc, fe = self.proc, self.proc.feature_extractor
+        if final:
+            heard = proc.padded(self.samples[proc.samples_per_token * proc.left_tokens:])
+            rows = heard.shape[0] // proc.samples_per_token
+        else:
+            heard = self.samples
+            whole = (heard.shape[0] - fe.n_fft // 2) // fe.hop_length + 1  # frames whose windows are in
+            rows = (whole // proc.frames_per_token) // self.block_size * self.block_size
+            if rows <= max(self.rows, len(proc.prompt_ids) + len(self.generated)):
+                return None
+        feats = fe(heard, sampling_rate=fe.sampling_rate, return_tensors="np")["input_features"]
+        feats = np.ascontiguousarray(feats[0, :, :rows * proc.frames_per_token], dtype=np.float32)
+        n = rows - self.rows
+        segment = MultiModalInput(clip_hash(heard[:rows * proc.samples_per_token]), self.rows, n, feats.tobytes(),
+                                  list(feats.shape), extra={"realtime_tokens": [n]}, modality="audio",
+                                  additive=True, open=not final)
+        self.segments.append(segment)
+        self.rows = rows
+        return PreparedPrompt(tuple(proc.prompt_ids + self.generated), tuple(self.segments))
+
+    def took(self, token_ids: list[int]) -> None:
+        """Record a request's generated tokens (the next request's prompt holds them)."""
+        self.generated += [int(t) for t in token_ids]

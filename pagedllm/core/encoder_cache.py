@@ -90,8 +90,8 @@ class EncoderScheduler:
         """Drop ``req``'s hold on the images it has computed past (after its step is planned); returns
         the hashes nobody holds any more (the runner drops them after that step)."""
         # an additive input (Voxtral Realtime's audio rows) covers the whole sequence, whose last token is
-        # sampled, never computed: its hold ends with the last position computed
-        return [m.hash for m in req.mm_inputs if m.end - m.additive <= req.num_computed_tokens
+        # sampled, never computed (unless the audio goes on: open): its hold ends with the last position computed
+        return [m.hash for m in req.mm_inputs if m.end - (m.additive and not m.open) <= req.num_computed_tokens
                 and self._drop(m.hash, req.request_id)]
 
     def release(self, req: Request) -> None:

@@ -190,6 +190,12 @@ class KVCacheManager:
         Tail first means the end of a prefix chain is evicted before its
         start. Safe to call for a request that holds no blocks.
         """
+        blocks = self.req_to_blocks.get(request.request_id)
+        if blocks and self.enable_prefix_caching and self.checkpoints is None:
+            # a block that filled while its last token was in flight (async scheduling) is cached now that
+            # the token is known: a request that extends this one (the next chat turn, a realtime stream's
+            # next request) finds it
+            self._cache_full_blocks(request, blocks, min(request.num_computed_tokens, request.num_tokens))
         slot = self.req_to_state.pop(request.request_id, None)
         if slot is not None:
             self.state_pool.free(slot)

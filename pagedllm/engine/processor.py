@@ -14,7 +14,7 @@ from collections import OrderedDict
 from dataclasses import replace
 
 from pagedllm.engine.messages import EngineCoreRequest
-from pagedllm.multimodal_inputs import MultiModalPrompt
+from pagedllm.multimodal_inputs import MultiModalPrompt, PreparedPrompt
 from pagedllm.pooling_params import PoolerConfig, PoolingParams
 from pagedllm.sampling_params import SamplingParamError, SamplingParams
 from pagedllm.structured_output.params import StructuredOutputError
@@ -181,9 +181,9 @@ class Processor:
             raise PromptTooLongError("prompt", f"This model's maximum context length is {limit} tokens. "
                                      f"However, your prompt has {len(ids)} tokens{asked}.")
         max_tokens = params.max_tokens if params.max_tokens is not None else limit - len(ids)
-        frames = max((m.end for m in mm_inputs or () if m.additive), default=None)
-        if frames is not None:  # Voxtral Realtime: a token per audio frame, generation ends with the audio
-            max_tokens = min(max_tokens, frames - len(ids))
+        last = max((m for m in mm_inputs or () if m.additive), key=lambda m: m.end, default=None)
+        if last is not None:  # Voxtral Realtime: a token per audio frame, generation ends with the audio
+            max_tokens = min(max_tokens, last.end + last.open - len(ids))
         if len(ids) + max_tokens > limit:
             raise PromptTooLongError("max_tokens", f"This model's maximum context length is {limit} tokens. "
                                      f"However, you requested {len(ids) + max_tokens} tokens ({len(ids)} in the "
@@ -229,13 +229,16 @@ class Processor:
 
     def _prompt_ids(self, prompt, params: SamplingParams) -> tuple[list[int], list]:
         """``(ids, images)``: a text or ids as ``tokenize``; a ``MultiModalPrompt`` through the model's
-        processor (placeholders expanded, one ``MultiModalInput`` per image).
+        processor (placeholders expanded, one ``MultiModalInput`` per image); a ``PreparedPrompt`` (a
+        realtime stream's next request, made by the model's processor) as it is.
 
         Raises:
             SamplingParamError: images for a text-only model (``multi_modal_data``), with
                 ``truncate_prompt_tokens`` (it would cut placeholders), or images the processor
                 refuses (too many, not matching the text's image tokens).
         """
+        if isinstance(prompt, PreparedPrompt) and self.multimodal is not None:  # a realtime stream's next request
+            return list(prompt.ids), list(prompt.inputs)
         if not isinstance(prompt, MultiModalPrompt):
             if getattr(self.multimodal, "needs_media", False):  # Whisper: its decoder reads a clip's encoder rows
                 raise SamplingParamError("prompt", "prompt: this model transcribes audio; give a clip in "

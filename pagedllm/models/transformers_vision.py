@@ -63,7 +63,7 @@ class VisionMixin:
         embedding: ``MultiModalStep.deepstack``)."""
         p = next(self.hf.parameters())
         if "realtime_tokens" in extra:  # Voxtral Realtime's clip: one row per frame, added to every step's
-            return self.encode_realtime_audio(pixel_values.to(p.device, p.dtype))
+            return self.encode_realtime_audio(pixel_values.to(p.device, p.dtype), extra["realtime_tokens"].reshape(-1))
         if "audio_chunks" in extra:  # Voxtral's clips (multimodal_voxtral): [N, chunks, mels, frames]
             return self.encode_chunked_audio(pixel_values.to(p.device, p.dtype))
         if "audio_feature_lengths" in extra:  # audio clips (multimodal_audio): Whisper features [N, mels, frames]
@@ -103,14 +103,16 @@ class VisionMixin:
         Source: transformers' ``VoxtralModel.get_audio_features``."""
         return self.hf.get_audio_features(features.flatten(0, 1), return_dict=True).pooler_output
 
-    def encode_realtime_audio(self, features: torch.Tensor) -> torch.Tensor:
-        """Voxtral Realtime's clips in the language model's space: ``features`` ``[N, mels, frames]`` ->
-        ``[N * frames / audio_length_per_tok, hidden]``, one row per text position. Its encoder is causal
-        (causal convolutions, sliding-window causal attention), so the whole clip's rows equal those
+    def encode_realtime_audio(self, features: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """Voxtral Realtime's clips in the language model's space: ``features`` ``[N, mels, frames]``
+        (the audio heard from the start), ``keep`` ``[N]`` int64 -> ``[sum(keep), hidden]``: each clip's
+        last ``keep`` rows (one per text position, ``frames / audio_length_per_tok`` in all; a realtime
+        stream's segment keeps its new ones), clip after clip. Its encoder is causal (causal
+        convolutions, sliding-window causal attention), so the rows over the heard audio equal those
         the streaming encoder gives frame by frame.
         Source: transformers' ``VoxtralRealtimeModel.get_audio_features``."""
         out = self.hf.model.get_audio_features(input_features=features, return_dict=True).pooler_output
-        return out.reshape(-1, out.shape[-1])
+        return torch.cat([rows[rows.shape[0] - int(k):] for rows, k in zip(out, keep.tolist())])
 
     def _realtime_logits(self, embeds: torch.Tensor, pos: torch.Tensor, logits_indices: torch.Tensor,
                          hidden_indices: torch.Tensor | None = None):

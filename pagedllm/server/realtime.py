@@ -84,6 +84,7 @@ class RealtimeSession:
         self.order: asyncio.Queue = asyncio.Queue()  # each window's delta queue, then None at commit
         self.speaker: asyncio.Task | None = None
         self.prompt: str | None = None
+        self.driver = None  # Voxtral Realtime: the utterance's stream of requests (realtime_voxtral)
 
     async def run(self) -> None:
         """Serve the socket until the client closes it; a window still running is aborted then."""
@@ -171,7 +172,8 @@ class RealtimeSession:
         """
         if (self.heard + samples.size) > MAX_SESSION_S * RATE:
             raise _bad(f"audio: an utterance holds at most {MAX_SESSION_S} s of audio; commit it first", "audio")
-        self.serving.check_model("transcribe")
+        if self.serving.check_model("transcribe").realtime:
+            return self._stream(samples)
         self.heard += samples.size
         self.audio = np.concatenate([self.audio, samples])
         size = int(CHUNK_S * RATE)
@@ -179,6 +181,26 @@ class RealtimeSession:
             cut = split_audio(self.audio[:size + 1], RATE)[0][1].size
             self._start_window(self.audio[:cut])
             self.audio = self.audio[cut:]
+
+    def _stream(self, samples: np.ndarray) -> None:
+        """Voxtral Realtime: the audio goes to the utterance's stream of requests (one task, started by
+        the first audio)."""
+        if self.driver is None:
+            from pagedllm.server.realtime_voxtral import StreamDriver
+            self.driver = StreamDriver(self.serving, self.session["temperature"])
+            deltas: asyncio.Queue = asyncio.Queue()
+            self.order.put_nowait(deltas)
+            self.speaker = asyncio.create_task(self._speak())
+            self.windows.append(asyncio.create_task(self._drive(deltas)))
+        self.driver.append(samples)
+
+    async def _drive(self, deltas: asyncio.Queue) -> tuple[list[int], int]:
+        """The stream's requests (``StreamDriver.run``); a refused one ends it with an ``error`` event."""
+        try:
+            return await self.driver.run(deltas)
+        except APIError as e:
+            await self._send({"type": "error", "error": e.message, "code": e.code, "param": e.param})
+            return list(self.driver.stream.generated), 0
 
     def _start_window(self, chunk: np.ndarray) -> None:
         deltas: asyncio.Queue = asyncio.Queue()
@@ -233,6 +255,8 @@ class RealtimeSession:
     async def _commit(self, final: bool) -> None:
         """Close the open utterance: its last window, its deltas, then ``transcription.done``. A commit
         with nothing heard is the start signal of vLLM's protocol and does nothing."""
+        if self.driver is not None:
+            self.driver.close()
         if self.audio.size:
             self._start_window(self.audio)
         if not self.windows:

@@ -82,3 +82,32 @@ def test_realtime_session_language_is_an_error_event(served):
         event = json.loads(ws.receive_text())
         assert event["type"] == "error" and event["param"] == "session.language", event
         assert "Voxtral Realtime takes no language" in event["error"]
+
+
+def test_streamed_utterance_is_one_growing_request_computed_once(served, realtime, greedy_ref):  # noqa: F811
+    """4 s sent in 0.2 s chunks: requests at whole blocks of 16 rows as audio arrives, each extending the one
+    before it (its blocks prefix-cache hits), then the rest with the right padding at the commit: the text
+    equals the whole clip's, and every position of the final sequence is computed once."""
+    _, client = served
+    wave = clip(4.0, 250, 5)
+    pcm = np.clip(np.round(wave * 32767), -32768, 32767).astype("<i2")
+    want = expected_text(realtime, greedy_ref, wav_bytes(pcm.astype(np.float32) / 32767))
+    before = client.get("/stats").json()
+    with client.websocket_connect("/v1/realtime") as ws:
+        assert json.loads(ws.receive_text())["type"] == "session.created"
+        for i in range(0, pcm.size, RATE // 5):
+            ws.send_text(json.dumps({"type": "input_audio_buffer.append",
+                                     "audio": base64.b64encode(pcm[i:i + RATE // 5].tobytes()).decode()}))
+        ws.send_text(json.dumps({"type": "input_audio_buffer.commit", "final": True}))
+        deltas = []
+        while (event := json.loads(ws.receive_text()))["type"] != "transcription.done":
+            deltas.append(event["delta"])
+    assert event["text"] == "".join(deltas).strip() == want
+    after = client.get("/stats").json()
+    frames = 32 + 50 + 17  # left pad, 4 s, delay + BOS + buffer
+    computed = after["num_computed_tokens"] - before["num_computed_tokens"]
+    assert event["usage"]["prompt_tokens"] + event["usage"]["completion_tokens"] >= frames - 1
+    assert frames - 1 <= computed <= frames - 1 + 4  # the async scheduler's trailing steps at most
+    assert after["prefix_cache_hits"] > before["prefix_cache_hits"]
+    stats = client.get("/stats").json()
+    assert stats["num_running"] == stats["num_waiting"] == 0 and stats["num_free_blocks"] == stats["num_blocks"]
