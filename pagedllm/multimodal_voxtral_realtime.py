@@ -22,6 +22,7 @@ documented rule: left pad, delay, BOS, ``OFFLINE_STREAMING_BUFFER_TOKENS``) and 
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -132,9 +133,10 @@ class RealtimeStream:
     the token at ``R(k)`` too) and ends; the next request's prompt holds those tokens, so its blocks
     below ``R(k)`` (same tokens, same segments' hashes) are prefix-cache hits and its first computed
     position is ``R(k)``. The last request (``final``) has the right padding and ends with the audio,
-    as the whole clip's request does. A segment's rows are the encoder's over all the audio heard
-    up to its end, its last rows kept (exact: the encoder is causal; its cost grows with the
-    utterance, as no encoder state is kept between requests). A row is taken once all its mel
+    as the whole clip's request does. A segment carries its own mel frames only (``extra["stream"]``);
+    its hash chains the one before it, so it names all the audio heard through it. The model's
+    streaming encoder continues from the segment before (``VisionMixin.encode_stream``: its caches kept
+    per stream; rebuilt from the request's earlier segments when missing). A row is taken once all its mel
     frames' samples have arrived (a frame's window reaches ``n_fft / 2`` samples past it; the log-mel
     frames are independent of each other with the extractor's fixed ``global_log_mel_max``).
 
@@ -151,14 +153,33 @@ class RealtimeStream:
             raise ValueError("audio: this model's log-mel features are normalised over the whole clip "
                              "(no global_log_mel_max): send the file to /v1/audio/transcriptions instead")
         self.proc, self.block_size = processor, block_size
-        self.samples = np.zeros(processor.samples_per_token * processor.left_tokens, dtype=np.float32)
+        self.n = processor.samples_per_token * processor.left_tokens  # samples heard, the left pad's first
+        self.buf = np.zeros(max(self.n, 1 << 16), dtype=np.float32)  # grown by doubling: appends stay O(1)
         self.segments: list = []
         self.generated: list[int] = []
         self.rows = 0  # rows the segments cover
 
     def append(self, samples: np.ndarray) -> None:
         """Add heard audio: ``[n]`` float32 at the feature extractor's rate."""
-        self.samples = np.concatenate([self.samples, np.asarray(samples, dtype=np.float32)])
+        end = self.n + samples.size
+        if end > self.buf.size:
+            self.buf = np.concatenate([self.buf[:self.n], np.zeros(max(end, 2 * self.buf.size) - self.n, np.float32)])
+        self.buf[self.n:end] = samples
+        self.n = end
+
+    def _frames(self, heard: np.ndarray, lo: int, hi: int) -> np.ndarray:
+        """``[mel bins, hi - lo]`` float32 log-mel frames ``lo .. hi - 1`` of ``heard``, computed from the
+        samples their windows cover only (``center=False`` on the slice from frame ``lo``'s window on;
+        from the start, where a frame's window reaches before it, as the whole clip's ``center=True``)."""
+        fe = self.proc.feature_extractor
+        half = fe.n_fft // 2
+        start = lo * fe.hop_length - half
+        end = hi * fe.hop_length + half  # one frame more: the extractor drops the last frame it computes
+        x = heard[max(start, 0):end]
+        x = np.pad(x, (0, max(0, end - max(start, 0) - x.size)))  # past the heard audio: the dropped frame only
+        feats = fe(x, sampling_rate=fe.sampling_rate, return_tensors="np", center=start < 0)["input_features"][0]
+        first = lo if start < 0 else 0
+        return np.ascontiguousarray(feats[:, first:first + hi - lo], dtype=np.float32)
 
     def next_request(self, final: bool):
         """The next request's ``PreparedPrompt`` (``None`` while too little new audio has arrived for a
@@ -167,24 +188,24 @@ class RealtimeStream:
         Raises:
             ValueError: ``final`` after a request already ended the utterance.
         """
-        from pagedllm.multimodal_audio import clip_hash
         from pagedllm.multimodal_inputs import MultiModalInput, PreparedPrompt
         proc, fe = self.proc, self.proc.feature_extractor
         if final:
-            heard = proc.padded(self.samples[proc.samples_per_token * proc.left_tokens:])
+            heard = proc.padded(self.buf[proc.samples_per_token * proc.left_tokens:self.n])
             rows = heard.shape[0] // proc.samples_per_token
         else:
-            heard = self.samples
+            heard = self.buf[:self.n]
             whole = (heard.shape[0] - fe.n_fft // 2) // fe.hop_length + 1  # frames whose windows are in
             rows = (whole // proc.frames_per_token) // self.block_size * self.block_size
             if rows <= max(self.rows, len(proc.prompt_ids) + len(self.generated)):
                 return None
-        feats = fe(heard, sampling_rate=fe.sampling_rate, return_tensors="np")["input_features"]
-        feats = np.ascontiguousarray(feats[0, :, :rows * proc.frames_per_token], dtype=np.float32)
+        feats = self._frames(heard, self.rows * proc.frames_per_token, rows * proc.frames_per_token)
         n = rows - self.rows
-        segment = MultiModalInput(clip_hash(heard[:rows * proc.samples_per_token]), self.rows, n, feats.tobytes(),
-                                  list(feats.shape), extra={"realtime_tokens": [n]}, modality="audio",
-                                  additive=True, open=not final)
+        prev = self.segments[-1].hash if self.segments else "voxtral-realtime-stream"
+        digest = hashlib.sha256(prev.encode() + feats.tobytes()).hexdigest()  # the audio heard through it
+        segment = MultiModalInput(digest, self.rows, n, feats.tobytes(), list(feats.shape),
+                                  extra={"realtime_tokens": [n], "stream": [1]}, modality="audio", additive=True,
+                                  open=not final)
         self.segments.append(segment)
         self.rows = rows
         return PreparedPrompt(tuple(proc.prompt_ids + self.generated), tuple(self.segments))

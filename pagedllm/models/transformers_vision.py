@@ -114,6 +114,39 @@ class VisionMixin:
         out = self.hf.model.get_audio_features(input_features=features, return_dict=True).pooler_output
         return torch.cat([rows[rows.shape[0] - int(k):] for rows, k in zip(out, keep.tolist())])
 
+    def encode_stream(self, segment, earlier: list) -> torch.Tensor:
+        """A Voxtral Realtime stream's segment (``multimodal_voxtral_realtime.RealtimeStream``) in the
+        language model's space: ``[segment.length, hidden]``, its encoder rows continued from the
+        segment before through the stream's encoder caches (convolution padding, attention KV), kept
+        per stream (keyed by its first segment's hash) between requests. When they are missing or at
+        another row (a preempted request, an evicted prefix), they are rebuilt from ``earlier``, the
+        request's segments before this one, in order. Exact: the encoder is causal.
+        Source: transformers' streaming ``VoxtralRealtimeModel.get_audio_features`` (its padding and KV caches)."""
+        from collections import OrderedDict
+        streams = self.__dict__.setdefault("_streams", OrderedDict())
+        root = earlier[0].hash if earlier else segment.hash
+        state = streams.pop(root, None)
+        if state is None or state[0] != segment.offset:
+            state = (0, None, None)
+            for m in earlier:
+                state = self._stream_rows(m, state)[1]
+        rows, state = self._stream_rows(segment, state)
+        if segment.open:  # the stream goes on: keep its caches (the least recently used dropped past 16)
+            streams[root] = state
+            while len(streams) > 16:
+                streams.popitem(last=False)
+        return rows
+
+    def _stream_rows(self, m, state: tuple) -> tuple[torch.Tensor, tuple]:
+        """``(rows [m.length, hidden], (rows done, KV cache, padding cache))`` of one segment from ``state``."""
+        from transformers.cache_utils import DynamicCache
+        p = next(self.hf.parameters())
+        done, kv, pad = state
+        kv = kv if kv is not None else DynamicCache(config=self.hf.config.audio_config)
+        out = self.hf.model.get_audio_features(input_features=m.pixel_values().to(p.device, p.dtype),
+                                               past_key_values=kv, padding_cache=pad, use_cache=True, return_dict=True)
+        return out.pooler_output[0], (done + m.length, out.past_key_values, out.padding_cache)
+
     def _realtime_logits(self, embeds: torch.Tensor, pos: torch.Tensor, logits_indices: torch.Tensor,
                          hidden_indices: torch.Tensor | None = None):
         """Voxtral Realtime's language model on the step's embeddings (audio rows already added: its own

@@ -19,7 +19,7 @@ from pagedllm.sampling_params import SamplingParams
 from pagedllm.server.errors import APIError
 from pagedllm.server.protocol import random_id
 
-MAX_STREAM_S = 120  # a stream's requests carry the audio heard so far: an utterance holds at most this
+MAX_STREAM_S = 600  # a stream's requests carry the mel frames heard so far (about 5 MB a minute): at most this
 
 
 class StreamDriver:

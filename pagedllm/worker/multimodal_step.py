@@ -43,6 +43,8 @@ class MultiModalStep:
             ``first ..`` of the holder's embeddings.
         adds: as ``fills``, for inputs whose rows are added to the token embeddings
             (``MultiModalInput.additive``: Voxtral Realtime's audio row of every step).
+        earlier: a realtime stream's segment hash -> the segments before it in its request (what the
+            model's streaming encoder is rebuilt from when it holds no state for the stream).
         drop: ``(cache entries, hash, holder)``: entries to remove once the rows are written (no
             later step reads them), each only while it is still that holder.
         moves: ``(row, holder, first, count, whole)``: the fills of videos pruned by EVS, whose rows take
@@ -54,6 +56,7 @@ class MultiModalStep:
     def __init__(self, encode: list, fills: list, drop: list, moves: list | None = None,
                  adds: list | None = None) -> None:
         self.encode, self.fills, self.drop, self.moves, self.adds = encode, fills, drop, moves or [], adds or []
+        self.earlier: dict[str, list] = {}
         self.deepstack: tuple[torch.Tensor, torch.Tensor] | None = None  # set by embeds (_deepstack)
 
     def embeds(self, model, input_ids: torch.Tensor) -> torch.Tensor:
@@ -68,6 +71,9 @@ class MultiModalStep:
         for holder, m in self.encode:
             if m.embeds:  # the client's embeddings (--enable-mm-embeds): no encoder step
                 holder.value = m.pixel_values()
+                continue
+            if "stream" in m.extra:  # a realtime stream's segment: the streaming encoder, in order
+                holder.value = model.encode_stream(m, self.earlier[m.hash])
                 continue
             groups.setdefault(m.group_key(), []).append((holder, m))
         for (_, names), items in groups.items():
@@ -191,12 +197,14 @@ class EncoderCache:
         Raises:
             KeyError: a placeholder row whose image is neither encoded by this step nor cached.
         """
-        encode = []
+        encode, earlier = [], {}
         for rid, idx in so.scheduled_encoder_inputs.items():
             for i in idx:
                 m = self.images[rid][i]
                 holder = self.entries[m.hash] = EncoderOutput()
                 encode.append((holder, m))
+                if "stream" in m.extra:
+                    earlier[m.hash] = [x for x in self.images[rid] if "stream" in x.extra and x.offset < m.offset]
         fills, moves, adds = [], [], []
         for i, rid in enumerate(rids):
             whole = self.rope[rid][2] if rid in self.rope else {}
@@ -212,4 +220,8 @@ class EncoderCache:
                             moves.append(fills[-1] + (torch.from_numpy(whole[m.offset]),))
                     done += count
         drop = [(self.entries, h, self.entries[h]) for h in so.free_encoder_after if h in self.entries]
-        return MultiModalStep(encode, fills, drop, moves, adds) if encode or fills or adds else None
+        if not (encode or fills or adds):
+            return None
+        step = MultiModalStep(encode, fills, drop, moves, adds)
+        step.earlier = earlier
+        return step

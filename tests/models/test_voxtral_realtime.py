@@ -98,3 +98,32 @@ def test_realtime_prompt_and_refusals(realtime):
     with pytest.raises(ValueError, match="multi_modal_data: .*one audio clip per request, got 2"):
         llm.generate({"prompt": "", "multi_modal_data": {"audio": [(c, RATE) for c in CLIPS]}}, GREEDY,
                      use_tqdm=False)
+
+
+def test_stream_segments_encode_as_the_whole_clip(realtime):
+    """A realtime stream's segments (``RealtimeStream``: 0.3 s pieces, a request at each whole block of 16
+    rows, then the rest at the commit) through the model's streaming encoder equal the whole clip's rows,
+    continued from the kept caches and rebuilt from the earlier segments when they are gone."""
+    from pagedllm.multimodal_voxtral_realtime import RealtimeStream, VoxtralRealtimeAudioProcessor
+    proc = VoxtralRealtimeAudioProcessor(realtime[0])
+    llm = LLM(str(realtime[0]), num_kv_blocks=64, block_size=16)
+    model = llm.llm_engine.runner.model
+    wave = clip(3.0, 500, 7)
+    stream, segments = RealtimeStream(proc, 16), []
+    for i in range(0, wave.size, RATE * 3 // 10):
+        stream.append(wave[i:i + RATE * 3 // 10])
+        prompt = stream.next_request(False)
+        if prompt is not None:
+            segments = list(prompt.inputs)
+            stream.took([0] * (segments[-1].end + 1 - len(prompt.ids)))  # as the request would write
+    segments = list(stream.next_request(True).inputs)
+    assert [m.offset for m in segments] == [0, 48, 64] and segments[-1].end == 32 + 38 + 17
+    assert [m.open for m in segments] == [True, True, False] and len({m.hash for m in segments}) == 3
+    whole = torch.from_numpy(proc("", audio=[wave])["input_features"])
+    want = model.encode_realtime_audio(whole, torch.tensor([segments[-1].end]))
+    got = torch.cat([model.encode_stream(m, segments[:k]) for k, m in enumerate(segments)])
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert not model._streams  # the last segment closed the stream
+    model.encode_stream(segments[0], [])
+    again = model.encode_stream(segments[2], segments[:2])  # kept at row 48, asked for 64: rebuilt
+    torch.testing.assert_close(again, want[64:], rtol=1e-4, atol=1e-5)
