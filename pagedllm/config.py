@@ -143,7 +143,7 @@ class EngineArgs:
             ``--limit-mm-per-prompt``, ``{"image": N, "video": M}``; default 999); an image-text model only.
         video_pruning_rate: efficient video sampling (vLLM's ``--video-pruning-rate``): the fraction of
             each video's tokens dropped before the language model, those changing least from the previous
-            frame (``multimodal_video``); 0: off. In ``[0, 1)``; Qwen2-VL and Qwen2.5-VL only (Qwen3-VL refuses it).
+            frame (``multimodal_video``); 0: off. In ``[0, 1)``; Qwen2-VL, Qwen2.5-VL and Qwen3-VL.
         media_io_kwargs: how video URLs are sampled (vLLM's ``--media-io-kwargs``):
             ``{"video": {"num_frames": N}}`` or ``{"video": {"fps": F}}`` (default 2 frames per second).
         mm_processor_kwargs: arguments for the model's image processor on every image (vLLM's

@@ -77,11 +77,11 @@ class PatchTokenProcessor:
         of each video's encoder output) and ``video_tokens`` ``[V]`` (its placeholders); each video
         token becomes the rows EVS keeps at ``video_pruning_rate`` (all at 0); Qwen3-VL's (the chat
         template's ``<|vision_start|><|video_pad|><|vision_end|>`` whole, where it is so) becomes
-        one ``<t seconds><|vision_start|>`` run ``<|vision_end|>`` per frame group (``_timestamped``).
+        one ``<t seconds><|vision_start|>`` run ``<|vision_end|>`` per frame group (``_timestamped``; with EVS
+        each group's count is ``multimodal_video.retained_per_step``'s).
 
         Raises:
-            ValueError: the text's placeholder count differs from the images' or the videos', or
-                ``video_pruning_rate`` for Qwen3-VL.
+            ValueError: the text's placeholder count differs from the images' or the videos'.
         """
         images = list(images or [])
         pieces = _split_at(text, self.pad_token, len(images))
@@ -101,36 +101,36 @@ class PatchTokenProcessor:
     def _videos(self, text: str, videos: tuple, rate: float, out: dict) -> str:
         """``text`` with each ``<|video_pad|>`` expanded to its video's kept rows; the videos' arrays
         into ``out`` (``__call__``)."""
-        from pagedllm.multimodal_video import qwen_video_patches, retained_rows
-        if rate and self.video_settings is not None:
-            raise ValueError("--video-pruning-rate: EVS is not supported for Qwen3-VL's timestamped videos")
+        from pagedllm.multimodal_video import qwen_video_patches, retained_per_step, retained_rows
         pieces = _split_at(text, _VIDEO_PAD, len(videos))
         patches = [qwen_video_patches(frames, self.image_processor, self.video_settings) for frames, _ in videos]
         out["pixel_values_videos"] = np.concatenate([p for p, _ in patches])
         out["video_grid_thw"] = np.asarray([g for _, g in patches], dtype=np.int64)
         out["second_per_grid_ts"] = np.asarray([self.image_processor.temporal_patch_size / fps for _, fps in videos])
         out["video_rows"] = out["video_grid_thw"].prod(-1) // self.merge**2
-        counts = [retained_rows(g, self.merge, rate) for _, g in patches]
+        kept = [retained_per_step(g, self.merge, rate) for _, g in patches]  # Qwen3-VL: a count per frame group
+        counts = [sum(k) if self.video_settings is not None else retained_rows(g, self.merge, rate)
+                  for k, (_, g) in zip(kept, patches)]
         out["video_tokens"] = np.asarray(counts, dtype=np.int64)
-        if self.video_settings is not None:
-            return self._timestamped(pieces, [g for _, g in patches], [(len(f), fps) for f, fps in videos])
+        if self.video_settings is not None:  # each group's count written after its time
+            return self._timestamped(pieces, kept, [(len(f), fps) for f, fps in videos])
         return pieces[0] + "".join(_VIDEO_PAD * c + rest for c, rest in zip(counts, pieces[1:]))
 
-    def _timestamped(self, pieces: list[str], grids: list[list[int]], timing: list[tuple[int, float]]) -> str:
-        """Qwen3-VL's text of the videos between ``pieces`` (``grids``: their ``[t, h, w]``; ``timing``:
-        their frame counts and fps): per frame group ``<t seconds>`` (one decimal;
-        ``multimodal_video.group_seconds``), ``<|vision_start|>``, its ``h * w / merge**2``
-        placeholders, ``<|vision_end|>``; a video written between ``<|vision_start|>`` and
+    def _timestamped(self, pieces: list[str], kept: list[list[int]], timing: list[tuple[int, float]]) -> str:
+        """Qwen3-VL's text of the videos between ``pieces`` (``kept``: each video's placeholders per frame
+        group, ``h * w / merge**2`` each without EVS; ``timing``: their frame counts and fps): per frame
+        group ``<t seconds>`` (one decimal; ``multimodal_video.group_seconds``), ``<|vision_start|>``,
+        its placeholders, ``<|vision_end|>``; a video written between ``<|vision_start|>`` and
         ``<|vision_end|>`` replaces them too. Source: Qwen's ``Qwen3VLProcessor.__call__`` (4.57)."""
         from pagedllm.multimodal_video import group_seconds
         start, end = self.video_token.split(_VIDEO_PAD)
         tp = int(self.video_settings["temporal_patch_size"])
         text = pieces[0]
-        for (_, h, w), (n, fps), rest in zip(grids, timing, pieces[1:]):
+        for counts, (n, fps), rest in zip(kept, timing, pieces[1:]):
             if text.endswith(start) and rest.startswith(end):
                 text, rest = text[:-len(start)], rest[len(end):]
-            per = _VIDEO_PAD * (h * w // self.merge**2)
-            text += "".join(f"<{s:.1f} seconds>{start}{per}{end}" for s in group_seconds(n, fps, tp)) + rest
+            text += "".join(f"<{s:.1f} seconds>{start}{_VIDEO_PAD * c}{end}"
+                            for s, c in zip(group_seconds(n, fps, tp), counts)) + rest
         return text
 
 

@@ -1,6 +1,6 @@
 """Video in prompts (issue 42, first part): a video's frames, their content hash, Qwen2-VL's,
 Qwen2.5-VL's and Qwen3-VL's video patches, Qwen3-VL's frame-group timestamps, and efficient video
-sampling (EVS: vLLM's ``--video-pruning-rate``; Qwen2-VL and Qwen2.5-VL).
+sampling (EVS: vLLM's ``--video-pruning-rate``; Qwen2-VL, Qwen2.5-VL and Qwen3-VL).
 
 A video reaches the model as Qwen-VL's image patches do, with time as the grid's first axis: frames
 resized to one multiple of ``patch_size * merge_size`` (the image processor's ``smart_resize`` rule and
@@ -21,9 +21,10 @@ its time (``<0.2 seconds>``: the mean of its frames' times, frame ``i`` at ``i /
 its own at the text position it reaches. Its frames are resized by the video processor's rule
 (``video_preprocessor_config.json``: pixel bounds on all frames together), by PIL as for Qwen2-VL
 (transformers' resize is torchvision's); the frames are taken as given, already sampled (its
-processor's own ``fps`` resampling is not applied). EVS is refused for it: the rows kept per group
-would be written into the prompt before the encoder chose them (vLLM re-lays the prompt's groups for
-it; not done here).
+processor's own ``fps`` resampling is not applied). EVS on Qwen3-VL keeps a count per group fixed
+before the encoder runs, since the prompt writes each group's placeholders after its time
+(``retained_per_step``: the first group whole, the rest of the retained count spread evenly over
+the others), and picks within each group the rows that change most from the previous group's.
 
 Sources: transformers' ``Qwen2VLVideoProcessor`` (patch order, temporal padding) and
 ``Qwen2_5_VLProcessor`` (``second_per_grid_ts``); ``Qwen3VLVideoProcessor`` (``smart_resize`` over
@@ -45,9 +46,8 @@ from pathlib import Path
 import numpy as np
 
 DEFAULT_FPS = 2.0  # frames per second assumed for frames given without one (Qwen-VL's sampling rate)
-# model types whose videos are served, and those of them whose videos EVS may prune
+# model types whose videos are served (EVS may prune them all)
 VIDEO_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
-EVS_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
 # Qwen3VLVideoProcessor's defaults (transformers), for a model directory without video_preprocessor_config.json
 QWEN3_VIDEO_DEFAULTS = {"size": {"shortest_edge": 128 * 32 * 32, "longest_edge": 32 * 32 * 768}, "patch_size": 16,
                         "temporal_patch_size": 2, "merge_size": 2, "image_mean": [0.5, 0.5, 0.5],
@@ -74,15 +74,11 @@ def video_options(hf_config, limit: int, pruning_rate: float) -> VideoOptions | 
     """The ``VideoOptions`` of a model (``None``: it takes no video).
 
     Raises:
-        ValueError: ``pruning_rate`` (``--video-pruning-rate``) for a model that takes no video or
-            whose videos EVS does not prune here (Qwen3-VL).
+        ValueError: ``pruning_rate`` (``--video-pruning-rate``) for a model that takes no video.
     """
     model_type = getattr(hf_config, "model_type", None)
     if pruning_rate and model_type not in VIDEO_MODEL_TYPES:
         raise ValueError("--video-pruning-rate: this model takes no video")
-    if pruning_rate and model_type not in EVS_MODEL_TYPES:
-        raise ValueError(f"--video-pruning-rate: EVS is not supported for {model_type} (its videos are timestamped "
-                         f"frame groups); serve it without the flag")
     return VideoOptions(hf_config.video_token_id, limit, pruning_rate) if model_type in VIDEO_MODEL_TYPES else None
 
 
@@ -233,7 +229,21 @@ def retained_rows(grid: list[int], merge: int, rate: float) -> int:
     return total if rate <= 0 else max(per_step, int(total * (1 - rate)))
 
 
-def retained_index(rows, grid: list[int], keep: int):
+def retained_per_step(grid: list[int], merge: int, rate: float) -> list[int]:
+    """Rows kept by EVS in each temporal step of a video ``grid`` ``[t, h, w]`` when each step's count
+    is written into the prompt (Qwen3-VL): the first step whole, the rest of ``retained_rows`` spread
+    evenly over the other steps (the earlier ones take the remainder), each at least one row (a frame
+    group's time is never left without its frame) and at most a whole step."""
+    per_step = grid[1] * grid[2] // (merge * merge)
+    t = int(grid[0])
+    rest = max(retained_rows(grid, merge, rate) - per_step, t - 1)
+    if t == 1:
+        return [per_step]
+    base, extra = divmod(rest, t - 1)
+    return [per_step] + [min(per_step, base + (i < extra)) for i in range(t - 1)]
+
+
+def retained_index(rows, grid: list[int], keep: int, per_step: list[int] | None = None):
     """Which of a video's embedding rows EVS keeps.
 
     Args:
@@ -241,6 +251,8 @@ def retained_index(rows, grid: list[int], keep: int):
             rows each).
         grid: its ``[t, h, w]`` patch grid (``t`` temporal steps).
         keep: rows to keep (``retained_rows``).
+        per_step: rows to keep in each step (``retained_per_step``: Qwen3-VL), the choice then made
+            within each step; ``None``: over the whole video.
     Returns:
         ``[keep]`` int64 tensor of kept row indices in ascending order: the first step's rows, then
         those whose cosine similarity to the same row of the previous step is lowest (ties: earlier).
@@ -249,6 +261,10 @@ def retained_index(rows, grid: list[int], keep: int):
     t = int(grid[0])
     x = rows.float().reshape(t, -1, rows.shape[-1])
     sim = torch.nn.functional.cosine_similarity(x[1:], x[:-1], dim=-1)  # [t - 1, s]
-    change = torch.cat([torch.full_like(x[:1, :, 0], float("inf")), 1 - sim]).reshape(-1)
-    order = torch.sort(-change, stable=True).indices[:keep]
+    change = torch.cat([torch.full_like(x[:1, :, 0], float("inf")), 1 - sim])
+    if per_step is not None:
+        s = x.shape[1]
+        return torch.cat([torch.sort(-change[i], stable=True).indices[:k].sort().values + i * s
+                          for i, k in enumerate(per_step)])
+    order = torch.sort(-change.reshape(-1), stable=True).indices[:keep]
     return order.sort().values

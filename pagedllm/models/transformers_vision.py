@@ -184,9 +184,7 @@ class VisionMixin:
         ids, kinds = list(prompt_ids), [0] * len(prompt_ids)
         for m in sorted(inputs, key=lambda m: -m.offset):  # from the back: earlier offsets stay valid
             token, kind = (cfg.video_token_id, 2) if m.modality == "video" else (cfg.image_token_id, 1)
-            # EVS (one run): the video whole again, its pruned rows inserted; Qwen3-VL's: a run per frame group
-            spans = [(0, m.length, m.length + m.pruned)] if m.pruned else [(a, n, n) for a, n in m.row_runs()]
-            for a, n, whole in spans:
+            for a, n, whole in reversed(_whole_runs(m)):  # EVS: each run whole again, its pruned rows inserted
                 ids[m.offset + a:m.offset + a + n] = [token] * whole
                 kinds[m.offset + a:m.offset + a + n] = [kind] * whole
         grids = {k: torch.tensor([m.extra[k] for m in inputs if k in m.extra])
@@ -198,11 +196,15 @@ class VisionMixin:
         pos = pos[:, 0].numpy()
         keep, whole, shift = np.ones(pos.shape[1], dtype=bool), {}, 0
         for m in sorted(inputs, key=lambda m: m.offset):
-            if m.pruned:
-                first = m.offset + shift
-                whole[m.offset] = pos[:, first:first + m.length + m.pruned].copy()
-                keep[first + m.length:first + m.length + m.pruned] = False
-                shift += m.pruned
+            if not m.pruned:
+                continue
+            cols = []
+            for a, n, full in _whole_runs(m):
+                first = m.offset + a + shift
+                cols.append(np.arange(first, first + full))
+                keep[first + n:first + full] = False
+                shift += full - n
+            whole[m.offset] = pos[:, np.concatenate(cols)].copy()
         return pos[:, keep], int(delta.reshape(-1)[0]) + shift, whole
 
     def _deepstack_logits(self, embeds: torch.Tensor, pos: torch.Tensor, deepstack, logits_indices: torch.Tensor,
@@ -233,6 +235,17 @@ class VisionMixin:
         table = self.hf.get_input_embeddings()
         ids = torch.where(input_ids < table.num_embeddings, input_ids, torch.zeros_like(input_ids))
         return table(ids).clone()
+
+
+def _whole_runs(m) -> list[tuple[int, int, int]]:
+    """``(start from offset, placeholders, rows of the whole run)`` of each placeholder run of ``m``: a
+    video pruned by EVS has ``m.pruned`` more rows than placeholders, over its one run (Qwen2.5-VL) or
+    spread over its runs, each a whole frame group of ``(m.rows + m.pruned) / runs`` rows (Qwen3-VL)."""
+    runs = m.row_runs()
+    if not m.pruned:
+        return [(a, n, n) for a, n in runs]
+    full = (m.rows + m.pruned) // len(runs)
+    return [(a, n, n + m.pruned) if len(runs) == 1 else (a, n, full) for a, n in runs]
 
 
 def _rows(feats) -> torch.Tensor:

@@ -67,6 +67,8 @@ class MultiModalStep:
         Raises:
             RuntimeError: an image's embeddings have another row count than its placeholders.
         """
+        x = model.embed_tokens(input_ids)
+        width = x.shape[1]  # a wider row carries Qwen3-VL's deepstack rows after its embedding
         groups: dict[tuple, list] = {}  # images of one pixel shape run the vision tower as one batch
         for holder, m in self.encode:
             if m.embeds:  # the client's embeddings (--enable-mm-embeds): no encoder step
@@ -84,11 +86,10 @@ class MultiModalStep:
                 raise RuntimeError(f"the vision tower gave {out.shape[0]} rows for {sum(lengths)} image placeholders")
             for (holder, m), rows in zip(items, out.split(lengths)):
                 holder.value = rows
-                if m.pruned:  # EVS: the rows that change most from the previous frame's
-                    holder.kept = retained_index(rows, m.extra["video_grid_thw"], m.rows)
+                if m.pruned:  # EVS: the rows whose embeddings change most from the previous frame's
+                    per_step = [n for _, n in m.row_runs()] if m.runs else None  # Qwen3-VL: a count per group
+                    holder.kept = retained_index(rows[:, :width], m.extra["video_grid_thw"], m.rows, per_step)
                     holder.value = rows.index_select(0, holder.kept)
-        x = model.embed_tokens(input_ids)
-        width = x.shape[1]
         for row, holder, first, count in self.fills:
             x[row:row + count] = holder.value[first:first + count, :width].to(x.dtype)
         for row, holder, first, count in self.adds:

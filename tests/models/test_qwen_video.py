@@ -8,7 +8,7 @@ a video, a video beside an image, and a text-only prompt, whole, chunked through
 preempted; our video patches (``multimodal_video``: transformers' video processor needs torchvision)
 of a still video equal its image processor's patches of the still. With ``--video-pruning-rate``
 (EVS) the rows kept are the most changed ones, and the tokens equal a hand-run ``transformers``
-forward on those rows at their whole-video positions; Qwen3-VL refuses the flag.
+forward on those rows at their whole-video positions (Qwen3-VL: a count per frame group, deepstack rows too).
 """
 
 from __future__ import annotations
@@ -134,47 +134,83 @@ def test_retained_index_keeps_the_first_step_and_the_most_changed_rows():
     assert kept.tolist() == [0, 1, 2, 3, 5, 8, 9, 10, 11]
 
 
+def _whole_columns(pruned_ids: list[int], whole_ids: list[int], video: int, kept: list[int]) -> list[int]:
+    """For each token of the pruned prompt, its column in the whole one: text one for one; a run of
+    placeholders (Qwen3-VL's: a frame group; Qwen2.5-VL's one run: the whole video) takes the whole
+    run's columns of its kept rows (``kept``: row indices of the whole video, ascending)."""
+    cols, j, row, done = [], 0, 0, 0
+    i = 0
+    while i < len(pruned_ids):
+        if pruned_ids[i] != video:
+            cols.append(j)
+            i, j = i + 1, j + 1
+            continue
+        n = 0
+        while i + n < len(pruned_ids) and pruned_ids[i + n] == video:
+            n += 1
+        full = 0
+        while j + full < len(whole_ids) and whole_ids[j + full] == video:
+            full += 1
+        cols += [j + r - row for r in kept[done:done + n]]
+        i, j, row, done = i + n, j + full, row + full, done + n
+    return cols
+
+
 def _evs_reference(qwen_vl, text, video, rate):
     """Greedy tokens and logits of ``transformers`` run by hand on a pruned video: the input embeddings
-    with the kept rows of the model's own video features over the placeholders, at their whole-video
-    M-RoPE positions (``get_rope_index`` on the unpruned prompt), generated tokens at ``p + delta``."""
+    with the kept rows of the model's own video features over the placeholders (Qwen3-VL: their deepstack
+    rows too), at their whole-video M-RoPE positions (``get_rope_index`` on the unpruned prompt),
+    generated tokens at ``p + delta``. Qwen3-VL keeps a count per frame group, written in its prompt."""
     from pagedllm.multimodal_video import retained_index
     model, cfg = qwen_vl[1], qwen_vl[1].config
+    qwen3 = cfg.model_type == "qwen3_vl"
     pruned, whole = _inputs(qwen_vl, text, [], [video], rate), _inputs(qwen_vl, text, [], [video])
     grid = whole["video_grid_thw"]
     with torch.no_grad():
-        feats = torch.cat(model.model.get_video_features(pixel_values_videos=whole["pixel_values_videos"],
-                                                        video_grid_thw=grid).pooler_output)
+        out = model.model.get_video_features(pixel_values_videos=whole["pixel_values_videos"], video_grid_thw=grid)
+        feats = torch.cat(out.pooler_output)
+        p_ids, w_ids = pruned["input_ids"][0].tolist(), whole["input_ids"][0].tolist()
         slots = (pruned["input_ids"][0] == cfg.video_token_id).nonzero()[:, 0]
-        kept = retained_index(feats, grid[0].tolist(), len(slots))
+        runs = [len(r) for r in "".join("v" if t == cfg.video_token_id else " " for t in p_ids).split()]
+        kept = retained_index(feats, grid[0].tolist(), len(slots), runs if qwen3 else None)
+        extra = {} if qwen3 else {"second_per_grid_ts": whole["second_per_grid_ts"]}
         pos, delta = model.model.get_rope_index(whole["input_ids"], whole["mm_token_type_ids"], video_grid_thw=grid,
-                                                second_per_grid_ts=whole["second_per_grid_ts"])
-        first, n_whole = int(slots[0]), whole["input_ids"].shape[1]
-        cols = torch.cat([torch.arange(first), first + kept, torch.arange(first + len(feats), n_whole)])
-        pos = pos[:, :, cols]
+                                                **extra)
+        pos = pos[:, :, _whole_columns(p_ids, w_ids, cfg.video_token_id, kept.tolist())]
+        n_whole = len(w_ids)
         emb = model.get_input_embeddings()(pruned["input_ids"])
         emb[0, slots] = feats[kept]
+        deep = [torch.cat(list(d) if isinstance(d, (list, tuple)) else [d])[kept]
+                for d in (out.deepstack_features if qwen3 else [])]
         ids, logits = [], []
         for j in range(MAX_NEW):
-            out = model(inputs_embeds=emb, position_ids=pos).logits[0, -1].float()
-            ids.append(int(out.argmax()))
-            logits.append(out)
+            if qwen3:
+                mask = torch.zeros(1, emb.shape[1], dtype=torch.bool)
+                mask[0, slots] = True
+                hidden = model.model.language_model(inputs_embeds=emb, position_ids=pos, visual_pos_masks=mask,
+                                                    deepstack_visual_embeds=deep).last_hidden_state
+                step_logits = model.lm_head(hidden[0, -1]).float()
+            else:
+                step_logits = model(inputs_embeds=emb, position_ids=pos).logits[0, -1].float()
+            ids.append(int(step_logits.argmax()))
+            logits.append(step_logits)
             emb = torch.cat([emb, model.get_input_embeddings()(torch.tensor([[ids[-1]]]))], dim=1)
             pos = torch.cat([pos, torch.full((3, 1, 1), n_whole + j) + delta.reshape(1, 1, 1)], dim=2)
     return ids, torch.stack(logits), len(feats) - len(slots)
 
 
-@pytest.mark.parametrize("budget,rate,frames,pruned", [(2048, 0.5, 6, 9), (4, 0.5, 6, 9), (2048, 0.75, 12, 27)])
+@pytest.mark.parametrize("budget,rate,frames,pruned", [(2048, 0.5, 6, (9, 2)), (4, 0.5, 6, (9, 2)),
+                                                       (2048, 0.75, 12, (27, 5))])
 def test_video_pruning_gives_the_hand_run_reference(qwen_vl, greedy_ref, assert_no_leaks, budget, rate, frames,
                                                     pruned):
     """``--video-pruning-rate 0.5`` on a 6-frame video (3 temporal steps of 6 rows): 9 of 18 rows
     kept, the first step whole; whole and in chunks of 4 (a chunk ends between kept rows of one video,
     whose positions come from the encoder step of an earlier step); 0.75 on 12 frames: 9 of 36 kept.
-    The pruned count is counted."""
-    if qwen_vl[1].config.model_type == "qwen3_vl":
-        pytest.skip("Qwen3-VL refuses --video-pruning-rate (test_qwen3_vl_refuses_video_pruning)")
+    Qwen3-VL (2 rows per frame group, a count per group in its prompt, at least one each): 4 of 6 kept,
+    then 7 of 12. The pruned count is counted."""
     text, video = f"What changes in {VIDEO} over time?", _video(5, frames=frames)
     ids, logits, n_pruned = _evs_reference(qwen_vl, text, video, rate)
+    pruned = pruned[qwen_vl[1].config.model_type == "qwen3_vl"]
     assert n_pruned == pruned
     llm = LLM(str(qwen_vl[0]), num_kv_blocks=64, block_size=4, max_num_batched_tokens=budget, video_pruning_rate=rate)
     out = llm.generate([_request(text, [], [video])], GREEDY, use_tqdm=False)[0]
@@ -211,15 +247,6 @@ def test_qwen3_vl_writes_transformers_timestamps(qwen_vl):
         assert ours["input_ids"][0].tolist() == tok(text.replace(VIDEO, theirs))["input_ids"], theirs
 
 
-def test_qwen3_vl_refuses_video_pruning(qwen_vl):
-    """EVS would change each frame group's placeholder count, written into the prompt before the
-    encoder runs: Qwen3-VL refuses ``--video-pruning-rate`` naming the flag."""
-    if qwen_vl[1].config.model_type != "qwen3_vl":
-        pytest.skip("Qwen2-VL and Qwen2.5-VL take EVS (test_video_pruning_gives_the_hand_run_reference)")
-    with pytest.raises(ValueError, match="--video-pruning-rate: EVS is not supported for qwen3_vl"):
-        LLM(str(qwen_vl[0]), num_kv_blocks=16, block_size=4, video_pruning_rate=0.5)
-
-
 def _mp4_data_url(frames: np.ndarray, fps: int = 8) -> str:
     """``frames`` encoded as an MPEG-4 file by PyAV, as a base64 data URL."""
     import base64
@@ -244,3 +271,20 @@ def test_a_video_to_an_image_only_model_is_refused(tiny_llava):
         llm.generate({"prompt": "USER: what?", "multi_modal_data": {"video": _video(0)}}, use_tqdm=False)
     with pytest.raises(ValueError, match="--video-pruning-rate"):
         LLM(str(tiny_llava[0]), num_kv_blocks=16, block_size=4, video_pruning_rate=0.5)
+
+
+def test_retained_per_step_spreads_the_count_over_frame_groups():
+    """Qwen3-VL's per-group counts: the first group whole, the rest of ``retained_rows`` spread evenly
+    (the earlier groups take the remainder), at least one row each; the choice made within each group."""
+    from pagedllm.multimodal_video import retained_index, retained_per_step
+    assert retained_per_step([3, 4, 4], 2, 0.5) == [4, 1, 1]  # 6 kept of 12
+    assert retained_per_step([4, 4, 4], 2, 0.25) == [4, 3, 3, 2]  # 12 of 16
+    assert retained_per_step([3, 4, 4], 2, 0.9) == [4, 1, 1]  # at least one each
+    assert retained_per_step([2, 4, 4], 2, 0.0) == [4, 4]
+    step = torch.randn(4, 8)
+    second = step.clone()
+    second[2] = torch.randn(8)
+    third = second.clone()
+    third[0], third[3] = torch.randn(8), torch.randn(8)
+    kept = retained_index(torch.cat([step, second, third]), [3, 4, 4], 7, [4, 1, 2])
+    assert kept.tolist() == [0, 1, 2, 3, 6, 8, 11]
