@@ -52,16 +52,24 @@ def test_transcription_equals_transformers_whole_streamed_and_realtime(served, r
     events = list(stream)
     assert "".join(e.delta for e in events if e.type == "transcript.text.delta").strip() == want
     assert events[-1].type == "transcript.text.done" and events[-1].text == want
-    pcm = np.clip(np.round(clip(1.6, 330, 4) * 32767), -32768, 32767).astype("<i2")
+    deltas, done = _over_the_socket(client, np.frombuffer(raw[44:], dtype="<i2"), RATE // 4)
+    assert done["text"] == "".join(deltas).strip() == want
+
+
+def _over_the_socket(client, pcm: np.ndarray, piece: int) -> tuple[list[str], dict]:
+    """Send ``pcm`` (int16 at 16 kHz) to ``/v1/realtime`` in pieces of ``piece`` samples, commit it as
+    final; returns the ``transcription.delta`` texts and the ``transcription.done`` event."""
     with client.websocket_connect("/v1/realtime") as ws:
         assert json.loads(ws.receive_text())["type"] == "session.created"
-        for i in range(0, pcm.size, RATE // 4):
+        for i in range(0, pcm.size, piece):
             ws.send_text(json.dumps({"type": "input_audio_buffer.append",
-                                     "audio": base64.b64encode(pcm[i:i + RATE // 4].tobytes()).decode()}))
+                                     "audio": base64.b64encode(pcm[i:i + piece].tobytes()).decode()}))
         ws.send_text(json.dumps({"type": "input_audio_buffer.commit", "final": True}))
+        deltas = []
         while (event := json.loads(ws.receive_text()))["type"] != "transcription.done":
             assert event["type"] == "transcription.delta", event
-    assert event["text"] == want
+            deltas.append(event["delta"])
+    return deltas, event
 
 
 @pytest.mark.parametrize("fields,param,path", [({"language": "en"}, "language", "transcriptions"),
@@ -89,19 +97,10 @@ def test_streamed_utterance_is_one_growing_request_computed_once(served, realtim
     before it (its blocks prefix-cache hits), then the rest with the right padding at the commit: the text
     equals the whole clip's, and every position of the final sequence is computed once."""
     _, client = served
-    wave = clip(4.0, 250, 5)
-    pcm = np.clip(np.round(wave * 32767), -32768, 32767).astype("<i2")
-    want = expected_text(realtime, greedy_ref, wav_bytes(pcm.astype(np.float32) / 32767))
+    raw = wav_bytes(clip(4.0, 250, 5))
+    want = expected_text(realtime, greedy_ref, raw)
     before = client.get("/stats").json()
-    with client.websocket_connect("/v1/realtime") as ws:
-        assert json.loads(ws.receive_text())["type"] == "session.created"
-        for i in range(0, pcm.size, RATE // 5):
-            ws.send_text(json.dumps({"type": "input_audio_buffer.append",
-                                     "audio": base64.b64encode(pcm[i:i + RATE // 5].tobytes()).decode()}))
-        ws.send_text(json.dumps({"type": "input_audio_buffer.commit", "final": True}))
-        deltas = []
-        while (event := json.loads(ws.receive_text()))["type"] != "transcription.done":
-            deltas.append(event["delta"])
+    deltas, event = _over_the_socket(client, np.frombuffer(raw[44:], dtype="<i2"), RATE // 5)
     assert event["text"] == "".join(deltas).strip() == want
     after = client.get("/stats").json()
     frames = 32 + 50 + 17  # left pad, 4 s, delay + BOS + buffer
