@@ -3,6 +3,9 @@ adapters and the base model, per-adapter prefix caching (issue 43)."""
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 
 from pagedllm import LLM, SamplingParams
@@ -53,9 +56,8 @@ def test_mixed_batch_matches_single_runs(smol_llm, smol_adapters, smollm2_tokeni
     together = smol_llm.generate(prompts, _greedy(), use_tqdm=False, lora_request=loras)
     assert [o.outputs[0].token_ids for o in together] == alone * 2
     assert [o.lora_request for o in together] == loras
-    slots = smol_llm.engine.client.core.runner.lora if hasattr(smol_llm.engine.client, "core") else None
-    if slots is not None:
-        assert len(slots.cpu) <= 2  # max_cpu_loras
+    slots = smol_llm.engine.client.core.runner.lora  # in process: the runner's LoRASlots
+    assert len(slots.cpu) <= 2 and slots.loads >= 3  # max_cpu_loras: the third adapter evicted one
 
 
 def test_prefix_cache_per_adapter(smol_llm, smol_adapters, smollm2_tokenizer):
@@ -78,7 +80,8 @@ def test_prefix_cache_per_adapter(smol_llm, smol_adapters, smollm2_tokenizer):
 
 
 def test_bad_requests_are_refused_and_engine_serves(smol_llm, smol_adapters, smollm2_tokenizer, tmp_path):
-    """A missing directory, a reused id and a wrong list length are ValueErrors naming the problem;
+    """A missing directory, a reused id, a rank above the maximum and a wrong list length are
+    ValueErrors naming the problem;
     the engine keeps serving."""
     prompt = smollm2_tokenizer.encode("Hello")
     with pytest.raises(ValueError, match="no such directory"):
@@ -86,6 +89,12 @@ def test_bad_requests_are_refused_and_engine_serves(smol_llm, smol_adapters, smo
     path = str(smol_adapters["attn8"][0])
     with pytest.raises(ValueError, match="already adapter"):
         smol_llm.generate([prompt], _greedy(), use_tqdm=False, lora_request=LoRARequest("other", 1, path))
+    big = tmp_path / "big"
+    shutil.copytree(path, big)
+    cfg = json.loads((big / "adapter_config.json").read_text())
+    (big / "adapter_config.json").write_text(json.dumps(cfg | {"r": 32}))
+    with pytest.raises(ValueError, match="rank r=32 is above max_lora_rank=16"):
+        smol_llm.generate([prompt], _greedy(), use_tqdm=False, lora_request=LoRARequest("big", 78, str(big)))
     with pytest.raises(ValueError, match="lora_request entries"):
         smol_llm.generate([prompt], _greedy(), use_tqdm=False, lora_request=[None, None])
     assert smol_llm.generate([prompt], _greedy(), use_tqdm=False)[0].finished
