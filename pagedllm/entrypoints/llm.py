@@ -119,18 +119,17 @@ class LLM:
         ``sampling_params``: one for all conversations or one per conversation;
         ``chat_template_content_format``: accepted for vLLM's signature (text parts are joined;
         image parts, ``image_url`` with a data URL or ``image_pil``, become the model's image
-        placeholder before the text, for an image-text model); ``lora_request``: reserved, must be
-        ``None``.
+        placeholder before the text, for an image-text model); ``lora_request``: a ``LoRARequest`` for
+        all conversations or a list with one per conversation (``None``: the base model), as ``generate``.
 
         Returns:
             One ``RequestOutput`` per conversation, in input order.
         Raises:
             ValueError: a ``sampling_params`` list of the wrong length, both
-                ``continue_final_message`` and ``add_generation_prompt``, a ``lora_request``, or
+                ``continue_final_message`` and ``add_generation_prompt``, a ``lora_request`` refused, or
                 an engine built with ``skip_tokenizer_init`` (no chat template to render), an image
                 part for a text-only model or one that is not a readable image.
         """
-        _no_lora(lora_request)
         tok = self.engine.tokenizer
         if tok is None:
             raise ValueError("chat: needs a tokenizer (the engine was built with skip_tokenizer_init=True)")
@@ -142,7 +141,8 @@ class LLM:
             kwargs["documents"] = documents
         items = []
         proc = self.engine.processor
-        for conv, sp in zip(convs, self._params_per_item(sampling_params, len(convs))):
+        loras = _loras_per_item(lora_request, len(convs))
+        for conv, sp, lora in zip(convs, self._params_per_item(sampling_params, len(convs)), loras):
             conv, media = take_media(conv, {"image": proc.image_placeholder, "video": proc.video_placeholder,
                                             "audio": proc.audio_placeholder}, proc.media_policy, proc.audio_rate)
             text = tok.apply_chat_template(prepare_messages(conv), tools=tools, tokenize=False,
@@ -150,7 +150,7 @@ class LLM:
                                            continue_final_message=continue_final_message, **kwargs)
             prompt = (MultiModalPrompt(text, media["image"], False, media["video"], media["audio"])
                       if any(media.values()) else tok.encode(text, add_special_tokens=False))
-            items.append((prompt, sp, text, None, None))
+            items.append((prompt, sp, text, None, lora))
         return self._run(items, use_tqdm)
 
     def embed(self, prompts: PromptType | Sequence[PromptType], pooling_params: PoolingParams | None = None,
@@ -296,11 +296,6 @@ def _loras_per_item(lora_request, n: int) -> list:
     if len(lora_request) != n:
         raise ValueError(f"got {len(lora_request)} lora_request entries for {n} prompts")
     return list(lora_request)
-
-
-def _no_lora(lora_request) -> None:
-    if lora_request is not None:
-        raise ValueError("lora_request: LoRA adapters are not supported by pagedllm")
 
 
 def merge_samples(request_id: str, children: list[RequestOutput]) -> RequestOutput:

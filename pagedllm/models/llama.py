@@ -236,7 +236,8 @@ class LlamaForCausalLM(nn.Module):
             hidden_indices: ``[N]`` int64 rows whose final hidden states (after the last norm) are
                 needed too (pooling requests), or ``None``.
             lora: the step's ``models.lora_linear.LoRAStep`` (rows per adapter slot), or ``None``
-                when no row has an adapter; only with ``install_lora`` done. A step with adapter rows
+                when no row has an adapter (every forward sets it: ``None`` clears the last step's);
+                only with ``install_lora`` done. A step with adapter rows
                 never takes the batch-1 C decode stack (it would bypass the adapters).
         Returns:
             ``[R, vocab]`` float32 logits (a pipeline stage other than rank 0: ``[R, 0]``); with ``hidden_indices``,

@@ -193,8 +193,8 @@ class ModelRunner:
         kwargs = {} if self.state_cache is None else {
             "state": self.state_cache.batch(self.input_batch.state_slot[slots], start, qsl, rids,
                                             so.state_restores, so.state_checkpoints, so.spec_token_ids)}
-        if self.lora is not None:  # each row's adapter id; slots are taken when the step runs (_launch)
-            kwargs["lora"] = self.lora.plan(self.input_batch.lora_id[slots], n)
+        if self.lora is not None and (rows := self.lora.plan(self.input_batch.lora_id[slots], n)) is not None:
+            kwargs["lora"] = rows  # each row's adapter id; slots are taken when the step runs (_launch)
         if self.encoder_only and (types := token_type_rows([self.input_batch.pooling[i] for i in slots.tolist()],
                                                            qsl)) is not None:
             kwargs["token_type_ids"] = types.to(self.device)  # a cross-encoder's pairs
@@ -306,7 +306,7 @@ class ModelRunner:
         if timer is not None:
             timer.exec_started(t1)
         self.step_inputs.fill(step, prev)
-        if self.lora is not None:  # on this thread, so no slot changes under a step that runs
+        if "lora" in step.model_kwargs:  # on this thread, so no slot changes under a step that runs
             step.model_kwargs["lora"] = self.lora.activate(step.model_kwargs["lora"])
         if step.pool_rows is not None:  # the same forward also hands back the pooled rows' final hidden states
             logits, hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta, step.logits_rows,

@@ -60,6 +60,17 @@ def test_mixed_batch_matches_single_runs(smol_llm, smol_adapters, smollm2_tokeni
     assert len(slots.cpu) <= 2 and slots.loads >= 3  # max_cpu_loras: the third adapter evicted one
 
 
+def test_chat_takes_an_adapter(smol_llm, smol_adapters, smollm2_tokenizer):
+    """``LLM.chat(lora_request=...)``: the same tokens as ``generate`` on the rendered conversation."""
+    lr = _requests(smol_adapters)["mlp8"]
+    msgs = [{"role": "user", "content": "Name a color."}]
+    chat = smol_llm.chat(msgs, _greedy(), use_tqdm=False, lora_request=lr)[0]
+    ids = smollm2_tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+    ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+    gen = smol_llm.generate([ids], _greedy(), use_tqdm=False, lora_request=lr)[0]
+    assert chat.lora_request == lr and chat.outputs[0].token_ids == gen.outputs[0].token_ids
+
+
 def test_prefix_cache_per_adapter(smol_llm, smol_adapters, smollm2_tokenizer):
     """Blocks are shared within an adapter, never across adapters nor with the base model."""
     reqs = _requests(smol_adapters)
