@@ -67,9 +67,8 @@ class KVCacheManager:
         return self.pool.usage()
 
     def _hashes(self, request: Request) -> list[bytes]:
-        lora = request.lora_request
         extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, request.cache_salt,
-                            request.mm_inputs, None if lora is None else lora.cache_key())
+                            request.mm_inputs, request.lora_key)
         return request.block_hashes
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
