@@ -1,13 +1,20 @@
-"""LoRA adapters applied batched around a model's linears (Punica's SGMV idea, in torch).
+"""LoRA adapters applied batched around a model's linears (Punica's SGMV / BGMV ideas, in torch).
 
 ``install_lora`` wraps each decoder layer's projections (fused ``qkv_proj`` / ``gate_up_proj``
-included) in a ``LoRALinear``. Each holds ``max_loras`` slots of zero-padded adapter matrices.
-A step's ``LoRAStep`` says which rows of the flattened batch use which slot; the wrapper computes
-the base output (whatever module the base is: ``nn.Linear``, oneDNN-packed, GGUF blocks, since the
-delta is added to its output) and then, per slot present in the step, gathers that slot's rows and
-adds ``(x_rows @ A[slot]^T) @ B[slot]^T`` (the scale folded into ``B``): one matmul pair per
-adapter in the step, never a forward per adapter. Rows of slot -1 (the base model) get nothing.
-Ranks below the slot width are zero-padded, which adds exact zeros.
+included) in a ``LoRALinear``. Each holds ``max_loras`` slots: ``A`` of every piece stacked along
+the rank (``[slots, pieces * r, in]``) and ``B`` block-diagonal over the pieces with the scale folded
+in (``[slots, out, pieces * r]``), so one adapter's delta on a fused linear is two matmuls whatever
+its pieces. The wrapper computes the base output (whatever module the base is: ``nn.Linear``,
+oneDNN-packed, GGUF blocks; the delta is added to its output) and then the step's adapter rows'
+``(x @ A[slot]^T) @ B[slot]^T``, in one of two ways chosen per step by ``LoRAStep``:
+
+* grouped (SGMV-like): per slot present in the step, gather its rows, two matmuls, scatter-add;
+* padded (BGMV-like, few rows per adapter, i.e. decode): the adapter rows scattered into a
+  ``[slots, g, in]`` buffer (``g``: the most rows one adapter has), two batched matmuls over all
+  slots at once, gather and scatter-add back: a fixed number of operations however many adapters.
+
+Never a forward per adapter. Rows of the base model get nothing. Ranks below the slot width are
+zero-padded, which adds exact zeros.
 """
 
 from __future__ import annotations
@@ -20,14 +27,17 @@ from torch import nn
 
 @dataclass
 class LoRAStep:
-    """One step's rows per adapter slot.
+    """One step's rows per adapter slot (``worker/lora_slots.py`` builds it).
 
     Attributes:
-        groups: ``[(slot, rows)]``, ``rows`` ``[n]`` int64 indices into the flattened batch, or
-            ``None`` when the slot holds every row of the step.
+        groups: grouped mode: ``[(slot, rows)]``, ``rows`` ``[n]`` int64 indices into the flattened
+            batch, or ``None`` when the slot holds every row of the step.
+        padded: padded mode (then ``groups`` is ignored): ``(rows [N] int64, dest [N] int64, g)``:
+            the adapter rows, each one's place ``slot * g + i`` in the ``[slots * g]`` buffer.
     """
 
     groups: list[tuple[int, torch.Tensor | None]]
+    padded: tuple[torch.Tensor, torch.Tensor, int] | None = None
 
 
 class LoRAContext:
@@ -42,10 +52,11 @@ class LoRALinear(nn.Module):
 
     Args:
         base_layer: the linear module (``[T, in] -> [T, out]``).
-        pieces: ``[(projection name, output start, output size)]``: a fused ``qkv_proj`` has three.
+        pieces: ``[(projection name, output start, output size)]`` tiling the output: a fused
+            ``qkv_proj`` has three.
         in_features: the input width.
         max_loras: adapter slots.
-        max_rank: slot width (the highest rank).
+        max_rank: per-piece slot width (the highest rank).
         ctx: the model's shared ``LoRAContext``.
     """
 
@@ -59,10 +70,12 @@ class LoRALinear(nn.Module):
         w = next((p for p in base_layer.parameters() if p.dtype.is_floating_point), None)
         dtype = torch.float32 if w is None or w.dtype not in (torch.float32, torch.bfloat16, torch.float16) else w.dtype
         device = torch.device("cpu") if w is None else w.device
-        # A of every piece stacked along the rank: one product gives every piece's x A^T
-        self.register_buffer("lora_a", torch.zeros(max_loras, len(pieces) * max_rank, in_features, dtype=dtype,
-                                                   device=device), persistent=False)
-        self.lora_b = [torch.zeros(max_loras, size, max_rank, dtype=dtype, device=device) for _, _, size in pieces]
+        out = sum(size for _, _, size in pieces)
+        width = len(pieces) * max_rank
+        self.register_buffer("lora_a", torch.zeros(max_loras, width, in_features, dtype=dtype, device=device),
+                             persistent=False)
+        self.register_buffer("lora_b", torch.zeros(max_loras, out, width, dtype=dtype, device=device),
+                             persistent=False)
 
     def set_slot(self, slot: int, weights: dict[str, tuple[torch.Tensor, torch.Tensor]], scaling: float) -> None:
         """Write an adapter into ``slot`` (pieces it lacks stay zero).
@@ -72,33 +85,36 @@ class LoRALinear(nn.Module):
             scaling: multiplies ``B`` (folded in here).
         """
         self.lora_a[slot].zero_()
+        self.lora_b[slot].zero_()
         r0 = self.max_rank
-        for p, (name, _, _) in enumerate(self.pieces):
-            b_slot = self.lora_b[p][slot]
-            b_slot.zero_()
+        for p, (name, start, size) in enumerate(self.pieces):
             if name in weights:
                 a, b = weights[name]
                 r = a.shape[0]
                 self.lora_a[slot, p * r0:p * r0 + r].copy_(a)
-                b_slot[:, :r].copy_(b * scaling)
+                self.lora_b[slot, start:start + size, p * r0:p * r0 + r].copy_(b * scaling)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` ``[T, in]`` -> ``[T, out]``: the base output plus each row's adapter delta."""
+        """``x`` ``[T, in]`` -> ``[T, out]``: the base output plus each adapter row's delta."""
         y = self.base_layer(x)
         step = self.ctx.step
         if step is None:
             return y
-        r0 = self.max_rank
+        xl = x.to(self.lora_a.dtype)
+        if step.padded is not None:
+            rows, dest, g = step.padded
+            slots = self.lora_a.shape[0]
+            buf = xl.new_zeros(slots * g, xl.shape[1]).index_copy_(0, dest, xl.index_select(0, rows))
+            xa = torch.bmm(buf.view(slots, g, -1), self.lora_a.transpose(1, 2))   # [slots, g, pieces * r]
+            d = torch.bmm(xa, self.lora_b.transpose(1, 2)).view(slots * g, -1)      # [slots * g, out]
+            return y.index_add_(0, rows, d.index_select(0, dest).to(y.dtype))
         for slot, rows in step.groups:
-            xs = x if rows is None else x.index_select(0, rows)
-            xa = xs.to(self.lora_a.dtype) @ self.lora_a[slot].t()  # [n, pieces * r]
-            for p, (_, start, size) in enumerate(self.pieces):
-                d = (xa[:, p * r0:(p + 1) * r0] @ self.lora_b[p][slot].t()).to(y.dtype)
-                out = y[:, start:start + size]
-                if rows is None:
-                    out += d
-                else:
-                    out.index_add_(0, rows, d)
+            xs = xl if rows is None else xl.index_select(0, rows)
+            d = ((xs @ self.lora_a[slot].t()) @ self.lora_b[slot].t()).to(y.dtype)  # [n, out]
+            if rows is None:
+                y += d
+            else:
+                y.index_add_(0, rows, d)
         return y
 
 

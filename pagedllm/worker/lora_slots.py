@@ -21,6 +21,8 @@ from pagedllm.lora.peft_reader import LoRAAdapter, check_shapes, load_peft_adapt
 from pagedllm.lora.request import LoRARequest
 from pagedllm.models.lora_linear import LoRAStep, install_lora, projection_shapes
 
+PADDED_RATIO = 4  # the padded mode's buffer may hold this many times the step's adapter rows
+
 
 class LoRASlots:
     """Adapters of a native model in ``max_loras`` slots.
@@ -68,6 +70,11 @@ class LoRASlots:
     def activate(self, row_ids: np.ndarray | None) -> LoRAStep | None:
         """Put the step's adapters in slots and group its rows by slot (execution thread).
 
+        Several adapters with few rows each (decode) take the padded mode (``LoRAStep.padded``: a
+        fixed number of batched products whatever the adapter count) when its buffer of
+        ``max_loras * g`` rows is at most ``PADDED_RATIO`` times the adapter rows (or 64 rows);
+        otherwise one matmul pair per adapter on its gathered rows.
+
         Raises:
             ValueError: more distinct adapters than ``max_loras`` (the scheduler prevents it), or an
                 adapter that no longer reads or does not fit the model.
@@ -78,13 +85,19 @@ class LoRASlots:
         ids = [int(i) for i in np.unique(row_ids) if i]
         if len(ids) > self.config.max_loras:
             raise ValueError(f"{len(ids)} adapters in one step, max_loras={self.config.max_loras}")
-        groups = []
+        per_slot = []
         for lid in ids:
             slot = self._slot_for(lid, ids)
             self.slot_used[slot] = self.activations
-            rows = np.flatnonzero(row_ids == lid)
-            groups.append((slot, None if rows.size == row_ids.size else torch.from_numpy(rows).to(self.device)))
-        return LoRAStep(groups)
+            per_slot.append((slot, np.flatnonzero(row_ids == lid)))
+        g = max(rows.size for _, rows in per_slot)
+        num_rows = sum(rows.size for _, rows in per_slot)
+        if len(per_slot) > 1 and self.config.max_loras * g <= max(PADDED_RATIO * num_rows, 64):
+            rows = np.concatenate([r for _, r in per_slot])
+            dest = np.concatenate([slot * g + np.arange(r.size) for slot, r in per_slot])
+            return LoRAStep([], (torch.from_numpy(rows).to(self.device), torch.from_numpy(dest).to(self.device), g))
+        return LoRAStep([(slot, None if rows.size == row_ids.size else torch.from_numpy(rows).to(self.device))
+                         for slot, rows in per_slot])
 
     def _slot_for(self, lid: int, step_ids: list[int]) -> int:
         """The slot holding adapter ``lid``, loading it into a free or least recently used slot

@@ -83,7 +83,7 @@ def _packed(weight: torch.Tensor) -> nn.Module:
 @pytest.mark.parametrize("base_kind", ["linear", "packed"])
 def test_wrapper_groups_rows_by_slot(base_kind):
     """Rows of slots 0 and 1 and base rows in one call equal each row's own ``W x + s B A x``,
-    whatever module the base is (plain or oneDNN-packed)."""
+    grouped or padded, whatever module the base is (plain or oneDNN-packed)."""
     torch.manual_seed(1)
     out, pieces = 12, [("q_proj", 0, 8), ("k_proj", 8, 4)]
     base = nn.Linear(HIDDEN, out, bias=True)
@@ -108,6 +108,11 @@ def test_wrapper_groups_rows_by_slot(base_kind):
                 a, b = ad[s][name]
                 want[i, start:start + size] += 0.5 * (b @ (a @ x[i]))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # the padded mode (slot * g + i places in a [slots, g] buffer, g = 2): the same sums
+    ctx.step = LoRAStep([], (torch.tensor([0, 4, 2, 3]), torch.tensor([0, 1, 2, 3]), 2))
+    with torch.inference_mode():
+        padded = lin(x)
+    torch.testing.assert_close(padded, want, rtol=1e-5, atol=1e-5)
     ctx.step = LoRAStep([(1, None)])  # one slot holding every row
     with torch.inference_mode():
         all1 = lin(x)
