@@ -109,6 +109,9 @@ class LoRALinear(nn.Module):
             d = torch.bmm(xa, self.lora_b.transpose(1, 2)).view(slots * g, -1)      # [slots * g, out]
             return y.index_add_(0, rows, d.index_select(0, dest).to(y.dtype))
         for slot, rows in step.groups:
+            if rows is None and y.dtype == xl.dtype:  # every row: y += (x A^T) B^T in one fused product
+                y.addmm_(xl @ self.lora_a[slot].t(), self.lora_b[slot].t())
+                continue
             xs = xl if rows is None else xl.index_select(0, rows)
             d = ((xs @ self.lora_a[slot].t()) @ self.lora_b[slot].t()).to(y.dtype)  # [n, out]
             if rows is None:
