@@ -16,8 +16,8 @@ import torch
 
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.kernels import cpu as cpu_kernels
-from pagedllm.models.quant_linear import GGUFLinear
 from pagedllm.models.lora_linear import unwrap
+from pagedllm.models.quant_linear import GGUFLinear
 
 MAX_STACK_TOKENS = 16  # pl_decode_stack's bound (QGEMM_MAX_ROWS)
 

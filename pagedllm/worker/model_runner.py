@@ -29,8 +29,8 @@ from pagedllm.attention.torch_paged import TorchPagedBackend
 from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.models.layers.compiled import compile_model
 from pagedllm.worker.input_batch import InputBatch
-from pagedllm.worker.lora_slots import LoRASlots
 from pagedllm.worker.logits_rows import constrain, grammar_rows, logits_rows_of, prompt_logprobs
+from pagedllm.worker.lora_slots import LoRASlots
 from pagedllm.worker.multimodal_step import EncoderCache
 from pagedllm.worker.pooler import PoolingSpan, hidden_rows, pool, token_type_rows
 from pagedllm.worker.prepared_step import Launched, PreparedStep, StepHandle
