@@ -87,7 +87,32 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "token); default auto: pooling for an encoder model such as BERT")
     p.add_argument("--task", choices=["generate", "embed", "score"], default=None,
                    help="vLLM's older name for --runner: embed and score mean --runner pooling")
+    _add_lora_flags(p)
     p.add_argument("--log-level", default="info")
+
+
+def _add_lora_flags(p: argparse.ArgumentParser) -> None:
+    """vLLM's LoRA flags: ``--enable-lora --max-loras --max-lora-rank --max-cpu-loras --lora-modules``."""
+    p.add_argument("--enable-lora", action="store_true",
+                   help="serve LoRA adapters (PEFT directories) on the native model, several in one batch")
+    p.add_argument("--max-loras", type=int, default=1, help="distinct adapters one step may hold (default 1)")
+    p.add_argument("--max-lora-rank", type=int, default=16, help="highest adapter rank accepted (default 16)")
+    p.add_argument("--max-cpu-loras", type=int, default=None,
+                   help="adapters kept in host memory, least recently used evicted (default: --max-loras)")
+    p.add_argument("--lora-modules", nargs="+", type=_lora_module, default=None, metavar="NAME=PATH",
+                   help="adapters known by name: NAME=PATH pairs (a PEFT directory each)")
+
+
+def _lora_module(text: str) -> tuple[str, str]:
+    """``NAME=PATH`` -> ``(name, path)``.
+
+    Raises:
+        argparse.ArgumentTypeError: no ``=``, or an empty name or path.
+    """
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"--lora-modules: expected NAME=PATH, got {text!r}")
+    return name, path
 
 
 def engine_args_from_cli(a: argparse.Namespace) -> EngineArgs:
@@ -126,7 +151,9 @@ def engine_args_from_cli(a: argparse.Namespace) -> EngineArgs:
                       mmproj=getattr(a, "mmproj", None),
                       pipeline_micro_batches=getattr(a, "pipeline_micro_batches", 0),
                       distributed_executor_backend=a.distributed_executor_backend,
-                      data_parallel_size=a.data_parallel_size, runner=_runner(a))
+                      data_parallel_size=a.data_parallel_size, runner=_runner(a),
+                      enable_lora=getattr(a, "enable_lora", False), max_loras=getattr(a, "max_loras", 1),
+                      max_lora_rank=getattr(a, "max_lora_rank", 16), max_cpu_loras=getattr(a, "max_cpu_loras", None))
 
 
 def _runner(a: argparse.Namespace) -> str:

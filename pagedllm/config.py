@@ -234,6 +234,10 @@ class EngineArgs:
     compilation_config: Any = None
     data_parallel_size: int = 1
     runner: str = "auto"
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -271,6 +275,7 @@ class EngineArgs:
         from pagedllm.spec_decode.config import SpeculativeConfig
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         self._check_parallel()
+        self.lora_config()  # validates the LoRA settings
         parse_size(self.kv_cache_memory)
         parse_dtype(self.dtype)
         torch.device(self.device)
@@ -287,6 +292,24 @@ class EngineArgs:
         if torch.device(self.device).type == "cuda" and self.block_size < 16 and self._triton_on_cuda():
             raise ValueError(f"block_size must be >= 16 for the Triton attention backend on CUDA "
                              f"(attention_backend={self.attention_backend!r}), got {self.block_size}")
+
+    def lora_config(self):
+        """The ``lora.config.LoRAConfig`` of ``enable_lora`` (``max_cpu_loras`` defaults to
+        ``max_loras``, as vLLM), or ``None`` without it.
+
+        Raises:
+            ValueError: a LoRA setting out of range, or ``enable_lora`` with tensor or pipeline
+                parallelism or the Transformers backend (adapters are applied on native models only).
+        """
+        if not self.enable_lora:
+            return None
+        if self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1:
+            raise ValueError("--enable-lora (enable_lora) is not implemented with tensor or pipeline parallelism")
+        if self.model_impl == "transformers":
+            raise ValueError("--enable-lora (enable_lora) needs a native model (--model-impl native or auto)")
+        from pagedllm.lora.config import LoRAConfig
+        cpu = self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
+        return LoRAConfig(self.max_loras, self.max_lora_rank, cpu)
 
     def _triton_on_cuda(self) -> bool:
         """The Triton backend serves this CUDA device: asked for, or the default with triton installed."""

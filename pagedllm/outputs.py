@@ -41,7 +41,7 @@ class CompletionOutput:
         logprobs: one ``PositionLogprobs`` per entry of ``token_ids`` when requested, else ``None``.
         cumulative_logprob: sum of the generated tokens' logprobs (all of them, also in delta
             mode) when logprobs were requested, else ``None`` (vLLM's field).
-        lora_request: always ``None`` (vLLM's field; no LoRA adapters here).
+        lora_request: the ``LoRARequest`` its request ran with, or ``None``.
     """
 
     index: int
@@ -51,7 +51,7 @@ class CompletionOutput:
     stop_reason: str | int | None = None
     logprobs: list[PositionLogprobs] | None = None
     cumulative_logprob: float | None = None
-    lora_request: None = None
+    lora_request: object = None
 
     @property
     def finished(self) -> bool:
@@ -73,7 +73,7 @@ class RequestOutput:
         finished: True when every output has finished.
         metrics: a ``RequestMetrics``: arrival, first-token and (once finished) finish
             times in seconds since the epoch, and the prompt and output token counts.
-        lora_request: always ``None`` (vLLM's field).
+        lora_request: the ``LoRARequest`` it ran with (``LLM.generate``), or ``None``.
     """
 
     request_id: str
@@ -83,7 +83,7 @@ class RequestOutput:
     finished: bool = False
     metrics: RequestMetrics | None = None
     prompt_logprobs: list[PositionLogprobs | None] | None = None
-    lora_request: None = None
+    lora_request: object = None
 
 
 @dataclass

@@ -55,11 +55,13 @@ class Request:
             (empty when none); spec_num_draft_tokens, spec_num_accepted_tokens: its drafts so far
             and how many were kept.
         mm_inputs: its images (``multimodal_inputs.MultiModalInput``, in prompt order; empty for text).
+        lora_request: its LoRA adapter (``lora.request.LoRARequest``), or ``None`` for the base model;
+            lora_key: that adapter's ``cache_key()`` (prefix-cache identity), or ``None``.
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  eos_token_ids: set[int], max_tokens: int, arrival_time: float | None = None,
-                 cache_salt: str | None = None, pooling_params=None, mm_inputs=()) -> None:
+                 cache_salt: str | None = None, pooling_params=None, mm_inputs=(), lora_request=None) -> None:
         self.request_id = request_id
         self.pooling_params = pooling_params
         self.prompt_token_ids = list(prompt_token_ids)
@@ -81,6 +83,9 @@ class Request:
         self.spec_num_draft_tokens = 0
         self.spec_num_accepted_tokens = 0
         self.mm_inputs = tuple(mm_inputs)
+        self.lora_request = lora_request
+        # the adapter's identity in the block hashes (computed once: hashes are extended every step)
+        self.lora_key: bytes | None = None if lora_request is None else lora_request.cache_key()
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -2,7 +2,7 @@
 
 A block's hash covers its parent block's hash, its token ids and extra keys
 (the request's ``cache_salt`` on the first block, the content hashes of the images whose
-placeholders it holds; room for LoRA), so equal hashes mean equal prefixes up to and including the block.
+placeholders it holds; the LoRA adapter's identity on the first block), so equal hashes mean equal prefixes up to and including the block.
 
 The hash is SHA-256 over a fixed byte encoding (no Python ``hash()``, which is
 salted per process): deterministic across processes and runs, and with a
@@ -56,18 +56,23 @@ def hash_block_tokens(parent_hash: bytes, token_ids, extra_keys: tuple = ()) -> 
 
 
 def extend_block_hashes(hashes: list[bytes], token_ids: list[int], block_size: int, cache_salt: str | None,
-                        mm_inputs=()) -> None:
+                        mm_inputs=(), lora_key: bytes | None = None) -> None:
     """Append the hashes of every newly full block of ``token_ids`` to ``hashes`` (in place).
 
     ``mm_inputs``: the request's images (``multimodal_inputs.MultiModalInput``); a block holding any of an
     image's placeholder tokens gets that image's content hash among its extra keys, so equal
     placeholder tokens of different images never share a block (vLLM's multimodal prefix caching).
+    ``lora_key``: the request's adapter identity (``LoRARequest.cache_key``), among the first block's
+    extra keys; every later block chains on it, so two adapters never share a block, nor an adapter
+    and the base model, while requests of the same adapter do.
     """
     from pagedllm.multimodal_inputs import block_keys
     n_full = len(token_ids) // block_size
     for i in range(len(hashes), n_full):
         parent = hashes[i - 1] if i else ROOT_HASH
         extra = (cache_salt,) if i == 0 and cache_salt else ()
+        if i == 0 and lora_key is not None:
+            extra += (b"lora", lora_key)
         if mm_inputs:
             extra += block_keys(mm_inputs, i * block_size, (i + 1) * block_size)
         hashes.append(hash_block_tokens(parent, token_ids[i * block_size:(i + 1) * block_size], extra))

@@ -68,7 +68,7 @@ class KVCacheManager:
 
     def _hashes(self, request: Request) -> list[bytes]:
         extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, request.cache_salt,
-                            request.mm_inputs)
+                            request.mm_inputs, request.lora_key)
         return request.block_hashes
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:

@@ -71,11 +71,16 @@ class Scheduler:
             (``_requests_per_step``), so that consecutive steps hold different requests and a pipeline runs them at once (``ModelRunner(pipeline_overlap=True)``;
             vLLM keeps ``pipeline_parallel_size`` batches in flight the same way).
         encoder: a multimodal model's ``EncoderScheduler`` (which images each step encodes).
+        max_loras: distinct LoRA adapters one step may hold (0: no limit, adapters off); a request
+            whose adapter would be one too many waits for a later step (``_lora_fits``).
     """
 
     def __init__(self, kv_cache_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, enable_chunked_prefill: bool = True, spec: SpecDecoding | None = None,
-                 encoder_only: bool = False, steps_in_flight: int = 1, encoder: EncoderScheduler | None = None) -> None:
+                 encoder_only: bool = False, steps_in_flight: int = 1, encoder: EncoderScheduler | None = None,
+                 max_loras: int = 0) -> None:
+        self.max_loras = max_loras
+        self._step_loras: set[int] = set()  # adapter ids in the step being planned
         self.encoder_only = encoder_only
         self.encoder = encoder  # images: encoder budget and cache (core/encoder_cache.py), else None
         self.steps_in_flight = steps_in_flight
@@ -150,6 +155,7 @@ class Scheduler:
         if self.spec is not None:
             self.spec.begin_step(self.running)
         self._step_cap = self._requests_per_step()
+        self._step_loras = set()
         preempted = self._schedule_running(out, budget)
         budget -= out.total_num_scheduled_tokens
         if not preempted:
@@ -200,7 +206,7 @@ class Scheduler:
             req = self.running[i]
             n = self._num_new_tokens(req, budget)
             drafts = self._drafts(req, n, budget) if n > 0 else []
-            if n <= 0 or drafts is HOLD:
+            if n <= 0 or drafts is HOLD or not self._lora_fits(req):
                 i += 1
                 continue
             n += len(drafts)
@@ -256,6 +262,9 @@ class Scheduler:
                 self.waiting.popleft()
                 self._fail(req, f"the grammar failed to compile: {req.structured.error}")
                 continue
+            if not self._lora_fits(req):  # its adapter would be one too many this step: keep its place
+                passed.append(self.waiting.popleft())
+                continue
             if req.num_output_placeholders:
                 break  # preempted while a step computed its token: re-admit once it arrives
             cached, num_cached = ([], 0) if self.encoder_only else self.kv.get_computed_blocks(req)
@@ -275,6 +284,13 @@ class Scheduler:
             self._record(out, req, n, new_blocks)
             budget -= n
         self.waiting.extendleft(reversed(passed))
+
+    def _lora_fits(self, req: Request) -> bool:
+        """Whether ``req``'s LoRA adapter (if any) can join this step: already in it, or fewer than
+        ``max_loras`` distinct adapters so far."""
+        lora = req.lora_request
+        return (lora is None or not self.max_loras or lora.lora_int_id in self._step_loras
+                or len(self._step_loras) < self.max_loras)
 
     def _whole_prompt_only(self) -> bool:
         """True when a prompt is admitted only whole (no chunked prefill, or an encoder model)."""
@@ -302,10 +318,12 @@ class Scheduler:
             out.new_reqs.append(NewRequestData(rid, list(req.all_token_ids), req.num_prompt_tokens,
                                                req.sampling_params, self.kv.get_block_ids(rid),
                                                req.num_computed_tokens, req.pooling_params,
-                                               self.kv.get_state_slot(rid), req.mm_inputs))
+                                               self.kv.get_state_slot(rid), req.mm_inputs, req.lora_request))
             self._runner_knows.add(rid)
         out.num_scheduled_tokens[rid] = n
         out.total_num_scheduled_tokens += n
+        if req.lora_request is not None:
+            self._step_loras.add(req.lora_request.lora_int_id)
         if self.encoder is not None and (encode := self.encoder.schedule(req, n)):
             out.scheduled_encoder_inputs[rid] = encode
         restore, checkpoints = self.kv.take_state_plan(rid)  # a hybrid model's prefix caching

@@ -30,6 +30,7 @@ class NewRequestData:
             pooled once its prompt is computed).
         state_slot: the request's recurrent-state slot (hybrid models, ``core/state_pool.py``), or -1.
         mm_inputs: its images (``multimodal_inputs.MultiModalInput``; empty for text).
+        lora_request: its adapter (``lora.request.LoRARequest``), or ``None`` for the base model.
     """
 
     req_id: str
@@ -41,6 +42,7 @@ class NewRequestData:
     pooling_params: PoolingParams | None = None
     state_slot: int = -1
     mm_inputs: tuple = ()
+    lora_request: Any = None
 
 
 @dataclass

@@ -84,8 +84,9 @@ class _DPBase:
         Raises:
             EngineDeadError: every replica has died.
         """
-        hashes = (prompt_block_hashes(request.prompt_token_ids, self.block_size, request.cache_salt)
-                  if self.prefix_caching else [])
+        lora = request.lora_request
+        hashes = (prompt_block_hashes(request.prompt_token_ids, self.block_size, request.cache_salt,
+                                      None if lora is None else lora.cache_key()) if self.prefix_caching else [])
         try:
             r = self.router.route(hashes)
         except RuntimeError:

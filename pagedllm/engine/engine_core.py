@@ -165,14 +165,15 @@ class EngineCore:
                    if getattr(model, "is_multimodal", False) else None)
         self.scheduler = Scheduler(self.kv_cache_manager, args.max_num_seqs, args.max_num_batched_tokens,
                                    max_model_len, args.enable_chunked_prefill, spec, encoder_only=encoder_only,
-                                   steps_in_flight=plan.scheduler.steps_in_flight, encoder=encoder)
+                                   steps_in_flight=plan.scheduler.steps_in_flight, encoder=encoder,
+                                   max_loras=args.max_loras if args.enable_lora else 0)
         # decode CUDA graphs with one rank only (every rank gets these sizes: none captures with several)
         sizes = dict(num_blocks=num_blocks, block_size=args.block_size, dtype=dtype, device=device, seed=args.seed,
                      eos_token_ids=eos_token_ids, max_num_reqs=args.max_num_seqs, max_model_len=max_model_len,
                      num_state_checkpoints=0 if state_pool is None else state_pool.num_checkpoints,
                      draft_state_slots=0 if state_pool is None else _draft_state_slots(args),
                      enforce_eager=not plan.cuda_graphs, cuda_graph_sizes=args.cuda_graph_sizes,
-                     pipeline_overlap=overlap, compile_pieces=plan.compile)
+                     pipeline_overlap=overlap, compile_pieces=plan.compile, lora_config=args.lora_config())
         self.runner = self._exec.submit(self.executor.runner_class, model, **sizes, executor=self._exec,
                                         scripted_output=scripted_output).result()
         self.executor.start(self.runner, sizes)
@@ -258,7 +259,7 @@ class EngineCore:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         req = Request(request.request_id, request.prompt_token_ids, request.sampling_params, self.eos_token_ids,
                       request.max_tokens, request.arrival_time, request.cache_salt, request.pooling_params,
-                      request.mm_inputs)
+                      request.mm_inputs, request.lora_request)
         so = request.sampling_params.structured_outputs
         if so is not None:
             req.structured = self.structured_output_manager.submit(so)  # compiles off the step loop

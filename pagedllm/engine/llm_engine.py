@@ -19,6 +19,7 @@ from pagedllm.engine.messages import EngineCoreRequest, EngineDeadError
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.processor import Processor, PromptTooLongError  # noqa: F401  (re-exported)
 from pagedllm.inputs import parse_prompt
+from pagedllm.lora.checker import AdapterChecker
 from pagedllm.multimodal_whisper import context_len as whisper_context_len, is_whisper
 from pagedllm.outputs import RequestOutput
 from pagedllm.plan import plan_engine
@@ -98,8 +99,10 @@ class LLMEngine:
         # ``shutdown`` hung at exit, and a second tensor-parallel LLM found the first's group alive
         self._finalizer = weakref.finalize(self, self.client.shutdown)
         text_config = self.hf_config.get_text_config()
+        lora_config = args.lora_config()
         self.processor = Processor(self.tokenizer, text_config.vocab_size, self.context_limit, self.pooler_config,
-                                   self._multimodal_processor(args))
+                                   self._multimodal_processor(args),
+                                   None if lora_config is None else AdapterChecker(lora_config, text_config))
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids)
         self._held: list[RequestOutput] = []  # outputs of a step that raised for a dead DP replica
 
@@ -236,8 +239,8 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt, params: SamplingParams,
                     arrival_time: float | None = None, prompt_text: str | None = None,
-                    cache_salt: str | None = None) -> None:
-        """Validate and queue a request.
+                    cache_salt: str | None = None, lora_request=None) -> None:
+        """Validate and queue a request (``lora_request``: its ``LoRARequest``, or ``None``).
 
         Args:
             prompt: a string, token ids, or vLLM's ``TextPrompt`` / ``TokensPrompt`` dict (its
@@ -245,22 +248,24 @@ class LLMEngine:
         Raises:
             PromptTooLongError: prompt + max_tokens exceed ``max_model_len`` or the KV pool.
             SamplingParamError: empty prompt or token ids outside the vocabulary.
-            TypeError, ValueError: a prompt of no accepted shape (``inputs.parse_prompt``), or the
-                request id is already live.
+            TypeError, ValueError: a prompt of no accepted shape (``inputs.parse_prompt``), the
+                request id is already live, or an adapter the check refuses.
         """
         prompt, text, salt = parse_prompt(prompt, "prompt")
         prompt_text = prompt_text if prompt_text is not None else text
         cache_salt = cache_salt if cache_salt is not None else salt
-        self.add_prepared(self.make_request(request_id, prompt, params, arrival_time, cache_salt), prompt_text)
+        self.add_prepared(self.make_request(request_id, prompt, params, arrival_time, cache_salt, lora_request),
+                          prompt_text)
 
     def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                     arrival_time: float | None = None, cache_salt: str | None = None) -> EngineCoreRequest:
+                     arrival_time: float | None = None, cache_salt: str | None = None,
+                     lora_request=None) -> EngineCoreRequest:
         """Tokenize and validate without touching engine state (safe from any thread): ``Processor.process``.
 
         Raises:
             PromptTooLongError, SamplingParamError: as ``add_request``.
         """
-        return self.processor.process(request_id, prompt, params, arrival_time, cache_salt)
+        return self.processor.process(request_id, prompt, params, arrival_time, cache_salt, lora_request)
 
     def make_pooling_request(self, request_id: str, prompt: str | list[int], params,
                              arrival_time: float | None = None) -> EngineCoreRequest:

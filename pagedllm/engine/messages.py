@@ -10,6 +10,7 @@ from __future__ import annotations
 import msgspec
 
 from pagedllm.core.scheduler_output import EngineCoreOutput
+from pagedllm.lora.request import LoRARequest
 from pagedllm.multimodal_inputs import MultiModalInput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
@@ -33,6 +34,7 @@ class EngineCoreRequest(msgspec.Struct, frozen=True, tag="add"):
         pooling_params: set (resolved) for a pooling request: it samples nothing (``max_tokens`` 1)
             and finishes with its pooled vector once the prompt is computed.
         mm_inputs: the prompt's images, their placeholders already in ``prompt_token_ids``.
+        lora_request: the LoRA adapter it runs with (checked by the front end), or ``None``.
     """
 
     request_id: str
@@ -43,6 +45,7 @@ class EngineCoreRequest(msgspec.Struct, frozen=True, tag="add"):
     cache_salt: str | None = None
     pooling_params: PoolingParams | None = None
     mm_inputs: list[MultiModalInput] = []
+    lora_request: LoRARequest | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

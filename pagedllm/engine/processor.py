@@ -47,10 +47,13 @@ class Processor:
         pooler_config: the model's pooling defaults when it is served for pooling (``--runner
             pooling``, or an encoder model); ``None``: a generation model.
         multimodal: an image-text model's processor (``multimodal.MultiModalProcessor``), else ``None``.
+        lora_checker: the ``lora.checker.AdapterChecker`` a request's ``lora_request`` passes
+            (``None``: a request with one is refused).
     """
 
     def __init__(self, tokenizer, vocab_size: int, context_limit: int,
-                 pooler_config: PoolerConfig | None = None, multimodal=None) -> None:
+                 pooler_config: PoolerConfig | None = None, multimodal=None, lora_checker=None) -> None:
+        self.lora_checker = lora_checker
         self.tokenizer, self.vocab_size, self.context_limit = tokenizer, vocab_size, context_limit
         self.pooler_config = pooler_config
         self.multimodal = multimodal
@@ -136,8 +139,9 @@ class Processor:
         return list(prompt)
 
     def process(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                arrival_time: float | None = None, cache_salt: str | None = None) -> EngineCoreRequest:
-        """Tokenize and validate.
+                arrival_time: float | None = None, cache_salt: str | None = None,
+                lora_request=None) -> EngineCoreRequest:
+        """Tokenize and validate; ``lora_request``: the ``LoRARequest`` it runs with, or ``None``.
 
         Raises:
             PromptTooLongError: prompt + max_tokens exceed the context limit (``param`` names which).
@@ -145,7 +149,12 @@ class Processor:
                 ``logit_bias``, ``stop_token_ids``), ``min_tokens`` above the effective ``max_tokens``,
                 or a structured-output constraint that does not compile.
             WrongRunnerError: the model is served for pooling.
+            ValueError: a ``lora_request`` the adapter check refuses (``lora.checker.AdapterChecker``).
         """
+        if lora_request is not None:
+            if self.lora_checker is None:
+                raise ValueError("lora_request: LoRA adapters need an engine built with enable_lora=True")
+            self.lora_checker.check(lora_request)
         if self.pooler_config is not None:
             answers = ("/score, /rerank and /classify (a cross-encoder)" if self.pooler_config.is_cross_encoder
                        else "/v1/embeddings, /pooling, /score and /rerank")
@@ -197,7 +206,8 @@ class Processor:
                                      f"context limit less the prompt when max_tokens is not set), got "
                                      f"{params.min_tokens}")
         arrival = arrival_time if arrival_time is not None else time.time()
-        return EngineCoreRequest(request_id, ids, params, max_tokens, arrival, cache_salt, mm_inputs=mm_inputs)
+        return EngineCoreRequest(request_id, ids, params, max_tokens, arrival, cache_salt, mm_inputs=mm_inputs,
+                                 lora_request=lora_request)
 
     @property
     def image_placeholder(self) -> str | None:

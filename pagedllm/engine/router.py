@@ -32,18 +32,20 @@ from collections import OrderedDict
 from pagedllm.core.hashing import extend_block_hashes
 
 
-def prompt_block_hashes(prompt_token_ids: list[int], block_size: int, cache_salt: str | None) -> list[bytes]:
+def prompt_block_hashes(prompt_token_ids: list[int], block_size: int, cache_salt: str | None,
+                        lora_key: bytes | None = None) -> list[bytes]:
     """The prefix-cache hashes of the prompt's full blocks (``core/hashing.extend_block_hashes``).
 
     Args:
         prompt_token_ids: the prompt's token ids.
         block_size: tokens per KV block (> 0).
         cache_salt: the request's prefix-cache namespace, or ``None``.
+        lora_key: its LoRA adapter's identity (``LoRARequest.cache_key``), or ``None``.
     Returns:
         One 32-byte hash per full block, in prompt order.
     """
     hashes: list[bytes] = []
-    extend_block_hashes(hashes, prompt_token_ids, block_size, cache_salt)
+    extend_block_hashes(hashes, prompt_token_ids, block_size, cache_salt, (), lora_key)
     return hashes
 
 

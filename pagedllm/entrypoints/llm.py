@@ -67,23 +67,26 @@ class LLM:
                 (``{"prompt_token_ids": [...]}``), either dict optionally with ``cache_salt``.
             sampling_params: one for all prompts or one per prompt (default: ``SamplingParams()``).
             use_tqdm: show a progress bar.
-            lora_request: reserved (vLLM's); LoRA adapters are not supported, so it must be ``None``.
+            lora_request: a ``pagedllm.lora.request.LoRARequest`` for all prompts, or a list with one
+                per prompt (``None``: the base model); needs ``LLM(..., enable_lora=True)``.
             priority: accepted for vLLM's signature; scheduling is first come, first served.
         Returns:
             One finished ``RequestOutput`` per prompt, in input order.
         Raises:
             TypeError: a prompt of another shape (the message names ``prompts[i]``).
             ValueError: a prompt is too long, a text prompt without a tokenizer, a parameter
-                list of the wrong length, or a ``lora_request``.
+                list of the wrong length, or a ``lora_request`` refused (adapters off, a bad adapter
+                directory: the message names the problem).
         """
-        _no_lora(lora_request)
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if not isinstance(prompts, Sequence):
             raise TypeError(f"prompts: expected a prompt or a list of prompts, got {type(prompts).__name__}")
         parsed = [parse_prompt(p, f"prompts[{i}]") for i, p in enumerate(prompts)]
         params = self._params_per_item(sampling_params, len(parsed))
-        return self._run([(p, sp, text, salt) for (p, text, salt), sp in zip(parsed, params)], use_tqdm)
+        loras = _loras_per_item(lora_request, len(parsed))
+        return self._run([(p, sp, text, salt, lr) for (p, text, salt), sp, lr in zip(parsed, params, loras)],
+                         use_tqdm)
 
     def _params_per_item(self, sampling_params, n: int) -> list[SamplingParams]:
         """One ``SamplingParams`` per prompt: the given one for all, or the given list (vLLM's rule).
@@ -116,18 +119,17 @@ class LLM:
         ``sampling_params``: one for all conversations or one per conversation;
         ``chat_template_content_format``: accepted for vLLM's signature (text parts are joined;
         image parts, ``image_url`` with a data URL or ``image_pil``, become the model's image
-        placeholder before the text, for an image-text model); ``lora_request``: reserved, must be
-        ``None``.
+        placeholder before the text, for an image-text model); ``lora_request``: a ``LoRARequest`` for
+        all conversations or a list with one per conversation (``None``: the base model), as ``generate``.
 
         Returns:
             One ``RequestOutput`` per conversation, in input order.
         Raises:
             ValueError: a ``sampling_params`` list of the wrong length, both
-                ``continue_final_message`` and ``add_generation_prompt``, a ``lora_request``, or
+                ``continue_final_message`` and ``add_generation_prompt``, a ``lora_request`` refused, or
                 an engine built with ``skip_tokenizer_init`` (no chat template to render), an image
                 part for a text-only model or one that is not a readable image.
         """
-        _no_lora(lora_request)
         tok = self.engine.tokenizer
         if tok is None:
             raise ValueError("chat: needs a tokenizer (the engine was built with skip_tokenizer_init=True)")
@@ -139,7 +141,8 @@ class LLM:
             kwargs["documents"] = documents
         items = []
         proc = self.engine.processor
-        for conv, sp in zip(convs, self._params_per_item(sampling_params, len(convs))):
+        loras = _loras_per_item(lora_request, len(convs))
+        for conv, sp, lora in zip(convs, self._params_per_item(sampling_params, len(convs)), loras):
             conv, media = take_media(conv, {"image": proc.image_placeholder, "video": proc.video_placeholder,
                                             "audio": proc.audio_placeholder}, proc.media_policy, proc.audio_rate)
             text = tok.apply_chat_template(prepare_messages(conv), tools=tools, tokenize=False,
@@ -147,7 +150,7 @@ class LLM:
                                            continue_final_message=continue_final_message, **kwargs)
             prompt = (MultiModalPrompt(text, media["image"], False, media["video"], media["audio"])
                       if any(media.values()) else tok.encode(text, add_special_tokens=False))
-            items.append((prompt, sp, text, None))
+            items.append((prompt, sp, text, None, lora))
         return self._run(items, use_tqdm)
 
     def embed(self, prompts: PromptType | Sequence[PromptType], pooling_params: PoolingParams | None = None,
@@ -266,22 +269,33 @@ class LLM:
         eng = self.engine
         groups: list[tuple[str, list[str]]] = []  # (request id, child request ids)
         try:
-            for prompt, sp, text, salt in items:
+            for prompt, sp, text, salt, lora in items:
                 rid = str(next(self._ids))
                 children = [(f"{rid}_{i}", sp.child(i)) for i in range(sp.n)] if sp.n > 1 else [(rid, sp)]
                 groups.append((rid, [c for c, _ in children]))
                 for cid, csp in children:
-                    eng.add_request(cid, prompt, csp, prompt_text=text, cache_salt=salt)
+                    eng.add_request(cid, prompt, csp, prompt_text=text, cache_salt=salt, lora_request=lora)
             done = self._step_until_done(sum(len(g) for _, g in groups), "Processed prompts", use_tqdm)
         except BaseException:
             eng.abort_request([c for _, g in groups for c in g])  # KeyboardInterrupt or a bad prompt: free every block
             raise
-        return [merge_samples(rid, [done[c] for c in g]) for rid, g in groups]
+        outs = [merge_samples(rid, [done[c] for c in g]) for rid, g in groups]
+        for out, item in zip(outs, items):
+            out.lora_request = item[4]
+        return outs
 
 
-def _no_lora(lora_request) -> None:
-    if lora_request is not None:
-        raise ValueError("lora_request: LoRA adapters are not supported by pagedllm")
+def _loras_per_item(lora_request, n: int) -> list:
+    """One ``LoRARequest`` (or ``None``) per prompt: the given one for all, or the given list.
+
+    Raises:
+        ValueError: a list of the wrong length.
+    """
+    if lora_request is None or not isinstance(lora_request, (list, tuple)):
+        return [lora_request] * n
+    if len(lora_request) != n:
+        raise ValueError(f"got {len(lora_request)} lora_request entries for {n} prompts")
+    return list(lora_request)
 
 
 def merge_samples(request_id: str, children: list[RequestOutput]) -> RequestOutput:

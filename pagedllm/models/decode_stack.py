@@ -16,6 +16,7 @@ import torch
 
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.kernels import cpu as cpu_kernels
+from pagedllm.models.lora_linear import unwrap
 from pagedllm.models.quant_linear import GGUFLinear
 
 MAX_STACK_TOKENS = 16  # pl_decode_stack's bound (QGEMM_MAX_ROWS)
@@ -39,6 +40,7 @@ def matmul_entry(module) -> tuple | None:
     """The ``(fmt, weight, d, m, bias)`` entry of ``kernels.cpu.stack_table`` for a linear module:
     a ``GGUFLinear``'s packed arrays, or a module's float32 ``[N, K]`` ``weight`` (``nn.Linear``,
     ``cpu_linear.PackedLinear``); ``None`` for a module that has neither (the stack cannot run it)."""
+    module = unwrap(module)  # a LoRA wrapper's base (steps with adapter rows never take the stack)
     bias = getattr(module, "bias", None)
     bias = None if bias is None else bias.detach()
     if isinstance(module, GGUFLinear):

@@ -193,6 +193,7 @@ class LlamaForCausalLM(nn.Module):
         # batch-1 decode runs the whole stack in one C call (only on the kernel path, see ``forward``)
         self.fused_decode = True
         self._stack: DecodeStack | bool | None = None  # False: a layer the stack cannot run
+        self.lora_context = None  # set by ``models.lora_linear.install_lora`` (enable_lora)
 
     def kv_cache_spec(self) -> tuple[int, int, int]:
         """``(num_layers, num_kv_heads, head_dim)`` of the KV cache this model needs."""
@@ -222,7 +223,8 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                meta: AttentionMetadata, logits_indices: torch.Tensor, hidden_indices: torch.Tensor | None = None):
+                meta: AttentionMetadata, logits_indices: torch.Tensor, hidden_indices: torch.Tensor | None = None,
+                lora=None):
         """Run the step.
 
         Args:
@@ -233,15 +235,21 @@ class LlamaForCausalLM(nn.Module):
             logits_indices: ``[R]`` int64 rows whose logits are needed.
             hidden_indices: ``[N]`` int64 rows whose final hidden states (after the last norm) are
                 needed too (pooling requests), or ``None``.
+            lora: the step's ``models.lora_linear.LoRAStep`` (rows per adapter slot), or ``None``
+                when no row has an adapter (every forward sets it: ``None`` clears the last step's);
+                only with ``install_lora`` done. A step with adapter rows
+                never takes the batch-1 C decode stack (it would bypass the adapters).
         Returns:
             ``[R, vocab]`` float32 logits (a pipeline stage other than rank 0: ``[R, 0]``); with ``hidden_indices``,
             ``(logits, [N, hidden] float32)``.
         """
         if self.pp_size > 1:
             return pipeline_forward(self, input_ids, positions, kv_caches, meta, logits_indices)
+        if self.lora_context is not None:
+            self.lora_context.step = lora
         x = self.embed_tokens(input_ids)
         one = (one_sequence(x.shape[0], meta, kv_caches[0][0].shape[2])
-               if self.cpu_kernels and self.fused_decode and self._stack_ready() else None)
+               if self.cpu_kernels and self.fused_decode and lora is None and self._stack_ready() else None)
         if one is not None:
             residual = self._decode_stack(x, int(positions[0]), kv_caches, *one)
         else:

@@ -74,6 +74,7 @@ class InputBatch:
         self.block_table = np.zeros((max_num_reqs, -(-width // block_size)), dtype=np.int64)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
         self.state_slot = np.full(max_num_reqs, -1, dtype=np.int64)  # recurrent-state slot (hybrid models)
+        self.lora_id = np.zeros(max_num_reqs, dtype=np.int64)  # LoRA adapter's lora_int_id (0: base model)
         self.temperature = np.zeros(max_num_reqs, dtype=np.float32)
         self.min_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.prompt_logprobs = np.full(max_num_reqs, -1, dtype=np.int64)  # -1 = not asked
@@ -106,6 +107,7 @@ class InputBatch:
         self.block_table[s, :nb] = nr.block_ids
         self.num_blocks[s] = nb
         self.state_slot[s] = nr.state_slot
+        self.lora_id[s] = 0 if nr.lora_request is None else nr.lora_request.lora_int_id
         p = nr.sampling_params
         self.params[s] = p
         self.temperature[s] = p.temperature

@@ -30,6 +30,7 @@ from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.models.layers.compiled import compile_model
 from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.logits_rows import constrain, grammar_rows, logits_rows_of, prompt_logprobs
+from pagedllm.worker.lora_slots import LoRASlots
 from pagedllm.worker.multimodal_step import EncoderCache
 from pagedllm.worker.pooler import PoolingSpan, hidden_rows, pool, token_type_rows
 from pagedllm.worker.prepared_step import Launched, PreparedStep, StepHandle
@@ -73,6 +74,9 @@ class ModelRunner:
         pipeline_overlap: with a pipelined model (the engine plan's ``scheduler.pipeline_overlap``), issue each step's
             forward and take its logits only when its result is asked (``step_issuers.OverlappedIssuer``); a
             step with inputs still being sampled has the step before finished first.
+        lora_config: with ``enable_lora``, the ``lora.config.LoRAConfig``: the model's linears get
+            adapter slots (``worker/lora_slots.py``) and each step's adapter rows reach the model
+            as its ``lora`` keyword. ``None``: no adapters.
     Attributes:
         attention_backend: the model's attention backend (chosen at load), or for a model
             without one (test doubles that read the metadata themselves) the torch reference.
@@ -86,8 +90,10 @@ class ModelRunner:
                  scripted_output: ScriptedOutput | None = None, num_state_checkpoints: int = 0,
                  draft_state_slots: int = 0, enforce_eager: bool = False, compile_pieces: bool = False,
                  cuda_graph_sizes: list[int] | None = None, graph_capture=None,
-                 pipeline_overlap: bool = False) -> None:
+                 pipeline_overlap: bool = False, lora_config=None) -> None:
         self.model = model
+        # LoRA adapters: slots around the model's linears, rows per adapter each step (lora_slots.py)
+        self.lora = None if lora_config is None else LoRASlots(model, lora_config, device)
         self.encoder_only = bool(getattr(model, "encoder_only", False))  # pooling only; pairs carry token types
         # several steps in flight across pipeline stages (``step_issuers.OverlappedIssuer``): the engine plan decides
         self.pipeline_overlap = pipeline_overlap
@@ -162,6 +168,8 @@ class ModelRunner:
             b.remove(rid)
         for nr in so.new_reqs:
             b.add(nr)
+            if self.lora is not None:
+                self.lora.register(nr.lora_request)
         for cr in so.cached_reqs:
             b.update(cr)
         if self.encoder_cache is not None:
@@ -185,6 +193,8 @@ class ModelRunner:
         kwargs = {} if self.state_cache is None else {
             "state": self.state_cache.batch(self.input_batch.state_slot[slots], start, qsl, rids,
                                             so.state_restores, so.state_checkpoints, so.spec_token_ids)}
+        if self.lora is not None and (rows := self.lora.plan(self.input_batch.lora_id[slots], n)) is not None:
+            kwargs["lora"] = rows  # each row's adapter id; slots are taken when the step runs (_launch)
         if self.encoder_only and (types := token_type_rows([self.input_batch.pooling[i] for i in slots.tolist()],
                                                            qsl)) is not None:
             kwargs["token_type_ids"] = types.to(self.device)  # a cross-encoder's pairs
@@ -194,7 +204,7 @@ class ModelRunner:
             kwargs["rope_positions"] = rope.to(self.device)  # M-RoPE: Qwen2.5-VL's 3-D positions over images
         return PreparedStep(
             pool_rows=pool_rows, pool_spans=pool_spans, model_kwargs=kwargs,
-            graph=self._graph_step(n, spec, sample, rows, pool_rows) and not {"mm", "rope_positions"} & kwargs.keys(),
+            graph=self._graph_step(n, spec, sample, rows, pool_rows) and not {"mm", "rope_positions", "lora"} & kwargs.keys(),
             has_pending=bool(pend.size),
             **inputs, sample_ids=[rids[i] for i in sample.tolist()], sampling=sampling, prompt_lp=prompt_lp,
             slot_row=slot_row, grammar=grammar_rows(rids, sample, sampling, so.spec_token_ids),
@@ -296,6 +306,8 @@ class ModelRunner:
         if timer is not None:
             timer.exec_started(t1)
         self.step_inputs.fill(step, prev)
+        if "lora" in step.model_kwargs:  # on this thread, so no slot changes under a step that runs
+            step.model_kwargs["lora"] = self.lora.activate(step.model_kwargs["lora"])
         if step.pool_rows is not None:  # the same forward also hands back the pooled rows' final hidden states
             logits, hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta, step.logits_rows,
                                         step.pool_rows, **step.model_kwargs)

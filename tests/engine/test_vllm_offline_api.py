@@ -65,8 +65,9 @@ def test_bad_prompts_name_the_argument(tiny_llm, bad, exc, where):
     assert tiny_llm.generate(["ok"], GREEDY, use_tqdm=False)[0].outputs[0].token_ids  # still serves
 
 
-def test_lora_request_is_refused(tiny_llm):
-    with pytest.raises(ValueError, match="lora_request"):
+def test_lora_request_needs_enable_lora(tiny_llm):
+    """Adapters are served only by an engine built with enable_lora=True (tests/lora)."""
+    with pytest.raises(ValueError, match="enable_lora=True"):
         tiny_llm.generate(["x"], GREEDY, lora_request=object())
 
 
