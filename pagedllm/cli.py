@@ -63,7 +63,8 @@ def _serve(a: argparse.Namespace) -> int:
                     allowed_headers=a.allowed_headers, allow_credentials=a.allow_credentials,
                     reasoning_parser=a.reasoning_parser, tool_call_parser=a.tool_call_parser,
                     enable_auto_tool_choice=a.enable_auto_tool_choice,
-                    max_request_body_bytes=a.max_request_body_bytes, max_waiting_requests=a.max_waiting_requests)
+                    max_request_body_bytes=a.max_request_body_bytes, max_waiting_requests=a.max_waiting_requests,
+                    lora_modules=getattr(a, "lora_modules", None) or ())
     logging.getLogger(__name__).info("serving %s on http://%s:%d", engine.served_model_name, a.host, a.port)
     # a SIGTERM outside the server's own handling (while stopping) must still let the finally
     # below stop the core process and remove its ipc sockets

@@ -100,15 +100,26 @@ def _add_lora_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-cpu-loras", type=int, default=None,
                    help="adapters kept in host memory, least recently used evicted (default: --max-loras)")
     p.add_argument("--lora-modules", nargs="+", type=_lora_module, default=None, metavar="NAME=PATH",
-                   help="adapters known by name: NAME=PATH pairs (a PEFT directory each)")
+                   help="adapters served by name: NAME=PATH pairs or JSON {\"name\": ..., \"path\": ...} "
+                        "(a PEFT directory each); a request's model field picks one")
 
 
 def _lora_module(text: str) -> tuple[str, str]:
-    """``NAME=PATH`` -> ``(name, path)``.
+    """``NAME=PATH``, or vLLM's JSON form ``{"name": ..., "path": ...}``, -> ``(name, path)``.
 
     Raises:
-        argparse.ArgumentTypeError: no ``=``, or an empty name or path.
+        argparse.ArgumentTypeError: no ``=``, an empty name or path, or JSON of another shape.
     """
+    if text.lstrip().startswith("{"):
+        import json
+        try:
+            spec = json.loads(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"--lora-modules: not JSON: {text!r}") from None
+        other = sorted(set(spec) - {"name", "path", "base_model_name"}) if isinstance(spec, dict) else ["?"]
+        if other or not spec.get("name") or not spec.get("path"):
+            raise argparse.ArgumentTypeError(f'--lora-modules: expected {{"name": ..., "path": ...}}, got {text!r}')
+        return str(spec["name"]), str(spec["path"])
     name, sep, path = text.partition("=")
     if not sep or not name or not path:
         raise argparse.ArgumentTypeError(f"--lora-modules: expected NAME=PATH, got {text!r}")

@@ -19,6 +19,10 @@ def _on_unless_zero(name: str) -> Callable[[], bool]:
     return lambda: os.environ.get(name, "1") != "0"
 
 
+def _truthy(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "on", "yes")
+
+
 def _text(name: str, default: str | None = None) -> Callable[[], str | None]:
     # an empty value counts as unset (``PAGEDLLM_API_KEY= pagedllm serve`` stays open)
     return lambda: os.environ.get(name) or default
@@ -57,6 +61,10 @@ VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
                                "0: the Triton path builds step inputs on the host instead of the device"),
     "PAGEDLLM_RAY_CPUS_PER_WORKER": (lambda: float(os.environ.get("PAGEDLLM_RAY_CPUS_PER_WORKER", "1")),
                                      "CPUs a Ray worker rank reserves (default 1)"),
+    "PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING": (lambda: _truthy("PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING")
+                                             or _truthy("VLLM_ALLOW_RUNTIME_LORA_UPDATING"),
+                                             "1 / true (or vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING): the server's "
+                                             "/v1/load_lora_adapter and /v1/unload_lora_adapter change its adapters"),
     "TRITON_INTERPRET": (lambda: os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes"),
                          "Triton's own switch: run Triton kernels on the CPU through its interpreter"),
     "RAY_ADDRESS": (_text("RAY_ADDRESS"), "Ray's own: the cluster to join (default: start a local one)"),

@@ -80,6 +80,8 @@ TINY_KINDS = {
         mamba_n_groups=1, mamba_d_conv=4, mamba_chunk_size=16, tie_word_embeddings=True)),
 }
 
+pytest_plugins = ["tests.fixtures_lora"]  # the LoRA adapters (tests/lora, tests/server)
+
 
 def pytest_configure(config) -> None:
     """Run torch single-threaded unless PAGEDLLM_TEST_THREADS says otherwise.

@@ -245,9 +245,16 @@ class AsyncLLM:
         """
         self.engine.processor.check_structured_outputs(params)
 
-    def make_request(self, request_id: str, prompt, params, cache_salt: str | None = None) -> EngineCoreRequest:
-        """Validate and build a request (raises ``SamplingParamError`` / ``PromptTooLongError``); any thread."""
-        return self.engine.make_request(request_id, prompt, params, cache_salt=cache_salt)
+    def make_request(self, request_id: str, prompt, params, cache_salt: str | None = None,
+                     lora_request=None) -> EngineCoreRequest:
+        """Validate and build a request (raises ``SamplingParamError`` / ``PromptTooLongError``, and
+        ``ValueError`` for an adapter the check refuses); any thread. ``lora_request``: its LoRA adapter."""
+        return self.engine.make_request(request_id, prompt, params, cache_salt=cache_salt, lora_request=lora_request)
+
+    @property
+    def lora_checker(self):
+        """The engine's ``lora.checker.AdapterChecker`` (``None``: no ``enable_lora``)."""
+        return self.engine.processor.lora_checker
 
     async def generate(self, request: EngineCoreRequest, prompt_text: str | None = None) -> AsyncIterator[RequestOutput]:
         """Submit a request and yield its delta outputs until it finishes.

@@ -35,6 +35,7 @@ from pagedllm.server.openapi import install_openapi
 from pagedllm.server.routes_admin import admin_router
 from pagedllm.server.routes_anthropic import anthropic_router
 from pagedllm.server.routes_audio import audio_router
+from pagedllm.server.routes_lora import lora_router
 from pagedllm.server.routes_openai import openai_router
 from pagedllm.server.routes_pooling import pooling_router
 from pagedllm.server.routes_responses import responses_router
@@ -48,7 +49,8 @@ def build_app(llm: AsyncLLM, model_name: str, chat_template: str | None = None, 
               allow_credentials: bool = False, reasoning_parser: str | None = None,
               tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False,
               max_request_body_bytes: int = defaults.MAX_REQUEST_BODY_BYTES,
-              max_waiting_requests: int | None = defaults.MAX_WAITING_REQUESTS) -> FastAPI:
+              max_waiting_requests: int | None = defaults.MAX_WAITING_REQUESTS,
+              lora_modules: Sequence[tuple[str, str]] = ()) -> FastAPI:
     """Create the FastAPI application around a running ``AsyncLLM``.
 
     Args:
@@ -67,6 +69,11 @@ def build_app(llm: AsyncLLM, model_name: str, chat_template: str | None = None, 
         max_request_body_bytes: larger bodies get 413 (``--max-request-body-bytes``).
         max_waiting_requests: engine requests that may wait beyond ``max_num_seqs`` running
             ones before requests get 429 (``--max-waiting-requests``; ``None``: no bound).
+        lora_modules: ``(name, PEFT directory)`` of each LoRA adapter served by name from the start
+            (``--lora-modules``; the engine needs ``enable_lora``).
+    Raises:
+        ValueError: an adapter of ``lora_modules`` refused (no ``enable_lora``, a taken name, a bad
+            directory: the message names why).
     """
     # no /docs or /redoc: FastAPI's pages load their scripts from a CDN, blank on an offline
     # machine; /openapi.json is served, for any OpenAPI viewer
@@ -74,6 +81,8 @@ def build_app(llm: AsyncLLM, model_name: str, chat_template: str | None = None, 
     rejections = RejectionCounter()
     max_in_flight = None if max_waiting_requests is None else llm.max_num_seqs + max_waiting_requests
     ctx = ServingContext(llm, model_name, AdmissionControl(max_in_flight, rejections))
+    for name, path in lora_modules:
+        ctx.adapters.add(name, path)
     chat = OpenAIServingChat(ctx, chat_template, reasoning_parser, tool_call_parser, enable_auto_tool_choice)
     metrics = ServerMetrics(llm, model_name, rejections)
     app.state.llm = llm
@@ -87,6 +96,6 @@ def build_app(llm: AsyncLLM, model_name: str, chat_template: str | None = None, 
     install_openapi(app)
     for router in (admin_router(llm, metrics), openai_router(ctx, chat), tokenize_router(ctx, chat),
                    anthropic_router(ctx, chat), responses_router(ctx, chat), pooling_router(ctx),
-                   audio_router(ctx)):
+                   audio_router(ctx), lora_router(ctx)):
         app.include_router(router)
     return app

@@ -20,10 +20,12 @@ from pydantic import BaseModel
 
 from pagedllm.engine.async_llm import AsyncLLM, EngineDeadError
 from pagedllm.engine.processor import PromptTooLongError
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParamError, SamplingParams
 from pagedllm.server.errors import APIError
 from pagedllm.server.guards import AdmissionControl, RejectionCounter
+from pagedllm.server.lora_adapters import LoRAAdapters
 
 
 def sse(body: BaseModel | dict) -> str:
@@ -192,6 +194,8 @@ class ServingContext:
         self.context_limit = llm.context_limit
         self.max_model_len = llm.max_model_len
         self.model_dir = llm.model_dir
+        # LoRA adapters served by name (--lora-modules, /v1/load_lora_adapter): server/lora_adapters.py
+        self.adapters = LoRAAdapters(model_name, getattr(llm, "lora_checker", None))
         # no token decodes to more characters than its vocabulary string has (byte-level BPE: one
         # character per byte; sentencepiece: one per character), so a longer text cannot fit
         longest = max((len(t) for t in self.tokenizer.get_vocab()), default=1)
@@ -241,24 +245,28 @@ class ServingContext:
     def model_list(self) -> dict:
         """The served model, in the OpenAI ``/v1/models`` list shape (``max_model_len`` in tokens)."""
         from pagedllm.server.protocol import now
-        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": now(),
+        created = now()
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": created,
                                             "owned_by": "pagedllm", "root": self.model_dir,
-                                            "max_model_len": self.max_model_len}]}
+                                            "max_model_len": self.max_model_len}]
+                + self.adapters.cards(created, self.max_model_len)}
 
     def serves(self, model: str) -> bool:
-        """True when ``model`` names the served model (compared case-insensitively)."""
-        return model.casefold() == self.model_name.casefold()
+        """True when ``model`` names the served model or one of its LoRA adapters (case-insensitively)."""
+        return model.casefold() == self.model_name.casefold() or self.adapters.get(model) is not None
 
-    def check_model(self, model: str | None) -> None:
+    def check_model(self, model: str | None) -> LoRARequest | None:
         """Raises ``APIError`` 404 when the request names a model we do not serve, and
         ``EngineDeadError`` (answered 503) when the engine loop has died, so that
         a stream is refused before its 200 headers go out. The name matches case-insensitively,
         so the alias a model was started with (``all-minilm-l6-v2``) names its display name
-        (``all-MiniLM-L6-v2``) too."""
+        (``all-MiniLM-L6-v2``) too. Returns the adapter a name of a LoRA adapter names (``None``: the
+        base model)."""
         if not self.llm.is_healthy:
             raise EngineDeadError("engine is not running")
         if model is not None and not self.serves(model):
             raise APIError(404, f"The model `{model}` does not exist.", "model", code="model_not_found")
+        return None if model is None else self.adapters.get(model)
 
 
     def check_generates(self) -> None:
@@ -296,9 +304,17 @@ class OpenAIServingBase:
         except SamplingParamError as e:
             raise APIError(400, str(e), e.param, code="invalid_value") from None
 
-    def _make(self, rid: str, prompt, params, prompt_param: str, cache_salt: str | None, rename):
+    def shown_model(self, prep) -> str:
+        """The ``model`` a response names: the adapter's name for requests run with one (vLLM's), else
+        the served model's."""
+        lora = getattr(prep.requests[0], "lora_request", None) if prep.requests else None
+        return self.model_name if lora is None else lora.lora_name
+
+    def _make(self, rid: str, prompt, params, prompt_param: str, cache_salt: str | None, rename, lora=None):
         try:
-            return self.llm.make_request(rid, prompt, params, cache_salt)
+            if lora is None:  # (engines without adapters take no lora_request)
+                return self.llm.make_request(rid, prompt, params, cache_salt)
+            return self.llm.make_request(rid, prompt, params, cache_salt, lora_request=lora)
         except PromptTooLongError as e:  # OpenAI's code for this case
             param, msg = rename(prompt_param if e.param == "prompt" else e.param, str(e))
             raise APIError(400, msg, param, code="context_length_exceeded") from None
@@ -308,12 +324,17 @@ class OpenAIServingBase:
                 text = prompt_param + text[len("multi_modal_data"):]
             param, msg = rename(prompt_param if e.param in ("prompt", "multi_modal_data") else e.param, text)
             raise APIError(400, msg, param, code="invalid_value") from None
+        except ValueError as e:  # the adapter the model field names no longer reads (its directory changed)
+            if lora is None:
+                raise
+            raise APIError(400, f"model: adapter {lora.lora_name!r}: {e}", "model", code="invalid_value") from None
 
     def fan_out(self, rid: str, prompts: list[list[int]], params: SamplingParams, prompt_param: str,
-                cache_salt: str | None, rename=lambda param, msg: (param, msg)) -> list:
+                cache_salt: str | None, rename=lambda param, msg: (param, msg), lora=None) -> list:
         """One engine request per (prompt, sample), all validated before any is submitted.
 
-        ``rename(param, message)`` maps an error's field to the name the request used.
+        ``rename(param, message)`` maps an error's field to the name the request used; ``lora``: the
+        LoRA adapter the request's ``model`` names (``ServingContext.check_model``), or ``None``.
 
         Raises:
             APIError: 400 for a prompt too long or a value out of range.
@@ -322,7 +343,7 @@ class OpenAIServingBase:
         for i, p in enumerate(prompts):
             for j in range(params.n):
                 cid = rid if len(prompts) == 1 and params.n == 1 else f"{rid}-{i * params.n + j}"
-                reqs.append(self._make(cid, p, params.child(j), prompt_param, cache_salt, rename))
+                reqs.append(self._make(cid, p, params.child(j), prompt_param, cache_salt, rename, lora))
         return reqs
 
     async def run(self, num_choices: int, stream: bool, prepare: Callable[[], Prepared],

@@ -267,7 +267,7 @@ class OpenAIServingChat(OpenAIServingBase):
             APIError: 400 for invalid input, 404 for another model, 429 when overloaded.
             EngineDeadError: the engine is down (answered 503).
         """
-        self.ctx.check_model(body.model)
+        lora = self.ctx.check_model(body.model)
         self.ctx.check_generates()
         params = self.params(body)
         use_tools = self._tool_mode(body)
@@ -290,7 +290,7 @@ class OpenAIServingChat(OpenAIServingBase):
             prompt = (MultiModalPrompt(text, images, body.add_special_tokens, videos, audios)
                       if images or videos or audios
                       else self.ctx.encode(text, "messages", add_special_tokens=body.add_special_tokens))
-            reqs = self.fan_out(rid, [prompt], params, "messages", body.cache_salt, rename)
+            reqs = self.fan_out(rid, [prompt], params, "messages", body.cache_salt, rename, lora)
             return Prepared(reqs, self._parser_args(body, text, use_tools, structured))
 
         def stream_of(prep: Prepared, merged) -> AsyncIterator[str]:
@@ -298,7 +298,8 @@ class OpenAIServingChat(OpenAIServingBase):
             parsers = [make_parser(**prep.extra) if prep.extra else None for _ in prep.requests]
             return self._chat_stream(rid, merged, prep.requests[0].num_prompt_tokens,
                                      bool(opts and opts.include_usage), params.logprobs, parsers,
-                                     bool(opts and opts.include_usage and opts.continuous_usage_stats))
+                                     bool(opts and opts.include_usage and opts.continuous_usage_stats),
+                                     self.shown_model(prep))
 
         def respond(prep: Prepared, choices: list[Choice]) -> dict:
             return self._response(rid, prep, choices, params.logprobs).model_dump()
@@ -321,17 +322,19 @@ class OpenAIServingChat(OpenAIServingBase):
         extra = {}
         if prep.requests[0].sampling_params.prompt_logprobs is not None:
             extra["prompt_logprobs"] = prompt_logprobs_out(choices[0].prompt_logprobs)
-        return ChatCompletionResponse(id=rid, created=now(), model=self.model_name, choices=out, usage=usage, **extra)
+        return ChatCompletionResponse(id=rid, created=now(), model=self.shown_model(prep), choices=out, usage=usage,
+                                      **extra)
 
     async def _chat_stream(self, rid: str, merged, n_prompt: int, include_usage: bool, top: int | None,
-                           parsers: list[StreamingParser | None], continuous_usage: bool = False) -> AsyncIterator[str]:
-        created = now()
+                           parsers: list[StreamingParser | None], continuous_usage: bool = False,
+                           model: str | None = None) -> AsyncIterator[str]:
+        created, model = now(), model or self.model_name
 
         def chunk(i: int, delta: DeltaMessageOut, finish: str | None = None, logprobs=None,
                   stop_reason=None) -> ChatCompletionChunk:
             # continuous_usage_stats (vLLM's): every chunk carries the usage so far
             extra = {"usage": UsageInfo.of(n_prompt, n_tokens)} if continuous_usage else {}
-            return ChatCompletionChunk(id=rid, created=created, model=self.model_name, choices=[
+            return ChatCompletionChunk(id=rid, created=created, model=model, choices=[
                 ChatChunkChoice(index=i, delta=delta, logprobs=logprobs, finish_reason=finish,
                                 stop_reason=stop_reason)], **extra)
 
@@ -361,7 +364,7 @@ class OpenAIServingChat(OpenAIServingBase):
                         delta = DeltaMessageOut(content="")  # logprobs of tokens whose text is still held back
                     yield sse(chunk(i, delta, finish, lps, c.stop_reason if finish is not None else None))
             if include_usage:
-                yield sse(ChatCompletionChunk(id=rid, created=created, model=self.model_name, choices=[],
+                yield sse(ChatCompletionChunk(id=rid, created=created, model=model, choices=[],
                                               usage=UsageInfo.of(n_prompt, n_tokens)))
         except Exception as e:
             yield error_event(e)

@@ -24,7 +24,7 @@ class OpenAIServingCompletion(OpenAIServingBase):
             APIError: 400 for invalid input, 404 for another model, 429 when overloaded.
             EngineDeadError: the engine is down (answered 503).
         """
-        self.ctx.check_model(body.model)
+        lora = self.ctx.check_model(body.model)
         self.ctx.check_generates()
         params = self.params(body)
         prompts = body.prompts()
@@ -40,7 +40,7 @@ class OpenAIServingCompletion(OpenAIServingBase):
 
         def prepare() -> Prepared:  # on the tokenizer thread; extra: the echo text of each choice
             ids = [self.ctx.encode(p, "prompt", body.add_special_tokens) if isinstance(p, str) else p for p in prompts]
-            reqs = self.fan_out(rid, ids, params, "prompt", body.cache_salt, rename)
+            reqs = self.fan_out(rid, ids, params, "prompt", body.cache_salt, rename, lora)
             echo = [(p if isinstance(p, str) else self.tokenizer.decode(p)) if body.echo else None
                     for p in prompts for _ in range(n)]
             return Prepared(reqs, echo)
@@ -68,7 +68,7 @@ class OpenAIServingCompletion(OpenAIServingBase):
                 out.append(CompletionChoice(index=i, text=(prep.extra[i] or "") + c.text, logprobs=lps,
                                             finish_reason=c.finish, **extra))
                 n_tokens += c.num_tokens
-            return CompletionResponse(id=rid, created=now(), model=self.model_name, choices=out,
+            return CompletionResponse(id=rid, created=now(), model=self.shown_model(prep), choices=out,
                                       usage=UsageInfo.of(n_prompt(prep), n_tokens)).model_dump()
 
         return await self.run(len(prompts) * n, body.stream, prepare, stream_of, respond,
@@ -90,7 +90,7 @@ class OpenAIServingCompletion(OpenAIServingBase):
         def chunk(i: int, text: str, finish: str | None, logprobs=None) -> CompletionResponse:
             # continuous_usage_stats (vLLM's): every chunk carries the usage so far
             extra = {"usage": UsageInfo.of(n_prompt, n_tokens)} if continuous else {}
-            return CompletionResponse(id=rid, created=created, model=self.model_name, choices=[
+            return CompletionResponse(id=rid, created=created, model=self.shown_model(prep), choices=[
                 CompletionChoice(index=i, text=text, logprobs=logprobs, finish_reason=finish)], **extra)
 
         n_tokens = 0
@@ -116,7 +116,7 @@ class OpenAIServingCompletion(OpenAIServingBase):
                 if text or lps or finish is not None:
                     yield sse(chunk(i, text, finish, lps))
             if include_usage:
-                yield sse(CompletionResponse(id=rid, created=created, model=self.model_name, choices=[],
+                yield sse(CompletionResponse(id=rid, created=created, model=self.shown_model(prep), choices=[],
                                              usage=UsageInfo.of(n_prompt, n_tokens)))
         except Exception as e:
             yield error_event(e)

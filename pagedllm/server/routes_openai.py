@@ -38,7 +38,9 @@ def openai_router(ctx: ServingContext, chat_serving: OpenAIServingChat) -> APIRo
     @router.get("/v1/models/{model_id:path}")
     async def model_card(model_id: str) -> dict:
         """One model's card (the openai SDK's ``models.retrieve``); 404 for a model not served."""
-        card = next((m for m in ctx.model_list()["data"] if ctx.serves(model_id)), None)
+        cards = ctx.model_list()["data"] if ctx.serves(model_id) else []
+        lora = ctx.adapters.get(model_id)  # an adapter's own card; else the base model's (any alias of it)
+        card = next((m for m in cards if lora is not None and m["id"] == lora.lora_name), cards[0] if cards else None)
         if card is None:
             raise APIError(404, f"The model `{model_id}` does not exist.", "model", code="model_not_found")
         return card

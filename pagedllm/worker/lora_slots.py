@@ -5,7 +5,9 @@
 requests into a row -> adapter id vector, and ``activate`` (execution thread, so slots never
 change under a step that runs) puts the step's adapters in slots and gives the model its
 ``LoRAStep``. Adapters are read from disk once and kept, at most ``max_cpu_loras`` of them, least
-recently used evicted; a slot is reused by the least recently used adapter absent from the step.
+recently used evicted, never one a live request holds (``release`` ends a hold): a request's adapter
+is read once for its whole life, so unloading it from the server, or its directory going away, cannot
+change it under the request. A slot is reused by the least recently used adapter absent from the step.
 The scheduler never puts more than ``max_loras`` distinct adapters in one step.
 """
 
@@ -47,13 +49,22 @@ class LoRASlots:
         self.slot_used = [0] * config.max_loras           # activation counter of each slot's last use
         self.activations = 0
         self.loads = 0                                     # adapters read from disk (tests, stats)
+        self.live: dict[int, int] = {}                     # int id -> requests the runner holds with it
 
     def register(self, lora: LoRARequest | None) -> int:
         """Remember a request's adapter; returns its int id (0: the base model)."""
         if lora is None:
             return 0
         self.requests.setdefault(lora.lora_int_id, lora)
+        self.live[lora.lora_int_id] = self.live.get(lora.lora_int_id, 0) + 1
         return lora.lora_int_id
+
+    def release(self, lid: int) -> None:
+        """A request with adapter ``lid`` (0: none) left the runner (finished or preempted)."""
+        if lid and self.live.get(lid, 0) > 1:
+            self.live[lid] -= 1
+        elif lid:
+            self.live.pop(lid, None)
 
     @staticmethod
     def plan(ids_per_request: np.ndarray, num_tokens: np.ndarray) -> np.ndarray | None:
@@ -129,5 +140,8 @@ class LoRASlots:
         self.loads += 1
         self.cpu[lid] = adapter
         while len(self.cpu) > self.config.max_cpu_loras:
-            self.cpu.popitem(last=False)
+            victim = next((k for k in self.cpu if not self.live.get(k)), None)
+            if victim is None:  # every adapter held is a live request's: kept over the bound until they end
+                break
+            del self.cpu[victim]
         return adapter

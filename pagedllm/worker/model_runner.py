@@ -165,6 +165,8 @@ class ModelRunner:
     def _update_states(self, so: SchedulerOutput) -> None:
         b = self.input_batch
         for rid in so.finished_req_ids:
+            if self.lora is not None and rid in b.slot_of:  # its adapter may leave host memory now
+                self.lora.release(int(b.lora_id[b.slot_of[rid]]))
             b.remove(rid)
         for nr in so.new_reqs:
             b.add(nr)

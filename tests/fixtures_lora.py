@@ -1,4 +1,4 @@
-"""LoRA fixtures: random PEFT adapters written with ``peft`` and their merged ``transformers`` twins."""
+"""LoRA fixtures (a plugin of tests/conftest.py: tests/lora and tests/server share them): random PEFT adapters written with ``peft`` and their merged ``transformers`` twins."""
 
 from __future__ import annotations
 
