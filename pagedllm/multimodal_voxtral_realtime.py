@@ -183,11 +183,8 @@ class RealtimeStream:
 
     def next_request(self, final: bool):
         """The next request's ``PreparedPrompt`` (``None`` while too little new audio has arrived for a
-        block of rows past the prompt; with ``final`` the rest, right padding included).
-
-        Raises:
-            ValueError: ``final`` after a request already ended the utterance.
-        """
+        block of rows past the prompt; with ``final`` the rest, right padding included). The segment
+        it adds is kept: call it again only once that request has ended (``took``)."""
         from pagedllm.multimodal_inputs import MultiModalInput, PreparedPrompt
         proc, fe = self.proc, self.proc.feature_extractor
         if final:
