@@ -151,7 +151,8 @@ def load_gguf_adapter(path: str | Path, max_lora_rank: int, num_heads: int, num_
             raise _bad(path, f"layer {layer} {module}: {missing} is missing")
         a, b = ab["a"], ab["b"]
         if a.shape[0] != b.shape[1]:
-            raise _bad(path, f"layer {layer} {module}: shapes A {tuple(a.shape)}, B {tuple(b.shape)} disagree on the rank")
+            raise _bad(path, f"layer {layer} {module}: shapes A {tuple(a.shape)}, B {tuple(b.shape)} "
+                       "disagree on the rank")
         ranks.add(a.shape[0])
         if ARCH_PERMUTES_QK[arch] and module in ("q_proj", "k_proj"):
             heads = num_heads if module == "q_proj" else num_kv_heads

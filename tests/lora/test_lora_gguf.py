@@ -87,15 +87,20 @@ def test_gguf_greedy_matches_peft_and_merged(smol_llm, converted, smollm2_tokeni
 
 
 def _write_gguf(path: Path, tensors: dict[str, np.ndarray], general_type: str = "adapter",
-                adapter_type: str = "lora") -> Path:
-    """A small GGUF file laid out as llama.cpp's converter writes adapters (arch llama, alpha 8)."""
+                adapter_type: str = "lora", arch: str = "llama", alpha: float = 8.0, qtype=None) -> Path:
+    """A small GGUF file laid out as llama.cpp's converter writes adapters (``qtype``: stored as that
+    GGML type through ``gguf.quants.quantize``; float32 otherwise, and for rows too short for Q8_0's
+    32-value blocks, as the converter falls back)."""
     import gguf
-    w = gguf.GGUFWriter(str(path), "llama")
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_type(general_type)
     w.add_string("adapter.type", adapter_type)
-    w.add_float32("adapter.lora.alpha", 8.0)
+    w.add_float32("adapter.lora.alpha", alpha)
     for name, t in tensors.items():
-        w.add_tensor(name, t)
+        if qtype is None or (qtype == gguf.GGMLQuantizationType.Q8_0 and t.shape[-1] % 32):
+            w.add_tensor(name, t)
+        else:
+            w.add_tensor(name, gguf.quants.quantize(t, qtype), raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -105,7 +110,8 @@ def _write_gguf(path: Path, tensors: dict[str, np.ndarray], general_type: str = 
 
 def test_gguf_refusals(tmp_path, hf_smollm2, smol_llm):
     """A model GGUF, another adapter type, token_embd / output tensors, a missing lora_b and a rank
-    above max_lora_rank are refused by name, by the reader and by the engine's check."""
+    above max_lora_rank are refused by name by the reader; the engine's check refuses a model GGUF and
+    shapes that do not fit the base model."""
     cfg = hf_smollm2.config
     a, b = np.ones((4, 576), np.float32), np.ones((576, 4), np.float32)
     q = {"blk.0.attn_q.weight.lora_a": a, "blk.0.attn_q.weight.lora_b": b}
@@ -113,11 +119,49 @@ def test_gguf_refusals(tmp_path, hf_smollm2, smol_llm):
              "other.gguf": (_write_gguf(tmp_path / "other.gguf", q, adapter_type="ia3"), "not 'lora'"),
              "embd.gguf": (_write_gguf(tmp_path / "embd.gguf", q | {"token_embd.weight.lora_a": a,
                                                                      "token_embd.weight.lora_b": b}), "token_embd"),
+             "out.gguf": (_write_gguf(tmp_path / "out.gguf", {"output.weight.lora_a": a, "output.weight.lora_b": b}),
+                          "'output'"),
              "nob.gguf": (_write_gguf(tmp_path / "nob.gguf", {"blk.0.attn_q.weight.lora_a": a}), "lora_b is missing")}
-    for name, (path, words) in cases.items():
+    for path, words in cases.values():
         with pytest.raises(ValueError, match=words):
             load_adapter(path, 16, cfg)
     with pytest.raises(ValueError, match="above max_lora_rank=2"):
         load_adapter(_write_gguf(tmp_path / "r4.gguf", q), 2, cfg)
     with pytest.raises(ValueError, match="not 'adapter'"):
-        smol_llm.generate(["hi"], _greedy(), use_tqdm=False, lora_request=LoRARequest("m", 9, str(cases["model.gguf"][0])))
+        bad = LoRARequest("model-gguf", 9, str(cases["model.gguf"][0]))
+        smol_llm.generate(["hi"], _greedy(), use_tqdm=False, lora_request=bad)
+    narrow = _write_gguf(tmp_path / "narrow.gguf", {"blk.0.attn_q.weight.lora_a": a[:, :64],
+                                                    "blk.0.attn_q.weight.lora_b": b})
+    with pytest.raises(ValueError, match="do not fit the base model"):
+        smol_llm.generate(["hi"], _greedy(), use_tqdm=False, lora_request=LoRARequest("narrow", 10, str(narrow)))
+
+
+def test_gguf_types_alpha_and_arch(tmp_path, hf_smollm2):
+    """F16, BF16 and Q8_0 tensors read back as float32 ``[r, in]`` / ``[out, r]`` within their rounding;
+    alpha 0 scales by 1 (llama.cpp's rule); a ``qwen2`` file keeps its q rows; an adapter of another
+    architecture than the base model's is refused."""
+    from gguf import GGMLQuantizationType as Q
+    cfg = hf_smollm2.config
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((4, 576), np.float32), rng.standard_normal((576, 4), np.float32)
+    q = {"blk.0.attn_q.weight.lora_a": a, "blk.0.attn_q.weight.lora_b": b}
+    for qtype, tol in ((Q.F16, 1e-3), (Q.BF16, 1e-2), (Q.Q8_0, 2e-2)):
+        got = load_adapter(_write_gguf(tmp_path / f"{qtype.name}.gguf", q, arch="qwen2", qtype=qtype), 16,
+                           _Cfg("qwen2"))
+        ga, gb = got.weights[(0, "q_proj")]
+        assert ga.dtype == gb.dtype == torch.float32 and ga.shape == (4, 576) and gb.shape == (576, 4)
+        assert torch.allclose(ga, torch.from_numpy(a), rtol=tol, atol=tol * 4), qtype.name
+        assert torch.allclose(gb, torch.from_numpy(b), rtol=tol, atol=tol * 4), qtype.name
+        assert got.scaling == 2.0
+    assert load_adapter(_write_gguf(tmp_path / "a0.gguf", q, alpha=0.0), 16, cfg).scaling == 1.0
+    with pytest.raises(ValueError, match="adapter of a 'qwen2' model"):
+        load_adapter(tmp_path / "F16.gguf", 16, cfg)
+
+
+class _Cfg:
+    """A Qwen2-like text config: 9 heads, 3 key-value heads."""
+
+    num_attention_heads, num_key_value_heads = 9, 3
+
+    def __init__(self, model_type: str) -> None:
+        self.model_type = model_type
