@@ -94,14 +94,15 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
 def _add_lora_flags(p: argparse.ArgumentParser) -> None:
     """vLLM's LoRA flags: ``--enable-lora --max-loras --max-lora-rank --max-cpu-loras --lora-modules``."""
     p.add_argument("--enable-lora", action="store_true",
-                   help="serve LoRA adapters (PEFT directories) on the native model, several in one batch")
+                   help="serve LoRA adapters (PEFT directories or llama.cpp LoRA .gguf files) on the native model, "
+                        "several in one batch")
     p.add_argument("--max-loras", type=int, default=1, help="distinct adapters one step may hold (default 1)")
     p.add_argument("--max-lora-rank", type=int, default=16, help="highest adapter rank accepted (default 16)")
     p.add_argument("--max-cpu-loras", type=int, default=None,
                    help="adapters kept in host memory, least recently used evicted (default: --max-loras)")
     p.add_argument("--lora-modules", nargs="+", type=_lora_module, default=None, metavar="NAME=PATH",
                    help="adapters served by name: NAME=PATH pairs or JSON {\"name\": ..., \"path\": ...} "
-                        "(a PEFT directory each); a request's model field picks one")
+                        "(a PEFT directory or a llama.cpp LoRA .gguf file each); a request's model field picks one")
 
 
 def _lora_module(text: str) -> tuple[str, str]:

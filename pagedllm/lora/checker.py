@@ -5,7 +5,8 @@ from __future__ import annotations
 import threading
 
 from pagedllm.lora.config import LoRAConfig
-from pagedllm.lora.peft_reader import check_shapes, load_peft_adapter
+from pagedllm.lora.gguf_adapter import load_adapter
+from pagedllm.lora.peft_reader import check_shapes
 from pagedllm.lora.request import LoRARequest
 
 
@@ -39,7 +40,8 @@ class AdapterChecker:
 
         Raises:
             ValueError: adapters are off (no ``enable_lora``), not a ``LoRARequest``, an id already
-                used by another adapter, or a directory ``peft_reader`` refuses (the message names why).
+                used by another adapter, or an adapter its reader refuses (a PEFT directory or a llama.cpp
+                GGUF file, ``gguf_adapter.load_adapter``); the message names why.
         """
         if lora is None:
             return
@@ -55,7 +57,7 @@ class AdapterChecker:
         if seen is not None:
             raise ValueError(f"lora_int_id {lora.lora_int_id} is already adapter {seen[0]!r} ({seen[1]}); "
                              f"give {lora.lora_name!r} another id")
-        adapter = load_peft_adapter(lora.lora_path, self.config.max_lora_rank)
+        adapter = load_adapter(lora.lora_path, self.config.max_lora_rank, self.text_config)
         shapes, layers = text_model_shapes(self.text_config)
         check_shapes(adapter, shapes, layers)
         with self._lock:

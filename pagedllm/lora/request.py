@@ -17,7 +17,8 @@ class LoRARequest(msgspec.Struct, frozen=True, omit_defaults=True):
         lora_name: the adapter's name (what a server's ``model`` field would say).
         lora_int_id: a positive id, unique per adapter for the engine's life (slots and the
             scheduler's per-step count key on it).
-        lora_path: the PEFT directory (``adapter_config.json`` + ``adapter_model.safetensors``).
+        lora_path: the PEFT directory (``adapter_config.json`` + ``adapter_model.safetensors``), or a
+            llama.cpp LoRA adapter file ending in ``.gguf``.
         base_model_name: the base model it was trained on (informative only).
         long_lora_max_len, tensorizer_config_dict: accepted for vLLM's signature; must stay ``None``.
     Raises:
@@ -36,7 +37,7 @@ class LoRARequest(msgspec.Struct, frozen=True, omit_defaults=True):
         if not isinstance(self.lora_int_id, int) or self.lora_int_id < 1:
             raise ValueError(f"lora_int_id: must be an integer > 0, got {self.lora_int_id!r}")
         if not self.lora_path:
-            raise ValueError(f"lora_path: adapter {self.lora_name!r} needs a PEFT directory")
+            raise ValueError(f"lora_path: adapter {self.lora_name!r} needs a PEFT directory or a .gguf file")
         if self.long_lora_max_len is not None or self.tensorizer_config_dict is not None:
             raise ValueError("long_lora_max_len and tensorizer_config_dict are not supported")
 

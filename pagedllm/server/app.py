@@ -69,7 +69,7 @@ def build_app(llm: AsyncLLM, model_name: str, chat_template: str | None = None, 
         max_request_body_bytes: larger bodies get 413 (``--max-request-body-bytes``).
         max_waiting_requests: engine requests that may wait beyond ``max_num_seqs`` running
             ones before requests get 429 (``--max-waiting-requests``; ``None``: no bound).
-        lora_modules: ``(name, PEFT directory)`` of each LoRA adapter served by name from the start
+        lora_modules: ``(name, PEFT directory or .gguf file)`` of each LoRA adapter served by name from the start
             (``--lora-modules``; the engine needs ``enable_lora``).
     Raises:
         ValueError: an adapter of ``lora_modules`` refused (no ``enable_lora``, a taken name, a bad

@@ -19,7 +19,8 @@ import numpy as np
 import torch
 
 from pagedllm.lora.config import LoRAConfig
-from pagedllm.lora.peft_reader import LoRAAdapter, check_shapes, load_peft_adapter
+from pagedllm.lora.gguf_adapter import load_adapter
+from pagedllm.lora.peft_reader import LoRAAdapter, check_shapes
 from pagedllm.lora.request import LoRARequest
 from pagedllm.models.lora_linear import LoRAStep, install_lora, projection_shapes
 
@@ -43,6 +44,7 @@ class LoRASlots:
         self.table = install_lora(model, config.max_loras, config.max_lora_rank)
         self.shapes = projection_shapes(model)
         self.num_layers = len(model.layers)
+        self.text_config = model.config  # head counts and model_type for GGUF adapters
         self.requests: dict[int, LoRARequest] = {}       # int id -> its request (first seen)
         self.cpu: OrderedDict[int, LoRAAdapter] = OrderedDict()  # read adapters, LRU order
         self.slot_ids = [0] * config.max_loras            # adapter id held by each slot (0: none)
@@ -130,12 +132,12 @@ class LoRASlots:
         return slot
 
     def _adapter(self, lid: int) -> LoRAAdapter:
-        """Adapter ``lid`` from the host LRU, read from its directory on a miss."""
+        """Adapter ``lid`` from the host LRU, read from its directory or GGUF file on a miss."""
         if lid in self.cpu:
             self.cpu.move_to_end(lid)
             return self.cpu[lid]
         req = self.requests[lid]
-        adapter = load_peft_adapter(req.lora_path, self.config.max_lora_rank)
+        adapter = load_adapter(req.lora_path, self.config.max_lora_rank, self.text_config)
         check_shapes(adapter, self.shapes, self.num_layers)
         self.loads += 1
         self.cpu[lid] = adapter
