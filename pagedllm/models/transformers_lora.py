@@ -5,8 +5,9 @@ A Llama / Qwen2 / Mistral-style ``transformers`` decoder layer holds ``self_attn
 names). ``TransformersLoRAMixin.lora_layer_specs`` names them for ``models.lora_linear.install_lora``,
 one piece per linear, whatever module serves the base (``nn.Linear``, oneDNN-packed, GGUF blocks or
 int8 of ``packed_transformers``: the wrapper adds the delta to its output). A projection is wrapped
-only where every decoder layer has it (an MoE layer's experts are not: an adapter targeting
-``gate_proj`` there is refused by ``peft_reader.check_shapes`` as an unknown target).
+only where every decoder layer has it and the config names it (``lora.checker.text_model_shapes``:
+an MoE model's MLPs are experts, not wrapped); an adapter targeting another is refused by
+``peft_reader.check_shapes``, by name.
 ``TransformersCausalLM.forward`` sets the step's ``LoRAStep`` in ``lora_context`` (its ``lora``
 keyword) and keeps such steps off the batch-1 C decode stack, which would bypass the wrappers.
 """
@@ -50,8 +51,8 @@ def layer_specs(hf: nn.Module, text_config) -> list[list[LayerSpec]]:
     if len(layers) != num_layers:
         raise ValueError(f"enable_lora: {type(hf).__name__} has {len(layers)} decoder layers, its config "
                          f"{num_layers}")
-    owned = [(part, name) for part, names in PROJECTIONS for name in names
-             if all(isinstance(getattr(getattr(layer, part, None), name, None), nn.Module) for layer in layers)]
+    owned = [(part, name) for part, names in PROJECTIONS for name in names if name in shapes
+             and all(isinstance(getattr(getattr(layer, part, None), name, None), nn.Module) for layer in layers)]
     if not owned:
         raise ValueError(f"enable_lora: {type(hf).__name__}'s decoder layers have none of the projections "
                          f"{[n for _, names in PROJECTIONS for n in names]} (a LoRA adapter's targets)")

@@ -105,3 +105,22 @@ def test_wrapper_takes_batched_rows_and_any_base():
         got = lin(x)
         assert got.shape == (1, 4, 6)
         torch.testing.assert_close(got[0], want, rtol=1e-5, atol=1e-5)
+
+
+def test_moe_model_wraps_attention_and_refuses_mlp_targets(tmp_path):
+    """A mixture-of-experts decoder (tiny random Mixtral): only the attention projections are wrapped,
+    and an adapter targeting ``gate_proj`` is refused by name (front end and runner alike)."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from pagedllm.lora.checker import text_model_shapes
+    from pagedllm.lora.peft_reader import LoRAAdapter, check_shapes
+    from pagedllm.models.transformers_lora import layer_specs
+    cfg = MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4)
+    specs = layer_specs(MixtralForCausalLM(cfg), cfg)
+    assert [[attr for _, attr, _, _ in row] for row in specs] == [["q_proj", "k_proj", "v_proj", "o_proj"]] * 2
+    shapes, layers = text_model_shapes(cfg)
+    assert sorted(shapes) == ["k_proj", "o_proj", "q_proj", "v_proj"] and layers == 2
+    bad = LoRAAdapter(8, 1.0, {(0, "gate_proj"): (torch.zeros(8, 32), torch.zeros(48, 8))}, str(tmp_path))
+    with pytest.raises(ValueError, match="target module 'gate_proj'"):
+        check_shapes(bad, shapes, layers)
