@@ -94,8 +94,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
 def _add_lora_flags(p: argparse.ArgumentParser) -> None:
     """vLLM's LoRA flags: ``--enable-lora --max-loras --max-lora-rank --max-cpu-loras --lora-modules``."""
     p.add_argument("--enable-lora", action="store_true",
-                   help="serve LoRA adapters (PEFT directories or llama.cpp LoRA .gguf files) on the native model, "
-                        "several in one batch")
+                   help="serve LoRA adapters (PEFT directories or llama.cpp LoRA .gguf files), several in one "
+                        "batch, on native models and the Transformers backend")
     p.add_argument("--max-loras", type=int, default=1, help="distinct adapters one step may hold (default 1)")
     p.add_argument("--max-lora-rank", type=int, default=16, help="highest adapter rank accepted (default 16)")
     p.add_argument("--max-cpu-loras", type=int, default=None,

@@ -299,14 +299,12 @@ class EngineArgs:
 
         Raises:
             ValueError: a LoRA setting out of range, or ``enable_lora`` with tensor or pipeline
-                parallelism or the Transformers backend (adapters are applied on native models only).
+                parallelism (native models and the Transformers backend, one rank).
         """
         if not self.enable_lora:
             return None
         if self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1:
             raise ValueError("--enable-lora (enable_lora) is not implemented with tensor or pipeline parallelism")
-        if self.model_impl == "transformers":
-            raise ValueError("--enable-lora (enable_lora) needs a native model (--model-impl native or auto)")
         from pagedllm.lora.config import LoRAConfig
         cpu = self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
         return LoRAConfig(self.max_loras, self.max_lora_rank, cpu)

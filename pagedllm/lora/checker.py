@@ -11,14 +11,18 @@ from pagedllm.lora.request import LoRARequest
 
 
 def text_model_shapes(text_config) -> tuple[dict[str, tuple[int, int]], int]:
-    """``(projection -> (out, in), num_layers)`` of a Llama-family ``transformers`` text config."""
+    """``(projection -> (out, in), num_layers)`` of a Llama-family ``transformers`` text config; a
+    mixture-of-experts config (``num_local_experts`` / ``num_experts``) has the attention projections
+    only (its MLPs are experts, which adapters are not served on)."""
     hidden, heads = text_config.hidden_size, text_config.num_attention_heads
     head_dim = getattr(text_config, "head_dim", None) or hidden // heads
     kv_heads = getattr(text_config, "num_key_value_heads", None) or heads
-    q, kv, inter = heads * head_dim, kv_heads * head_dim, text_config.intermediate_size
-    return ({"q_proj": (q, hidden), "k_proj": (kv, hidden), "v_proj": (kv, hidden), "o_proj": (hidden, q),
-             "gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter)},
-            text_config.num_hidden_layers)
+    q, kv = heads * head_dim, kv_heads * head_dim
+    shapes = {"q_proj": (q, hidden), "k_proj": (kv, hidden), "v_proj": (kv, hidden), "o_proj": (hidden, q)}
+    if not (getattr(text_config, "num_local_experts", None) or getattr(text_config, "num_experts", None)):
+        inter = text_config.intermediate_size
+        shapes |= {"gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter)}
+    return shapes, text_config.num_hidden_layers
 
 
 class AdapterChecker:

@@ -144,11 +144,15 @@ def check_shapes(adapter: LoRAAdapter, shapes: dict[str, tuple[int, int]], num_l
     Args:
         shapes: projection name -> ``(out_features, in_features)`` of the base model.
     Raises:
-        ValueError: a layer index past ``num_layers`` or a matrix whose shape does not fit.
+        ValueError: a layer index past ``num_layers``, a projection the base model has no linear for
+            (``shapes`` lacks it: an MoE model's experts), or a matrix whose shape does not fit.
     """
     for (layer, module), (a, b) in adapter.weights.items():
         if layer >= num_layers:
             raise _bad(Path(adapter.path), f"layer {layer} is past the model's {num_layers} layers")
+        if module not in shapes:
+            raise _bad(Path(adapter.path), f"target module {module!r} is not a linear the base model serves "
+                       f"adapters on (it has {sorted(shapes)})")
         out, inp = shapes[module]
         if a.shape[1] != inp or b.shape[0] != out:
             raise _bad(Path(adapter.path), f"layer {layer} {module}: A {tuple(a.shape)} / B {tuple(b.shape)} do "

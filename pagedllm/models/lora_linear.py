@@ -1,10 +1,11 @@
 """LoRA adapters applied batched around a model's linears (Punica's SGMV / BGMV ideas, in torch).
 
-``install_lora`` wraps each decoder layer's projections (fused ``qkv_proj`` / ``gate_up_proj``
-included) in a ``LoRALinear``. Each holds ``max_loras`` slots: ``A`` of every piece stacked along
-the rank (``[slots, pieces * r, in]``) and ``B`` block-diagonal over the pieces with the scale folded
-in (``[slots, out, pieces * r]``), so one adapter's delta on a fused linear is two matmuls whatever
-its pieces. The wrapper computes the base output (whatever module the base is: ``nn.Linear``,
+``install_lora`` wraps each decoder layer's projections (a native model's fused ``qkv_proj`` /
+``gate_up_proj`` included; the Transformers backend's unfused ``q_proj`` ... ``down_proj``:
+``lora_layer_specs``) in a ``LoRALinear``. Each holds ``max_loras`` slots: ``A`` of every piece
+stacked along the rank (``[slots, pieces * r, in]``) and ``B`` block-diagonal over the pieces with the
+scale folded in (``[slots, out, pieces * r]``), so one adapter's delta on a fused linear is two
+matmuls whatever its pieces. The wrapper computes the base output (whatever module the base is: ``nn.Linear``,
 oneDNN-packed, GGUF blocks; the delta is added to its output) and then the step's adapter rows'
 ``(x @ A[slot]^T) @ B[slot]^T``, in one of two ways chosen per step by ``LoRAStep``:
 
@@ -95,11 +96,18 @@ class LoRALinear(nn.Module):
                 self.lora_b[slot, start:start + size, p * r0:p * r0 + r].copy_(b * scaling)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` ``[T, in]`` -> ``[T, out]``: the base output plus each adapter row's delta."""
+        """``x`` ``[..., T, in]`` -> ``[..., T, out]`` (the Transformers backend's ``[1, T, in]``
+        included): the base output plus each adapter row's delta, rows indexing the flattened batch."""
         y = self.base_layer(x)
         step = self.ctx.step
         if step is None:
             return y
+        if x.dim() != 2:
+            return self._add_delta(x.reshape(-1, x.shape[-1]), y.reshape(-1, y.shape[-1]), step).view(y.shape)
+        return self._add_delta(x, y, step)
+
+    def _add_delta(self, x: torch.Tensor, y: torch.Tensor, step: LoRAStep) -> torch.Tensor:
+        """``y`` ``[T, out]`` plus the deltas of ``step``'s adapter rows of ``x`` ``[T, in]`` (in place)."""
         xl = x.to(self.lora_a.dtype)
         if step.padded is not None:
             rows, dest, g = step.padded
@@ -126,32 +134,52 @@ def unwrap(module: nn.Module) -> nn.Module:
     return module.base_layer if isinstance(module, LoRALinear) else module
 
 
-def install_lora(model: nn.Module, max_loras: int, max_rank: int) -> dict[str, list[LoRALinear]]:
-    """Wrap every decoder layer's projections of a native Llama-family model (in place).
+# one wrapped linear: (owning module, attribute, pieces [(projection, output start, size)], in_features)
+LayerSpec = tuple[nn.Module, str, list[tuple[str, int, int]], int]
 
-    Sets ``model.lora_context`` (a ``LoRAContext``), which the model's forward sets per step.
 
-    Returns:
-        projection name (``q_proj`` ... ``down_proj``) -> the wrapper holding it, one per layer
-        (fused modules appear under each of their projections).
+def lora_layer_specs(model: nn.Module) -> list[list[LayerSpec]]:
+    """Per decoder layer, the linears ``install_lora`` wraps: the model's own ``lora_layer_specs()``
+    where it has one (the Transformers backend: ``models/transformers_lora.py``), else those of a native
+    Llama-family model (fused ``qkv_proj`` / ``gate_up_proj`` as several pieces).
+
     Raises:
         ValueError: a model without Llama-style ``layers[i].self_attn`` / ``mlp`` fused projections.
     """
+    own = getattr(model, "lora_layer_specs", None)
+    if own is not None:
+        return own()
     layers = getattr(model, "layers", None)
     if layers is None or not all(hasattr(layer, "self_attn") and hasattr(layer.self_attn, "qkv_proj")
                                  for layer in layers):
         raise ValueError(f"enable_lora: {type(model).__name__} has no native Llama-family decoder layers")
-    ctx = LoRAContext()
-    model.lora_context = ctx
-    table: dict[str, list[LoRALinear]] = {}
+    specs = []
     for layer in layers:
         a, m = layer.self_attn, layer.mlp
         q, kv, hidden = a.q_size, a.kv_size, model.config.hidden_size
-        specs = ((a, "qkv_proj", [("q_proj", 0, q), ("k_proj", q, kv), ("v_proj", q + kv, kv)], hidden),
-                 (a, "o_proj", [("o_proj", 0, hidden)], q),
-                 (m, "gate_up_proj", [("gate_proj", 0, m.inter), ("up_proj", m.inter, m.inter)], hidden),
-                 (m, "down_proj", [("down_proj", 0, hidden)], m.inter))
-        for owner, attr, pieces, inp in specs:
+        specs.append([(a, "qkv_proj", [("q_proj", 0, q), ("k_proj", q, kv), ("v_proj", q + kv, kv)], hidden),
+                      (a, "o_proj", [("o_proj", 0, hidden)], q),
+                      (m, "gate_up_proj", [("gate_proj", 0, m.inter), ("up_proj", m.inter, m.inter)], hidden),
+                      (m, "down_proj", [("down_proj", 0, hidden)], m.inter)])
+    return specs
+
+
+def install_lora(model: nn.Module, specs: list[list[LayerSpec]], max_loras: int,
+                 max_rank: int) -> dict[str, list[LoRALinear]]:
+    """Wrap the linears of ``specs`` (``lora_layer_specs(model)``) in ``LoRALinear`` (in place).
+
+    Sets ``model.lora_context`` (a ``LoRAContext``), which the model's forward sets per step from its
+    ``lora`` keyword.
+
+    Returns:
+        projection name (``q_proj`` ... ``down_proj``) -> the wrapper holding it, one per layer in
+        layer order (fused modules appear under each of their projections).
+    """
+    ctx = LoRAContext()
+    model.lora_context = ctx
+    table: dict[str, list[LoRALinear]] = {}
+    for layer in specs:
+        for owner, attr, pieces, inp in layer:
             wrapper = LoRALinear(getattr(owner, attr), pieces, inp, max_loras, max_rank, ctx)
             setattr(owner, attr, wrapper)
             for name, _, _ in pieces:
@@ -159,9 +187,6 @@ def install_lora(model: nn.Module, max_loras: int, max_rank: int) -> dict[str, l
     return table
 
 
-def projection_shapes(model: nn.Module) -> dict[str, tuple[int, int]]:
-    """Projection name -> ``(out_features, in_features)`` of a native model's first decoder layer."""
-    a, m = model.layers[0].self_attn, model.layers[0].mlp
-    q, kv, hidden = a.q_size, a.kv_size, model.config.hidden_size
-    return {"q_proj": (q, hidden), "k_proj": (kv, hidden), "v_proj": (kv, hidden), "o_proj": (hidden, q),
-            "gate_proj": (m.inter, hidden), "up_proj": (m.inter, hidden), "down_proj": (hidden, m.inter)}
+def projection_shapes(specs: list[list[LayerSpec]]) -> dict[str, tuple[int, int]]:
+    """Projection name -> ``(out_features, in_features)`` of the first decoder layer of ``specs``."""
+    return {name: (size, inp) for _, _, pieces, inp in specs[0] for name, _, size in pieces}

@@ -34,6 +34,7 @@ from pagedllm.attention.backend import AttentionBackend
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.state import StateBatch
 from pagedllm.models.decode_stack import one_sequence
+from pagedllm.models.transformers_lora import TransformersLoRAMixin
 from pagedllm.models.transformers_vision import (AUDIO_MODEL_TYPES, MROPE_MODEL_TYPES, VisionMixin, is_mm_prefix_model,
                                                  is_multimodal_model, is_prefix_lm, is_vision_model)
 from pagedllm.models.hf_config import num_kv_heads
@@ -193,7 +194,7 @@ def _check_modules(hf: nn.Module, backend: AttentionBackend) -> None:
                              f"does not implement")
 
 
-class TransformersCausalLM(VisionMixin, nn.Module):
+class TransformersCausalLM(VisionMixin, TransformersLoRAMixin, nn.Module):
     """A ``transformers`` causal LM behind pagedllm's model interface.
 
     Args:
@@ -249,7 +250,7 @@ class TransformersCausalLM(VisionMixin, nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 meta: AttentionMetadata, logits_indices: torch.Tensor, hidden_indices: torch.Tensor | None = None,
-                state: StateBatch | None = None, mm=None, rope_positions: torch.Tensor | None = None):
+                state: StateBatch | None = None, mm=None, rope_positions: torch.Tensor | None = None, lora=None):
         """Run one step (same contract as the native models).
 
         Args:
@@ -265,12 +266,17 @@ class TransformersCausalLM(VisionMixin, nn.Module):
                 on input embeddings with the image rows written over their placeholders.
             rope_positions: ``[3, T]`` int64 M-RoPE positions (``self.mrope``, a step with a request
                 that has images: ``EncoderCache.rope_positions``), in place of ``positions``.
+            lora: the step's ``models.lora_linear.LoRAStep`` (``None``: no adapter rows), for the
+                decoder's ``LoRALinear`` wrappers (``transformers_lora``); such a step never takes the
+                batch-1 C decode stack (it would bypass them).
         Returns:
             ``[R, vocab]`` float32 logits (after the model's own final soft-capping, if any); with
             ``hidden_indices``, ``(logits, [N, hidden] float32)``.
         """
         global _current
-        if self.decode_stack is not None and hidden_indices is None and state is None and mm is None:
+        if self.lora_context is not None:  # every forward sets it: None clears the last step's
+            self.lora_context.step = lora
+        if self.decode_stack is not None and lora is None and hidden_indices is None and state is None and mm is None:
             one = one_sequence(input_ids.shape[0], meta, kv_caches[0][0].shape[2])
             if one is not None:  # batch-1 decode: the whole stack in one C call (transformers_stack)
                 return self.decode_stack.logits(input_ids, positions, kv_caches, logits_indices, *one)

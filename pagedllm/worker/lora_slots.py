@@ -22,29 +22,32 @@ from pagedllm.lora.config import LoRAConfig
 from pagedllm.lora.gguf_adapter import load_adapter
 from pagedllm.lora.peft_reader import LoRAAdapter, check_shapes
 from pagedllm.lora.request import LoRARequest
-from pagedllm.models.lora_linear import LoRAStep, install_lora, projection_shapes
+from pagedllm.models.lora_linear import LoRAStep, install_lora, lora_layer_specs, projection_shapes
 
 PADDED_RATIO = 4  # the padded mode's buffer may hold this many times the step's adapter rows
 
 
 class LoRASlots:
-    """Adapters of a native model in ``max_loras`` slots.
+    """Adapters of a model in ``max_loras`` slots.
 
     Args:
-        model: a native Llama-family model (``models.lora_linear.install_lora`` wraps its linears).
+        model: a native Llama-family model or a ``TransformersCausalLM`` (``models.lora_linear``:
+            ``lora_layer_specs`` names its linears, ``install_lora`` wraps them).
         config: the engine's ``LoRAConfig``.
         device: where step row indices go.
     Raises:
-        ValueError: a model ``install_lora`` cannot wrap.
+        ValueError: a model whose linears ``lora_layer_specs`` cannot name.
     """
 
     def __init__(self, model, config: LoRAConfig, device: torch.device) -> None:
         self.config = config
         self.device = device
-        self.table = install_lora(model, config.max_loras, config.max_lora_rank)
-        self.shapes = projection_shapes(model)
-        self.num_layers = len(model.layers)
-        self.text_config = model.config  # head counts and model_type for GGUF adapters
+        specs = lora_layer_specs(model)
+        self.table = install_lora(model, specs, config.max_loras, config.max_lora_rank)
+        self.shapes = projection_shapes(specs)
+        self.num_layers = len(specs)
+        # head counts and model_type for GGUF adapters (the backend's model keeps its config on ``hf``)
+        self.text_config = getattr(model, "config", None) or model.hf.config.get_text_config()
         self.requests: dict[int, LoRARequest] = {}       # int id -> its request (first seen)
         self.cpu: OrderedDict[int, LoRAAdapter] = OrderedDict()  # read adapters, LRU order
         self.slot_ids = [0] * config.max_loras            # adapter id held by each slot (0: none)

@@ -167,7 +167,8 @@ def test_flags_and_settings():
     assert EngineArgs(enable_lora=True, max_loras=2).lora_config() == LoRAConfig(2, 16, 2)
     with pytest.raises(ValueError, match="max_cpu_loras"):
         EngineArgs(enable_lora=True, max_loras=4, max_cpu_loras=2)
-    with pytest.raises(ValueError, match="enable-lora"):
-        EngineArgs(enable_lora=True, model_impl="transformers")
+    assert EngineArgs(enable_lora=True, model_impl="transformers").lora_config() == LoRAConfig(1, 16, 1)
+    with pytest.raises(ValueError, match="enable-lora.*tensor or pipeline"):
+        EngineArgs(enable_lora=True, model_impl="transformers", tensor_parallel_size=2)
     with pytest.raises(ValueError, match="lora_int_id"):
         LoRARequest("x", 0, "/p")
