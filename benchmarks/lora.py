@@ -9,7 +9,7 @@ model's numbers are the same engine's with no adapter rows (the cost of LoRA sup
 base-only line against a second engine without ``enable_lora``). Each configuration runs once to warm
 up, then ``--repeats`` times; the median is reported.
 
-Usage: ``python benchmarks/lora.py [--repeats 3] [--out benchmarks/results/lora-<date>.json]``
+Usage: ``python benchmarks/lora.py [--model qwen2.5-coder-0.5b-instruct] [--repeats 3] [--out ...json]``
 """
 
 from __future__ import annotations
@@ -68,10 +68,11 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--model", default=None, help="a model name or directory (default: the embedded SmolLM2)")
     ap.add_argument("--out", default=f"benchmarks/results/lora-{date.today()}.json")
     args = ap.parse_args()
     from pagedllm.models.resolve import resolve_model
-    model = str(resolve_model(None))
+    model = str(resolve_model(args.model))
     rng = random.Random(0)
     prompts = [{"prompt_token_ids": [rng.randint(100, 40000) for _ in range(args.prompt_len)]}
                for _ in range(args.concurrency)]
