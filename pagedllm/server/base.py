@@ -247,7 +247,7 @@ class ServingContext:
         from pagedllm.server.protocol import now
         created = now()
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": created,
-                                            "owned_by": "pagedllm", "root": self.model_dir,
+                                            "owned_by": "pagedllm", "root": self.model_dir, "parent": None,
                                             "max_model_len": self.max_model_len}]
                 + self.adapters.cards(created, self.max_model_len)}
 

@@ -48,7 +48,7 @@ def test_models_list_adapters_and_the_model_field_picks_one(served, smollm2_toke
     client, adapters = served
     data = client.get("/v1/models").json()["data"]
     assert [m["id"] for m in data] == ["smollm2", "attn8"]
-    assert data[1]["parent"] == "smollm2" and data[1]["root"] == str(adapters["attn8"][0])
+    assert data[0]["parent"] is None and data[1]["parent"] == "smollm2" and data[1]["root"] == str(adapters["attn8"][0])
     assert client.get("/v1/models/attn8").json()["id"] == "attn8"
     prompt = smollm2_tokenizer.encode("The capital of France is")
     with_adapter = _complete(client, "attn8", prompt).json()["choices"][0]["text"]
