@@ -7,16 +7,18 @@ unknown fields sent by newer clients.
 
 from __future__ import annotations
 
-import time
 import uuid
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, model_serializer, model_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, model_validator
 from pydantic_core import PydanticCustomError
 
 from pagedllm.sampling_params import SamplingParamError, SamplingParams
 from pagedllm.server.protocol_parts import (AUDIO_PARTS, ContentPart, ImageEmbedsPart,  # noqa: F401
                                             ImageUrlPart, MessagePart, VideoUrlPart)  # (re-exported)
+from pagedllm.server.protocol_replies import (ChatChunkChoice, ChatCompletionChoice,  # noqa: F401  (re-exported)
+                                              ChatCompletionChunk, ChatCompletionResponse, ChatResponseMessage,
+                                              CompletionChoice, CompletionResponse, DeltaMessageOut, UsageInfo, now)
 from pagedllm.server.refused import (REFUSED_CHAT_FIELDS, REFUSED_COMPLETION_FIELDS, REFUSED_FIELDS,
                                      refuse_unsupported)
 from pagedllm.server.guards import (MAX_MESSAGES, MAX_STOP_STRINGS, MAX_TOKEN_ID_ENTRIES, MAX_TOOLS,
@@ -397,125 +399,3 @@ class CompletionRequest(_SamplingRequest):
             sp.prompt_logprobs = max(self.logprobs, self.prompt_logprobs or 0)
         return sp
 
-
-# ---- responses ------------------------------------------------------------------------------
-class _OmitUnset(BaseModel):
-    """A response body whose fields named in ``omit_unless_set`` appear only when given
-    (a stream delta names only what changed; ``usage`` rides only on the last chunk)."""
-
-    omit_unless_set: ClassVar[frozenset[str]] = frozenset()
-
-    @model_serializer(mode="wrap")
-    def _omit(self, handler):
-        data = handler(self)
-        return {k: v for k, v in data.items() if k not in self.omit_unless_set or k in self.model_fields_set}
-
-
-class UsageInfo(BaseModel):
-    """Token counts of a response."""
-
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    total_tokens: int = 0
-
-    @classmethod
-    def of(cls, prompt: int, completion: int) -> "UsageInfo":
-        """Usage of ``prompt`` prompt tokens and ``completion`` generated tokens."""
-        return cls(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
-
-
-class ChatResponseMessage(_OmitUnset):
-    """The assistant ``message`` of a chat choice: ``content`` null when it is only tool calls;
-    ``reasoning_content`` when the server splits reasoning out."""
-
-    omit_unless_set: ClassVar[frozenset[str]] = frozenset({"reasoning_content", "tool_calls"})
-    role: Literal["assistant"] = "assistant"
-    content: str | None
-    reasoning_content: str | None = None
-    tool_calls: list[dict] | None = None
-
-
-class ChatCompletionChoice(BaseModel):
-    """One choice of a chat completion; ``stop_reason`` (vLLM's field) is the stop string or
-    stop token id that ended it, if any."""
-
-    index: int
-    message: ChatResponseMessage
-    logprobs: dict | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-class ChatCompletionResponse(_OmitUnset):
-    """``POST /v1/chat/completions`` answer (not streamed); ``prompt_logprobs`` (vLLM's) only when asked."""
-
-    omit_unless_set: ClassVar[frozenset[str]] = frozenset({"prompt_logprobs"})
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    choices: list[ChatCompletionChoice]
-    usage: UsageInfo
-    prompt_logprobs: list[dict | None] | None = None
-
-
-class DeltaMessageOut(_OmitUnset):
-    """The ``delta`` of a chat chunk: only the fields that changed."""
-
-    omit_unless_set: ClassVar[frozenset[str]] = frozenset({"role", "content", "reasoning_content", "tool_calls"})
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-    reasoning_content: str | None = None
-    tool_calls: list[dict] | None = None
-
-
-class ChatChunkChoice(BaseModel):
-    """One choice of a chat chunk (``stop_reason`` as in ``ChatCompletionChoice``, on the last chunk)."""
-
-    index: int
-    delta: DeltaMessageOut
-    logprobs: dict | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-class ChatCompletionChunk(_OmitUnset):
-    """One server-sent event of a streamed chat completion (``usage`` only on the usage chunk)."""
-
-    omit_unless_set: ClassVar[frozenset[str]] = frozenset({"usage"})
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: UsageInfo | None = None
-
-
-class CompletionChoice(_OmitUnset):
-    """One choice of a completion, or of a completion chunk (then ``text`` is the new text);
-    ``prompt_logprobs`` (vLLM's) only when asked."""
-
-    omit_unless_set: ClassVar[frozenset[str]] = frozenset({"prompt_logprobs"})
-    index: int
-    text: str
-    logprobs: dict | None = None
-    finish_reason: str | None = None
-    prompt_logprobs: list[dict | None] | None = None
-
-
-class CompletionResponse(_OmitUnset):
-    """``POST /v1/completions`` answer, and each streamed chunk of one (chunks carry ``usage``
-    only on the usage chunk)."""
-
-    omit_unless_set: ClassVar[frozenset[str]] = frozenset({"usage"})
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
-
-
-def now() -> int:
-    """Unix time in whole seconds, as OpenAI's ``created`` fields."""
-    return int(time.time())
